@@ -1,0 +1,24 @@
+# hsq developer entry points. `make setup` first; everything else uses .venv/.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint fmt clean
+
+setup:
+	./scripts/setup.sh
+
+test:
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt:
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,3 @@
+from hsq.cli import main
+
+main()

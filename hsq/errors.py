@@ -1,0 +1,86 @@
+"""One exception root for everything hsq raises on purpose.
+
+    HsqError
+    ├── ConfigError                 bad flags, settings or arguments (exit code 2)
+    ├── DumpError                   the dump for one request is unusable: the *sample* is retried
+    │   ├── NoDumpError             no req_<N>/ appeared
+    │   ├── MultipleDumpsError      more than one dump appeared (e.g. chunked prefill split it)
+    │   ├── IncompleteDumpError     a dump never got its `done` marker
+    │   ├── StaleDumpError          rid or input fingerprint belong to another request
+    │   ├── WrongLengthError        token count differs from the request's
+    │   ├── MetaMismatchError       layers, hidden size, dtype or model differ from the run's
+    │   └── CorruptDumpError        unreadable meta or tensors, bad shapes
+    │       └── NonFiniteDumpError  NaN or Inf in the hidden states
+    └── ServerError                 talking to the inference server
+        ├── ServerUnavailableError  down, restarting or timing out: *not* the sample's fault
+        └── ServerRejectedError     the server answered 4xx/5xx to a well-formed request
+
+Each DumpError carries a short, stable ``reason`` used for retry bookkeeping, the dead
+letter and metrics labels.
+"""
+
+from __future__ import annotations
+
+
+class HsqError(Exception):
+    """Root of every error hsq raises deliberately."""
+
+
+class ConfigError(HsqError):
+    """Invalid configuration or usage."""
+
+
+class DumpError(HsqError):
+    """A dump could not be used for the request it should belong to."""
+
+    reason = "dump_error"
+
+
+class NoDumpError(DumpError):
+    reason = "no_dump"
+
+
+class MultipleDumpsError(DumpError):
+    reason = "multiple_dumps"
+
+
+class IncompleteDumpError(DumpError):
+    reason = "incomplete_dump"
+
+
+class StaleDumpError(DumpError):
+    reason = "stale_dump"
+
+
+class WrongLengthError(DumpError):
+    reason = "wrong_length"
+
+
+class MetaMismatchError(DumpError):
+    reason = "meta_mismatch"
+
+
+class CorruptDumpError(DumpError):
+    reason = "corrupt_dump"
+
+
+class NonFiniteDumpError(CorruptDumpError):
+    reason = "non_finite"
+
+
+class ServerError(HsqError):
+    """Problems talking to the inference server."""
+
+    reason = "server_error"
+
+
+class ServerUnavailableError(ServerError):
+    reason = "server_unavailable"
+
+
+class ServerRejectedError(ServerError):
+    reason = "server_rejected"
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code

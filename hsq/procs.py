@@ -1,0 +1,179 @@
+"""Child processes that hsq manages itself: the demo, the benchmarks and the tests use them.
+
+Real processes only: a project-owned redis-server on a free port and reference servers
+started through the `hsq` CLI, each logging to its own file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from hsq.errors import ConfigError, HsqError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ManagedProcess:
+    """A child process with its own log file; stopped (TERM, then KILL) on exit."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.argv = list(argv)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def wait_http_ok(url: str, proc: ManagedProcess, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise HsqError(f"{proc.argv[0]} exited with {proc.proc.returncode}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise HsqError(f"{url} not healthy after {timeout:.0f}s:\n{proc.log_tail()}")
+
+
+class ReferenceServer(ManagedProcess):
+    """`hsq serve-reference` as a child process on a free port."""
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.dump_dir = dump_dir
+        self.url = f"http://127.0.0.1:{self.port}"
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "hsq",
+            "serve-reference",
+            "--dump-dir",
+            str(dump_dir),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        super().__init__(argv, log_path, env)
+
+    def wait_ready(self, timeout: float = 120.0) -> ReferenceServer:
+        wait_http_ok(self.url + "/health", self, timeout)
+        return self
+
+
+class RedisServer(ManagedProcess):
+    """A private redis-server: free port, its own directory, optional password and AOF."""
+
+    def __init__(
+        self, workdir: Path, *, password: str | None = None, appendonly: bool = False
+    ) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ConfigError(
+                "redis-server not found: run `make setup` (installs it) or set "
+                "REDIS_URL to an existing Redis"
+            )
+        self.port = free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--protected-mode",
+            "yes",
+        ]
+        if password:
+            argv += ["--requirepass", password]
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        super().__init__(argv, workdir / "redis.log")
+
+    def wait_ready(self, timeout: float = 20.0) -> RedisServer:
+        import redis
+
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url)
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise HsqError(f"redis-server exited:\n{self.log_tail()}")
+            try:
+                client.ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+            finally:
+                client.close()
+        raise HsqError(f"redis-server not ready after {timeout:.0f}s:\n{self.log_tail()}")

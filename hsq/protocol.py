@@ -1,0 +1,354 @@
+"""The dump protocol: the one contract between an inference server and a worker.
+
+Every server implementation (the reference server, the SGLang hook) writes dumps with
+:func:`write_dump`; every reader uses :func:`wait_for_dump` and :func:`read_dump`.
+docs/dump-protocol.md is the prose version of this module.
+
+Layout of a dump directory owned by exactly one worker::
+
+    <dump_dir>/req_<N>.tmp/      being written (never read)
+    <dump_dir>/req_<N>/          complete once it holds `done`
+        hidden_states.safetensors   aux_hidden_states [T, k*H], last_hidden_state [T, H]
+        meta.json                   DumpMeta
+        done                        written and fsynced last
+
+N is the server's own counter. A client never predicts it: it clears the directory,
+sends one request and expects exactly one dump to appear, which it validates against
+what it sent (rid, fingerprint of the input ids, token count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from hsq.errors import (
+    CorruptDumpError,
+    IncompleteDumpError,
+    MetaMismatchError,
+    MultipleDumpsError,
+    NoDumpError,
+    NonFiniteDumpError,
+    StaleDumpError,
+    WrongLengthError,
+)
+
+FORMAT_VERSION = 1
+DUMP_PREFIX = "req_"
+TMP_SUFFIX = ".tmp"
+TENSOR_FILE = "hidden_states.safetensors"
+META_FILE = "meta.json"
+DONE_FILE = "done"
+AUX_TENSOR = "aux_hidden_states"
+LAST_TENSOR = "last_hidden_state"
+LAYER_CONVENTION = "hf_hidden_states"
+LAYER_CONVENTION_DOC = (
+    "layer id i is HF hidden_states[i]: the residual stream entering decoder layer i "
+    "(0 = embeddings); aux_hidden_states concatenates them in layer_ids order along the last dim"
+)
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_DUMP_RE = re.compile(r"^req_(\d+)$")
+_TMP_RE = re.compile(r"^req_(\d+)\.tmp$")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dump dtype {dtype}")
+
+
+def fingerprint(input_ids: Sequence[int] | torch.Tensor) -> str:
+    """A hash of the input token ids as little-endian int32 bytes.
+
+    int32 because every tokenizer in use fits and SGLang keeps ids as int32 on device.
+    """
+    if isinstance(input_ids, torch.Tensor):
+        t = input_ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    else:
+        t = torch.tensor(list(input_ids), dtype=torch.int64)
+    if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
+        raise ValueError("token ids must fit in int32")
+    data = t.to(torch.int32).numpy().astype("<i4", copy=False).tobytes()
+    return "blake2b128:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What model produced the states; the worker checks it against the run's config."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    config_digest: str
+
+    @property
+    def model_id(self) -> str:
+        return f"{self.name}@{self.config_digest[:16]}"
+
+
+@dataclass(frozen=True)
+class DumpMeta:
+    rid: str
+    num_tokens: int
+    input_fingerprint: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    model: ModelIdentity
+    tensors: dict[str, list[int]]
+    request_index: int
+    layer_convention: str = LAYER_CONVENTION
+    format_version: int = FORMAT_VERSION
+    created_unix: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DumpMeta:
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError("meta.json is not an object")
+            model = ModelIdentity(**raw.pop("model"))
+            meta = cls(model=model, **raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
+        if meta.format_version != FORMAT_VERSION:
+            raise CorruptDumpError(
+                f"dump format_version {meta.format_version}, this hsq reads {FORMAT_VERSION}"
+            )
+        return meta
+
+
+def expected_shapes(num_tokens: int, num_layers: int, hidden_size: int) -> dict[str, list[int]]:
+    return {
+        AUX_TENSOR: [num_tokens, num_layers * hidden_size],
+        LAST_TENSOR: [num_tokens, hidden_size],
+    }
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_dump(
+    dump_dir: Path,
+    index: int,
+    meta: DumpMeta,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    mark_done: bool = True,
+    fsync: bool = True,
+    before_done: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write one dump atomically: req_<N>.tmp/ -> files -> done -> rename to req_<N>/.
+
+    ``mark_done=False`` leaves a dump without its marker and ``before_done`` may alter the
+    files first: both exist for fault injection, so readers are tested against them.
+    """
+    tmp = dump_dir / f"{DUMP_PREFIX}{index}{TMP_SUFFIX}"
+    final = dump_dir / f"{DUMP_PREFIX}{index}"
+    tmp.mkdir(parents=False, exist_ok=False)
+    tensor_path = tmp / TENSOR_FILE
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tensor_path))
+    if fsync:
+        _fsync_path(tensor_path)
+    _write_small(tmp / META_FILE, meta.to_json().encode())
+    if before_done is not None:
+        before_done(tmp)
+    if mark_done:
+        _write_small(tmp / DONE_FILE, b"")
+    if fsync:
+        _fsync_path(tmp)
+    os.rename(tmp, final)
+    if fsync:
+        _fsync_path(dump_dir)
+    return final
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Scan:
+    complete: list[Path]
+    """req_<N>/ directories holding `done`, sorted by N."""
+    pending: list[Path]
+    """req_<N>.tmp/ and req_<N>/ without `done`: something is (or was) being written."""
+
+
+def scan(dump_dir: Path) -> Scan:
+    complete: list[tuple[int, Path]] = []
+    pending: list[Path] = []
+    with os.scandir(dump_dir) as it:
+        for entry in it:
+            m = _DUMP_RE.match(entry.name)
+            if m:
+                path = Path(entry.path)
+                if (path / DONE_FILE).exists():
+                    complete.append((int(m.group(1)), path))
+                else:
+                    pending.append(path)
+            elif _TMP_RE.match(entry.name):
+                pending.append(Path(entry.path))
+    complete.sort()
+    return Scan(complete=[p for _, p in complete], pending=sorted(pending))
+
+
+def clear_dump_dir(dump_dir: Path) -> int:
+    """Remove every dump and partial dump; returns how many were removed.
+
+    Only names of the protocol are touched, so a lock file or anything else stays.
+    """
+    removed = 0
+    with os.scandir(dump_dir) as it:
+        for entry in it:
+            if _DUMP_RE.match(entry.name) or _TMP_RE.match(entry.name):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+                removed += 1
+    return removed
+
+
+def wait_for_dump(dump_dir: Path, timeout: float, poll_interval: float = 0.002) -> Path:
+    """Wait until exactly one complete dump exists and nothing else is being written.
+
+    Raises MultipleDumpsError as soon as two complete dumps exist, and after ``timeout``
+    IncompleteDumpError (a dump without `done`), MultipleDumpsError (one complete plus
+    another one started) or NoDumpError (nothing at all).
+    """
+    deadline = time.monotonic() + timeout
+    delay = poll_interval
+    while True:
+        s = scan(dump_dir)
+        if len(s.complete) > 1:
+            raise MultipleDumpsError(
+                f"{len(s.complete)} dumps appeared for one request: "
+                + ", ".join(p.name for p in s.complete)
+            )
+        if len(s.complete) == 1 and not s.pending:
+            return s.complete[0]
+        if time.monotonic() >= deadline:
+            names = ", ".join(p.name for p in s.complete + s.pending)
+            if s.complete and s.pending:
+                raise MultipleDumpsError(f"one complete dump and more being written: {names}")
+            if s.pending:
+                raise IncompleteDumpError(f"no `done` marker after {timeout:.1f}s: {names}")
+            raise NoDumpError(f"no dump appeared in {dump_dir} within {timeout:.1f}s")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.05)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the client sent and what the run expects; None means "don't check"."""
+
+    rid: str
+    input_fingerprint: str
+    num_tokens: int
+    layer_ids: list[int] | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+    model_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Dump:
+    path: Path
+    meta: DumpMeta
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+
+
+def _check_meta(meta: DumpMeta, exp: Expected) -> None:
+    if meta.rid != exp.rid:
+        raise StaleDumpError(f"dump rid {meta.rid!r} is not the request's rid {exp.rid!r}")
+    if meta.input_fingerprint != exp.input_fingerprint:
+        raise StaleDumpError("dump input fingerprint does not match the request's input ids")
+    if meta.num_tokens != exp.num_tokens:
+        raise WrongLengthError(f"dump has {meta.num_tokens} tokens, request had {exp.num_tokens}")
+    checks: list[tuple[str, object, object]] = [
+        ("layer_ids", meta.layer_ids, exp.layer_ids),
+        ("hidden_size", meta.hidden_size, exp.hidden_size),
+        ("dtype", meta.dtype, exp.dtype),
+        ("model", meta.model.model_id, exp.model_id),
+    ]
+    for name, got, want in checks:
+        if want is not None and got != want:
+            raise MetaMismatchError(f"dump {name} is {got!r}, the run expects {want!r}")
+    if meta.dtype not in DTYPES:
+        raise CorruptDumpError(f"unknown dtype {meta.dtype!r} in meta.json")
+    want_shapes = expected_shapes(meta.num_tokens, len(meta.layer_ids), meta.hidden_size)
+    if meta.tensors != want_shapes:
+        raise CorruptDumpError(f"meta tensors {meta.tensors} disagree with {want_shapes}")
+
+
+def read_meta(path: Path) -> DumpMeta:
+    if not (path / DONE_FILE).exists():
+        raise IncompleteDumpError(f"{path.name} has no `done` marker")
+    try:
+        text = (path / META_FILE).read_text()
+    except OSError as exc:
+        raise CorruptDumpError(f"{path.name}: cannot read meta.json: {exc}") from exc
+    return DumpMeta.from_json(text)
+
+
+def read_dump(path: Path, expected: Expected, *, check_finite: bool = True) -> Dump:
+    """Load and validate one dump against what was sent. Cheap checks run first."""
+    meta = read_meta(path)
+    _check_meta(meta, expected)
+    try:
+        tensors = load_file(str(path / TENSOR_FILE))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc}") from exc
+    want_dtype = DTYPES[meta.dtype]
+    for name, shape in meta.tensors.items():
+        t = tensors.get(name)
+        if t is None:
+            raise CorruptDumpError(f"{path.name}: tensor {name!r} missing")
+        if list(t.shape) != shape:
+            raise CorruptDumpError(f"{path.name}: {name} has shape {list(t.shape)}, meta {shape}")
+        if t.dtype != want_dtype:
+            raise CorruptDumpError(f"{path.name}: {name} is {t.dtype}, meta says {meta.dtype}")
+        if check_finite and not bool(torch.isfinite(t).all()):
+            raise NonFiniteDumpError(f"{path.name}: {name} holds NaN or Inf")
+    return Dump(
+        path=path,
+        meta=meta,
+        aux_hidden_states=tensors[AUX_TENSOR],
+        last_hidden_state=tensors[LAST_TENSOR],
+    )

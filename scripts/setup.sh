@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Creates .venv/ with hsq and its dev tools, and installs the system services the tests use.
+#   CPU host: the CPU build of torch (TORCH_SPEC, default torch==2.13.0); never a CUDA build.
+#   GPU host (nvidia-smi works and the system python has CUDA torch): the venv sees that torch.
+# TORCH_INDEX=<url> points pip at a CPU wheel index on hosts without a local torch wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+say() { printf '[setup] %s\n' "$*"; }
+
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
+    say "missing ${need_apt[*]} and no root: install them, then re-run"; exit 1; fi
+  say "installing ${need_apt[*]} (Debian packages)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+gpu_torch=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 &&
+   "$PY" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  gpu_torch=1
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  if ((gpu_torch)); then
+    say "GPU host: the venv uses the system's CUDA torch"
+    "$PY" -m venv --system-site-packages .venv
+  else
+    "$PY" -m venv .venv
+  fi
+fi
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+"${pip[@]}" install -q --upgrade pip
+
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  say "installing $TORCH_SPEC (CPU build)"
+  "${pip[@]}" install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
+fi
+torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+if ((!gpu_torch)) && ! .venv/bin/python -c 'import torch,sys; sys.exit(0 if torch.version.cuda is None else 1)'; then
+  say "warning: a CUDA build of torch is in .venv on a host without a usable GPU"
+fi
+# Pin the torch we have so no dependency can pull another (multi-GB) build.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "torch==$torch_version" >"$constraints"
+say "installing hsq (editable) with dev tools"
+"${pip[@]}" install -q -c "$constraints" -e '.[dev]'
+say "done: torch $torch_version, $(.venv/bin/hsq --version)"

@@ -1,0 +1,206 @@
+"""The reference server's core: one prefill at a time, a persistent dump counter, faults.
+
+No HTTP here; app.py translates requests into `Engine.generate` calls.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from hsq.protocol import (
+    AUX_TENSOR,
+    DUMP_PREFIX,
+    LAST_TENSOR,
+    TENSOR_FILE,
+    TMP_SUFFIX,
+    DumpMeta,
+    dtype_name,
+    expected_shapes,
+    fingerprint,
+)
+from sglang_server.reference.dumper import DumpPart, DumpWriter, to_host
+from sglang_server.reference.faults import FaultPlan, FaultRule
+from sglang_server.reference.model import HiddenStateModel
+
+log = structlog.get_logger("hsq.reference.engine")
+CRASH_EXIT_CODE = 70
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP 400)."""
+
+
+class InjectedServerError(RuntimeError):
+    """The http_500 fault."""
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    prompt_tokens: int
+    index: int
+    forward_s: float
+    fault: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_sglang(self, e2e_s: float) -> dict[str, Any]:
+        """The shape of SGLang's /generate answer for a prefill-only request."""
+        return {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {
+                "id": self.rid,
+                "finish_reason": {"type": "length", "length": 0},
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": 0,
+                "cached_tokens": 0,
+                "e2e_latency": round(e2e_s, 6),
+            },
+        }
+
+
+def _corrupt(tmp: Path) -> None:
+    (tmp / TENSOR_FILE).write_bytes(b"\x00garbage, not safetensors")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: HiddenStateModel,
+        writer: DumpWriter,
+        faults: FaultPlan,
+        *,
+        max_tokens: int,
+        counter_start: int = 0,
+    ) -> None:
+        self.model = model
+        self.writer = writer
+        self.faults = faults
+        self.max_tokens = max_tokens
+        self._counter = counter_start
+        self._lock = threading.Lock()
+        self._previous: tuple[str, str] | None = None
+        self.requests = 0
+
+    @property
+    def counter(self) -> int:
+        return self._counter
+
+    def validate(self, input_ids: Any) -> list[int]:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of integers")
+        if any(type(t) is not int for t in input_ids):
+            raise RequestError("input_ids must contain integers only")
+        if len(input_ids) > self.max_tokens:
+            raise RequestError(
+                f"input has {len(input_ids)} tokens, more than --max-tokens {self.max_tokens}"
+            )
+        vocab = self.model.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise RequestError(f"token ids must be within [0, {vocab})")
+        return input_ids
+
+    def generate(self, input_ids: list[int], rid: str | None = None) -> GenerateResult:
+        ids = self.validate(input_ids)
+        rid = rid or uuid.uuid4().hex
+        fp = fingerprint(ids)
+        rule = self.faults.pick(fp)
+        if rule is not None and rule.mode == "slow":
+            time.sleep(rule.seconds)
+        if rule is not None and rule.mode == "http_500":
+            raise InjectedServerError("injected fault: http_500")
+        with self._lock:
+            index = self._counter
+            if rule is not None and rule.mode == "crash":
+                self._crash(index)
+            t0 = time.perf_counter()
+            captured = self.model.forward(ids)
+            tensors = {AUX_TENSOR: to_host(captured.aux), LAST_TENSOR: to_host(captured.last)}
+            forward_s = time.perf_counter() - t0
+            parts = self._parts(index, rid, fp, len(ids), tensors, rule)
+            self._counter += len(parts)
+            self._previous = (rid, fp)
+            self.requests += 1
+            # Blocks when the writer is behind: backpressure instead of unbounded memory.
+            self.writer.submit(parts, self.model.device)
+        return GenerateResult(
+            rid=rid,
+            prompt_tokens=len(ids),
+            index=index,
+            forward_s=forward_s,
+            fault=rule.mode if rule else None,
+        )
+
+    def warmup(self, n: int, num_tokens: int = 16) -> None:
+        """What a real server does at start: requests of its own that create dumps."""
+        gen = torch.Generator().manual_seed(1234)
+        for i in range(n):
+            ids = torch.randint(0, self.model.vocab_size, (num_tokens,), generator=gen).tolist()
+            self.generate(ids, rid=f"WARMUP_{i}")
+        self.writer.flush()
+
+    def _meta(self, index: int, rid: str, fp: str, n: int) -> DumpMeta:
+        m = self.model
+        return DumpMeta(
+            rid=rid,
+            num_tokens=n,
+            input_fingerprint=fp,
+            layer_ids=m.layer_ids,
+            hidden_size=m.hidden_size,
+            dtype=dtype_name(m.dump_dtype),
+            model=m.identity,
+            tensors=expected_shapes(n, len(m.layer_ids), m.hidden_size),
+            request_index=index,
+        )
+
+    def _parts(
+        self,
+        index: int,
+        rid: str,
+        fp: str,
+        n: int,
+        tensors: dict[str, torch.Tensor],
+        rule: FaultRule | None,
+    ) -> list[DumpPart]:
+        mode = rule.mode if rule else None
+        if mode == "split" and n >= 2:
+            k = n // 2
+            return [
+                DumpPart(index, self._meta(index, rid, fp, k), _rows(tensors, 0, k)),
+                DumpPart(index + 1, self._meta(index + 1, rid, fp, n - k), _rows(tensors, k, n)),
+            ]
+        if mode == "wrong_count" and n >= 2:
+            return [DumpPart(index, self._meta(index, rid, fp, n - 1), _rows(tensors, 0, n - 1))]
+        if mode == "stale":
+            old_rid, old_fp = self._previous or ("stale-" + uuid.uuid4().hex, "blake2b128:0")
+            return [DumpPart(index, self._meta(index, old_rid, old_fp, n), tensors)]
+        if mode == "nan":
+            if self.model.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the async copy must land first
+            tensors = {k: v.clone() for k, v in tensors.items()}
+            tensors[AUX_TENSOR][0, 0] = float("nan")
+        part = DumpPart(index, self._meta(index, rid, fp, n), tensors)
+        part.mark_done = mode != "no_done"
+        part.before_done = _corrupt if mode == "corrupt" else None
+        return [part]
+
+    def _crash(self, index: int) -> None:
+        # Leave what a process killed mid-write leaves: a partial req_<N>.tmp/.
+        tmp = self.writer.dump_dir / f"{DUMP_PREFIX}{index}{TMP_SUFFIX}"
+        tmp.mkdir(exist_ok=True)
+        (tmp / TENSOR_FILE).write_bytes(b"partial")
+        log.error("injected_crash", index=index)
+        os._exit(CRASH_EXIT_CODE)
+
+
+def _rows(tensors: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return {k: v[start:stop] for k, v in tensors.items()}

@@ -1,0 +1,169 @@
+"""A real transformer that yields EAGLE-3 hidden states: aux layers plus the post-norm state.
+
+`tiny` is a seeded, randomly initialised Llama small enough for CPU tests; building it
+twice gives the same weights, so any two server processes return bit-identical states.
+A path loads a local HF checkpoint (no hub access at run time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hsq.errors import ConfigError
+from hsq.protocol import ModelIdentity
+
+TINY = "tiny"
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 32000,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def eagle3_default_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's rule, in HF hidden_states indexing: [2, L//2, L-3]."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """Named random-weight shapes for benchmarks ("llama-8b" is Llama-3-8B's shape)."""
+    shapes: dict[str, dict[str, Any]] = {
+        TINY: TINY_CONFIG,
+        "llama-8b": {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 16384,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    }
+    if name not in shapes:
+        raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(shapes)}")
+    return dict(shapes[name])
+
+
+@dataclass(frozen=True)
+class Captured:
+    aux: torch.Tensor
+    """[T, k*H] on the model's device, in the dump dtype."""
+    last: torch.Tensor
+    """[T, H] post-norm final state, on the model's device, in the dump dtype."""
+
+
+class HiddenStateModel:
+    """Runs the decoder stack only (no LM head) and taps the inputs of the aux layers."""
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        identity: ModelIdentity,
+        layer_ids: list[int],
+        device: torch.device,
+        dump_dtype: torch.dtype,
+    ) -> None:
+        layers = decoder.get_submodule("layers")
+        assert isinstance(layers, nn.ModuleList), "expected an HF decoder with .layers"
+        n = len(layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad or not layer_ids:
+            raise ConfigError(f"layer ids {layer_ids} must be non-empty and within [0, {n})")
+        self.decoder = decoder
+        self.identity = identity
+        self.layer_ids = list(layer_ids)
+        self.device = device
+        self.dump_dtype = dump_dtype
+        embed = decoder.get_submodule("embed_tokens")
+        assert isinstance(embed, nn.Embedding), "expected an HF decoder with .embed_tokens"
+        self.vocab_size = int(embed.num_embeddings)
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in sorted(set(layer_ids)):
+            layers[i].register_forward_pre_hook(self._tap(i), with_kwargs=True)
+
+    def _tap(self, i: int) -> Callable[..., None]:
+        # A pre-hook sees the residual stream *entering* layer i, i.e. HF hidden_states[i].
+        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int]) -> Captured:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        self._captured.clear()
+        out = self.decoder(input_ids=ids, use_cache=False)
+        aux = torch.cat([self._captured[i][0] for i in self.layer_ids], dim=-1)
+        last = out.last_hidden_state[0]
+        self._captured.clear()
+        return Captured(aux=aux.to(self.dump_dtype), last=last.to(self.dump_dtype))
+
+
+def _digest(config: dict[str, Any], extra: str) -> str:
+    blob = json.dumps(config, sort_keys=True, default=str) + extra
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load_model(
+    source: str,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    dump_dtype: torch.dtype,
+    layers: list[int] | None,
+    seed: int = 0,
+) -> HiddenStateModel:
+    """Build `tiny` (or a named random shape such as `llama-8b`) or load a local checkpoint."""
+    from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel
+
+    dev = torch.device(device)
+    path = Path(source)
+    if path.exists():
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        decoder = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        cfg_dict = config.to_dict()
+        name = path.name
+    else:
+        cfg_dict = shape_config(source)
+        config = LlamaConfig(**cfg_dict)
+        # Weights come from a fixed seed on the CPU, so every process builds the same model.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            decoder = LlamaModel(config)
+        name = f"{source}-seed{seed}"
+    decoder = decoder.to(device=dev, dtype=dtype).eval()
+    num_layers = int(config.num_hidden_layers)
+    identity = ModelIdentity(
+        name=name,
+        architecture=type(decoder).__name__,
+        num_layers=num_layers,
+        hidden_size=int(config.hidden_size),
+        config_digest=_digest(cfg_dict, f"seed={seed}" if not path.exists() else ""),
+    )
+    return HiddenStateModel(
+        decoder,
+        identity,
+        layers if layers is not None else eagle3_default_layers(num_layers),
+        dev,
+        dump_dtype,
+    )

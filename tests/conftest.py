@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hsq.procs import ReferenceServer
+from hsq.protocol import Expected, fingerprint
+
+
+def expected_for(ids: list[int], rid: str, **kw: object) -> Expected:
+    return Expected(rid=rid, input_fingerprint=fingerprint(ids), num_tokens=len(ids), **kw)  # type: ignore[arg-type]
+
+
+def generate(url: str, ids: list[int], rid: str, timeout: float = 30.0) -> httpx.Response:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "rid": rid}
+    return httpx.post(url + "/generate", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Start reference servers as real subprocesses; all are stopped at session end."""
+    started: list[ReferenceServer] = []
+
+    def start(*args: str, name: str = "srv") -> ReferenceServer:
+        base = tmp_path_factory.mktemp(name)
+        srv = ReferenceServer(base / "dumps", base / "server.log", args=["--threads", "2", *args])
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture
+def dump_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "dumps"
+    d.mkdir()
+    return d

@@ -1,0 +1,239 @@
+"""The dump protocol: round trip, every typed error, and a reader racing a writer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsq import errors
+from hsq.protocol import (
+    AUX_TENSOR,
+    LAST_TENSOR,
+    META_FILE,
+    TENSOR_FILE,
+    DumpMeta,
+    ModelIdentity,
+    clear_dump_dir,
+    expected_shapes,
+    fingerprint,
+    read_dump,
+    scan,
+    wait_for_dump,
+    write_dump,
+)
+from tests.conftest import expected_for
+
+IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
+LAYERS = [2, 4, 5]
+
+
+def make(
+    dump_dir: Path, index: int, ids: list[int], rid: str, *, mark_done: bool = True, **over: object
+) -> Path:
+    n = len(ids)
+    gen = torch.Generator().manual_seed(index)
+    tensors = {
+        AUX_TENSOR: torch.randn(n, len(LAYERS) * 16, generator=gen).to(torch.bfloat16),
+        LAST_TENSOR: torch.randn(n, 16, generator=gen).to(torch.bfloat16),
+    }
+    fields: dict[str, object] = dict(
+        rid=rid,
+        num_tokens=n,
+        input_fingerprint=fingerprint(ids),
+        layer_ids=LAYERS,
+        hidden_size=16,
+        dtype="bfloat16",
+        model=IDENT,
+        tensors=expected_shapes(n, len(LAYERS), 16),
+        request_index=index,
+    )
+    fields.update(over)
+    meta = DumpMeta(**fields)  # type: ignore[arg-type]
+    return write_dump(dump_dir, index, meta, tensors, mark_done=mark_done)
+
+
+IDS = list(range(100, 112))
+
+
+def test_round_trip(dump_dir: Path) -> None:
+    path = make(dump_dir, 7, IDS, "r1")
+    assert path.name == "req_7" and not list(dump_dir.glob("*.tmp"))
+    assert wait_for_dump(dump_dir, timeout=1) == path
+    exp = expected_for(
+        IDS, "r1", layer_ids=LAYERS, hidden_size=16, dtype="bfloat16", model_id=IDENT.model_id
+    )
+    dump = read_dump(path, exp)
+    assert dump.aux_hidden_states.shape == (12, 48)
+    assert dump.last_hidden_state.dtype == torch.bfloat16
+    assert dump.meta.layer_convention == "hf_hidden_states"
+    assert clear_dump_dir(dump_dir) == 1 and scan(dump_dir).complete == []
+
+
+def test_fingerprint_is_int32_bytes_and_order_sensitive() -> None:
+    assert fingerprint([1, 2, 3]) == fingerprint(torch.tensor([1, 2, 3], dtype=torch.int32))
+    assert fingerprint([1, 2, 3]) != fingerprint([3, 2, 1])
+    with pytest.raises(ValueError):
+        fingerprint([2**31])
+
+
+def test_no_dump(dump_dir: Path) -> None:
+    with pytest.raises(errors.NoDumpError):
+        wait_for_dump(dump_dir, timeout=0.05)
+
+
+def test_multiple_dumps(dump_dir: Path) -> None:
+    make(dump_dir, 1, IDS[:6], "r")
+    make(dump_dir, 2, IDS[6:], "r")
+    with pytest.raises(errors.MultipleDumpsError) as info:
+        wait_for_dump(dump_dir, timeout=1)
+    assert info.value.reason == "multiple_dumps"
+
+
+def test_complete_plus_pending_is_multiple(dump_dir: Path) -> None:
+    make(dump_dir, 1, IDS, "r")
+    (dump_dir / "req_2.tmp").mkdir()
+    with pytest.raises(errors.MultipleDumpsError):
+        wait_for_dump(dump_dir, timeout=0.05)
+
+
+def test_incomplete_without_done(dump_dir: Path) -> None:
+    make(dump_dir, 3, IDS, "r", mark_done=False)
+    with pytest.raises(errors.IncompleteDumpError):
+        wait_for_dump(dump_dir, timeout=0.05)
+    with pytest.raises(errors.IncompleteDumpError):
+        read_dump(dump_dir / "req_3", expected_for(IDS, "r"))
+
+
+def test_leftover_tmp_is_incomplete_and_cleared(dump_dir: Path) -> None:
+    (dump_dir / "req_9.tmp").mkdir()
+    (dump_dir / "req_9.tmp" / TENSOR_FILE).write_bytes(b"partial")
+    (dump_dir / "worker.lock").write_text("keep me")
+    with pytest.raises(errors.IncompleteDumpError):
+        wait_for_dump(dump_dir, timeout=0.05)
+    assert clear_dump_dir(dump_dir) == 1
+    assert [p.name for p in dump_dir.iterdir()] == ["worker.lock"]
+
+
+def test_stale_rid_and_fingerprint(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "other-request")
+    with pytest.raises(errors.StaleDumpError, match="rid"):
+        read_dump(path, expected_for(IDS, "mine"))
+    with pytest.raises(errors.StaleDumpError, match="fingerprint"):
+        read_dump(path, expected_for([*IDS[:-1], 5], "other-request"))
+
+
+def test_wrong_length(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS[:-1], "r", input_fingerprint=fingerprint(IDS))
+    with pytest.raises(errors.WrongLengthError):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("layer_ids", [3, 4, 5]), ("hidden_size", 32), ("dtype", "float16"), ("model_id", "x@1")],
+)
+def test_meta_mismatch(dump_dir: Path, field: str, value: object) -> None:
+    path = make(dump_dir, 1, IDS, "r")
+    with pytest.raises(errors.MetaMismatchError, match=field.removesuffix("_id")):
+        read_dump(path, expected_for(IDS, "r", **{field: value}))
+
+
+def test_corrupt_tensor_file(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "r")
+    (path / TENSOR_FILE).write_bytes(b"\x00not safetensors")
+    with pytest.raises(errors.CorruptDumpError, match="unreadable"):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+def test_truncated_tensor_file(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "r")
+    data = (path / TENSOR_FILE).read_bytes()
+    (path / TENSOR_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(errors.CorruptDumpError):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+def test_corrupt_meta(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "r")
+    (path / META_FILE).write_text("{not json")
+    with pytest.raises(errors.CorruptDumpError, match=r"meta\.json"):
+        read_dump(path, expected_for(IDS, "r"))
+    (path / META_FILE).write_text(json.dumps({"rid": "r"}))
+    with pytest.raises(errors.CorruptDumpError):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+def test_shapes_disagree_with_meta(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "r", tensors={AUX_TENSOR: [12, 48], LAST_TENSOR: [12, 17]})
+    with pytest.raises(errors.CorruptDumpError, match="disagree"):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+def test_tensor_dtype_disagrees_with_meta(dump_dir: Path) -> None:
+    path = make(dump_dir, 1, IDS, "r", dtype="float16")
+    with pytest.raises(errors.CorruptDumpError, match="bfloat16"):
+        read_dump(path, expected_for(IDS, "r"))
+
+
+def test_non_finite(dump_dir: Path) -> None:
+    n = len(IDS)
+    tensors = {
+        AUX_TENSOR: torch.zeros(n, 48, dtype=torch.bfloat16),
+        LAST_TENSOR: torch.zeros(n, 16, dtype=torch.bfloat16),
+    }
+    tensors[LAST_TENSOR][3, 1] = float("inf")
+    meta = DumpMeta(
+        "r", n, fingerprint(IDS), LAYERS, 16, "bfloat16", IDENT, expected_shapes(n, 3, 16), 0
+    )
+    path = write_dump(dump_dir, 0, meta, tensors)
+    with pytest.raises(errors.NonFiniteDumpError) as info:
+        read_dump(path, expected_for(IDS, "r"))
+    assert info.value.reason == "non_finite"
+    assert isinstance(info.value, errors.CorruptDumpError)
+    read_dump(path, expected_for(IDS, "r"), check_finite=False)
+
+
+def test_wait_sees_a_dump_written_later(dump_dir: Path) -> None:
+    t = threading.Timer(0.1, lambda: make(dump_dir, 4, IDS, "late"))
+    t.start()
+    path = wait_for_dump(dump_dir, timeout=5)
+    t.join()
+    assert read_dump(path, expected_for(IDS, "late")).meta.request_index == 4
+
+
+def test_reader_racing_writer_never_sees_half_a_dump(dump_dir: Path) -> None:
+    """A writer thread writes 150 dumps of varied size; a reader polls as fast as it can.
+
+    Every dump the reader considers complete must validate in full.
+    """
+    inputs = {i: list(range(i, i + 5 + (i * 37) % 400)) for i in range(150)}
+    stop = threading.Event()
+    seen: set[int] = set()
+    failures: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            for path in scan(dump_dir).complete:
+                i = int(path.name.removeprefix("req_"))
+                try:
+                    read_dump(path, expected_for(inputs[i], f"r{i}"))
+                    seen.add(i)
+                except errors.DumpError as exc:
+                    failures.append(f"{path.name}: {exc!r}")
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        for i, ids in inputs.items():
+            make(dump_dir, i, ids, f"r{i}")
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        th.join()
+    assert failures == []
+    assert len(seen) > 10
