@@ -6,12 +6,14 @@ Exit codes: 0 ok, 1 problems found, 2 usage or configuration error, 3 Redis unre
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from hsq import __version__
-from hsq.errors import ConfigError, HsqError
+from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
 
 EXIT_OK = 0
@@ -142,6 +144,189 @@ def serve_reference(
     serve(settings)
 
 
+def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--redis",
+        "redis_url",
+        envvar="REDIS_URL",
+        default="redis://127.0.0.1:6379/0",
+        show_default=True,
+        help="Redis URL, auth included (redis://:PASSWORD@host:port/db); env REDIS_URL",
+    )(f)
+
+
+@cli.command("enqueue")
+@click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run", required=True, envvar="HSQ_RUN", help="run name ([A-Za-z0-9_-])")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="output root; files go to OUT/RUN/",
+)
+@_redis_option
+@click.option("--max-attempts", default=3, show_default=True, type=int)
+@click.option(
+    "--chunk-size",
+    default=16,
+    show_default=True,
+    type=int,
+    help="samples per queue job (queue cost is paid per job)",
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="expected effective aux layer ids; default: pinned by the first valid dump",
+)
+@click.option(
+    "--model-id",
+    default=None,
+    help="expected model id (name@digest); default: pinned by the first valid dump",
+)
+@click.option("--max-tokens", default=None, type=int, help="reject longer samples up front")
+@click.option("--strict", is_flag=True, help="refuse the whole dataset if any line is bad")
+@click.option("--no-progress", is_flag=True)
+def enqueue(
+    dataset: Path,
+    run: str,
+    out: Path,
+    redis_url: str,
+    max_attempts: int,
+    chunk_size: int,
+    layers: str | None,
+    model_id: str | None,
+    max_tokens: int | None,
+    strict: bool,
+    no_progress: bool,
+) -> None:
+    """Validate DATASET (JSONL) and enqueue the samples that are neither done nor queued.
+
+    \b
+    Example:
+      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+    Running it again enqueues nothing; after a partial run it enqueues only the rest.
+    """
+    from hsq.runconfig import RunConfig
+    from hsq.store import RunStore, connect
+    from producer.enqueue import enqueue_run
+
+    layer_ids = _layers(layers)
+    cfg = RunConfig(
+        run=run,
+        dataset=str(dataset.resolve()),
+        out=str(out.resolve()),
+        max_attempts=max_attempts,
+        chunk_size=chunk_size,
+        layer_ids=list(layer_ids) if layer_ids else None,
+        model_id=model_id,
+        max_tokens=max_tokens,
+    )
+    store = RunStore(connect(redis_url), run)
+    report = enqueue_run(store, cfg, strict=strict, progress=not no_progress)
+    for line in report.lines_out():
+        click.echo(line)
+    for p in report.problems[:10]:
+        click.echo(f"  invalid: {p}", err=True)
+
+
+@cli.command("worker")
+@click.option("--run", required=True, envvar="HSQ_RUN")
+@click.option("--server", required=True, envvar="HSQ_SERVER", help="inference server URL")
+@click.option(
+    "--dump-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    envvar="SGLANG_HS_DUMP_DIR",
+    help="the server's dump dir, owned by this worker",
+)
+@_redis_option
+@click.option(
+    "--name", default=None, help="stable name for logs and metrics; a unique suffix is added"
+)
+@click.option("--burst", is_flag=True, help="exit when the run has nothing queued or held")
+@click.option(
+    "--dump-timeout",
+    default=60.0,
+    show_default=True,
+    type=float,
+    help="seconds to wait for a dump's `done` after the server answered",
+)
+@click.option("--request-timeout", default=600.0, show_default=True, type=float)
+@click.option(
+    "--persist-depth",
+    default=2,
+    show_default=True,
+    type=int,
+    help="validated dumps waiting for the persist stage (bounds memory)",
+)
+@click.option("--max-server-crashes", default=3, show_default=True, type=int)
+def worker(
+    run: str,
+    server: str,
+    dump_dir: Path,
+    redis_url: str,
+    name: str | None,
+    burst: bool,
+    dump_timeout: float,
+    request_timeout: float,
+    persist_depth: int,
+    max_server_crashes: int,
+) -> None:
+    """Extract samples of a run through one inference server.
+
+    \b
+    Example:
+      hsq worker --run kimi-v1 --server http://127.0.0.1:30000 --dump-dir /dev/shm/hsq0
+    """
+    from workers.settings import WorkerSettings
+    from workers.worker import run_worker
+
+    settings = WorkerSettings(
+        run=run,
+        server=server,
+        dump_dir=dump_dir,
+        redis_url=redis_url,
+        name=name,
+        burst=burst,
+        dump_timeout_s=dump_timeout,
+        request_timeout_s=request_timeout,
+        persist_depth=persist_depth,
+        max_server_crashes=max_server_crashes,
+    )
+    sys.exit(run_worker(settings))
+
+
+@cli.command("demo")
+@click.option("--samples", default=300, show_default=True, type=int)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-out"),
+    show_default=True,
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="REDIS_URL",
+    default=None,
+    help="use this Redis instead of starting a private one",
+)
+@click.option("--seed", default=0, show_default=True, type=int)
+def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
+    """Extract a synthetic dataset end to end on this machine, then verify every output.
+
+    Starts a private redis-server (unless --redis/REDIS_URL), a reference server with the
+    tiny model, the producer and a worker.
+
+    \b
+    Example:
+      hsq demo --samples 300
+    """
+    from hsq.demo import run_demo
+
+    sys.exit(run_demo(samples=samples, out=out, redis_url=redis_url, seed=seed))
+
+
 def main() -> None:
     try:
         cli(standalone_mode=False)
@@ -154,6 +339,9 @@ def main() -> None:
     except ConfigError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    except StoreError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_REDIS)
     except HsqError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_PROBLEMS)

@@ -2,12 +2,16 @@
 
     HsqError
     ├── ConfigError                 bad flags, settings or arguments (exit code 2)
+    ├── DatasetError                a dataset line or file is unusable (`reason` says why)
+    ├── StoreError                  Redis unreachable or its state inconsistent (exit code 3)
+    ├── OutputError                 an output file cannot be written (disk full, permissions)
     ├── DumpError                   the dump for one request is unusable: the *sample* is retried
     │   ├── NoDumpError             no req_<N>/ appeared
     │   ├── MultipleDumpsError      more than one dump appeared (e.g. chunked prefill split it)
     │   ├── IncompleteDumpError     a dump never got its `done` marker
     │   ├── StaleDumpError          rid or input fingerprint belong to another request
     │   ├── WrongLengthError        token count differs from the request's
+    │   ├── CachedTokensError       the server reused a cached prefix (radix cache on)
     │   ├── MetaMismatchError       layers, hidden size, dtype or model differ from the run's
     │   └── CorruptDumpError        unreadable meta or tensors, bad shapes
     │       └── NonFiniteDumpError  NaN or Inf in the hidden states
@@ -28,6 +32,20 @@ class HsqError(Exception):
 
 class ConfigError(HsqError):
     """Invalid configuration or usage."""
+
+
+class DatasetError(HsqError):
+    def __init__(self, message: str, reason: str = "bad_line") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class StoreError(HsqError):
+    """Redis is unreachable (or answers errors); not the sample's fault."""
+
+
+class OutputError(HsqError):
+    """Writing an output failed (e.g. ENOSPC); the sample is handed back, not failed."""
 
 
 class DumpError(HsqError):
@@ -54,6 +72,10 @@ class StaleDumpError(DumpError):
 
 class WrongLengthError(DumpError):
     reason = "wrong_length"
+
+
+class CachedTokensError(DumpError):
+    reason = "cached_tokens"
 
 
 class MetaMismatchError(DumpError):

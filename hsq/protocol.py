@@ -294,7 +294,7 @@ class Dump:
     last_hidden_state: torch.Tensor
 
 
-def _check_meta(meta: DumpMeta, exp: Expected) -> None:
+def check_meta(meta: DumpMeta, exp: Expected) -> None:
     if meta.rid != exp.rid:
         raise StaleDumpError(f"dump rid {meta.rid!r} is not the request's rid {exp.rid!r}")
     if meta.input_fingerprint != exp.input_fingerprint:
@@ -330,7 +330,7 @@ def read_meta(path: Path) -> DumpMeta:
 def read_dump(path: Path, expected: Expected, *, check_finite: bool = True) -> Dump:
     """Load and validate one dump against what was sent. Cheap checks run first."""
     meta = read_meta(path)
-    _check_meta(meta, expected)
+    check_meta(meta, expected)
     try:
         tensors = load_file(str(path / TENSOR_FILE))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:

@@ -1,0 +1,151 @@
+"""JSONL datasets: validation, an offset index, and O(1) reads of one sample by offset.
+
+One sample a line: {"id": str|int, "input_ids": [int, ...], "loss_mask": [0|1, ...]}.
+The producer scans the file once and stores `id -> offset:length:crc32` in Redis; a worker
+seeks to the offset, reads the line and checks its CRC, so a dataset edited after enqueue
+is detected instead of silently read. The file must be readable at the same path on every
+worker node (a shared filesystem); Redis holds about 40 bytes per sample, not the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsq.errors import DatasetError
+
+# Sample ids become file names: keep them to a conservative, portable alphabet.
+SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int] | None
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    offset: int
+    length: int
+    crc: int
+    num_tokens: int
+
+    def encode(self) -> str:
+        return f"{self.offset}:{self.length}:{self.crc}:{self.num_tokens}"
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> IndexEntry:
+        if isinstance(text, bytes):
+            text = text.decode()
+        offset, length, crc, n = (int(x) for x in text.split(":"))
+        return cls(offset, length, crc, n)
+
+
+def check_sample_id(raw: Any) -> str:
+    """Return the id as a string, or raise: ids are never trusted as paths."""
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raise DatasetError("`id` must be a string or an integer", "bad_id")
+    sid = str(raw)
+    if not SAFE_ID_RE.match(sid):
+        raise DatasetError(
+            f"id {sid[:80]!r} is unsafe as a file name (allowed: {SAFE_ID_RE.pattern})",
+            "unsafe_id",
+        )
+    return sid
+
+
+def parse_line(line: bytes, max_tokens: int | None = None) -> Sample:
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DatasetError(f"not valid JSON: {exc}", "malformed_json") from exc
+    if not isinstance(obj, dict):
+        raise DatasetError("a line must be a JSON object", "malformed_json")
+    if "id" not in obj:
+        raise DatasetError("missing `id`", "bad_id")
+    sid = check_sample_id(obj["id"])
+    ids = obj.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise DatasetError("`input_ids` must be a non-empty list", "empty_input_ids")
+    if any(type(t) is not int or not 0 <= t <= MAX_TOKEN_ID for t in ids):
+        raise DatasetError("`input_ids` must hold non-negative int32 integers", "bad_input_ids")
+    if max_tokens is not None and len(ids) > max_tokens:
+        raise DatasetError(f"{len(ids)} tokens, more than --max-tokens {max_tokens}", "too_long")
+    mask = obj.get("loss_mask")
+    if mask is not None:
+        if not isinstance(mask, list) or len(mask) != len(ids):
+            raise DatasetError("`loss_mask` must be a list as long as input_ids", "bad_loss_mask")
+        if any(type(m) is not int or m not in (0, 1) for m in mask):
+            raise DatasetError("`loss_mask` must hold 0 or 1", "bad_loss_mask")
+    return Sample(id=sid, input_ids=ids, loss_mask=mask)
+
+
+@dataclass(frozen=True)
+class ScannedLine:
+    line_no: int
+    entry: IndexEntry | None
+    sample_id: str | None
+    error: DatasetError | None
+
+
+def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedLine]:
+    """Yield every non-blank line with its index entry or its error; duplicates are errors."""
+    seen: dict[str, int] = {}
+    offset = 0
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            start, offset = offset, offset + len(line)
+            body = line.rstrip(b"\r\n")
+            if not body.strip():
+                continue
+            try:
+                sample = parse_line(body, max_tokens)
+            except DatasetError as exc:
+                yield ScannedLine(line_no, None, _best_effort_id(body), exc)
+                continue
+            if sample.id in seen:
+                err = DatasetError(
+                    f"duplicate id {sample.id!r} (first on line {seen[sample.id]})", "duplicate_id"
+                )
+                yield ScannedLine(line_no, None, None, err)
+                continue
+            seen[sample.id] = line_no
+            entry = IndexEntry(start, len(body), zlib.crc32(body), len(sample.input_ids))
+            yield ScannedLine(line_no, entry, sample.id, None)
+
+
+def _best_effort_id(body: bytes) -> str | None:
+    try:
+        obj = json.loads(body)
+        return check_sample_id(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
+    except (ValueError, DatasetError):
+        return None
+
+
+def read_sample(path: Path, sample_id: str, entry: IndexEntry) -> Sample:
+    """O(1) read of one sample; refuses a line whose bytes changed since indexing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise DatasetError(f"cannot open dataset {path}: {exc}", "dataset_unreadable") from exc
+    try:
+        body = os.pread(fd, entry.length, entry.offset)
+    finally:
+        os.close(fd)
+    if len(body) != entry.length or zlib.crc32(body) != entry.crc:
+        raise DatasetError(
+            f"dataset line of {sample_id!r} changed since it was enqueued", "dataset_changed"
+        )
+    sample = parse_line(body)
+    if sample.id != sample_id:
+        raise DatasetError(f"index points at {sample.id!r}, not {sample_id!r}", "dataset_changed")
+    return sample

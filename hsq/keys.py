@@ -1,0 +1,111 @@
+"""The Redis key schema: every key hsq reads or writes is named here and nowhere else.
+
+Per run R (a name matching RUN_NAME_RE):
+
+    hsq:runs                      SET   names of all runs
+    hsq:run:R:config              HASH  the run's config (dataset, out, layers, model, ...)
+    hsq:run:R:index               HASH  sample id -> "offset:length:crc32" into the dataset
+    hsq:run:R:done                HASH  sample id -> manifest entry (JSON); THE truth of "done"
+    hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
+    hsq:run:R:stats               HASH  tokens / bytes done, counters
+    hsq:run:R:crashes             HASH  sample id -> requests that died with the server
+    hsq:run:R:workers             SET   registered worker ids
+    hsq:run:R:worker:W            HASH  worker W's heartbeat and state (expires: liveness)
+    hsq:run:R:wip:W               LIST  job ids worker W holds (reliable-queue pattern)
+    rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
+    rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
+    rq:job:<id>                   HASH  RQ job (JSON serializer): the chunk's samples
+
+Everything a queue may lose is recoverable: the dataset index minus `done`, `dead`, the
+queues and the wip lists is exactly what `requeue --missing` puts back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUNS = "hsq:runs"
+RQ_QUEUE_PREFIX = "rq:queue:"
+RQ_JOB_PREFIX = "rq:job:"
+
+
+def rq_queue_key(queue_name: str) -> str:
+    return RQ_QUEUE_PREFIX + queue_name
+
+
+def rq_job_key(job_id: str) -> str:
+    return RQ_JOB_PREFIX + job_id
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    run: str
+
+    def __post_init__(self) -> None:
+        if not RUN_NAME_RE.match(self.run):
+            raise ValueError(
+                f"run name {self.run!r} must match {RUN_NAME_RE.pattern} (letters, digits, _ -)"
+            )
+
+    @property
+    def _p(self) -> str:
+        return f"hsq:run:{self.run}:"
+
+    @property
+    def config(self) -> str:
+        return self._p + "config"
+
+    @property
+    def index(self) -> str:
+        return self._p + "index"
+
+    @property
+    def done(self) -> str:
+        return self._p + "done"
+
+    @property
+    def dead(self) -> str:
+        return self._p + "dead"
+
+    @property
+    def stats(self) -> str:
+        return self._p + "stats"
+
+    @property
+    def crashes(self) -> str:
+        return self._p + "crashes"
+
+    @property
+    def workers(self) -> str:
+        return self._p + "workers"
+
+    def worker(self, worker_id: str) -> str:
+        return self._p + "worker:" + worker_id
+
+    def wip(self, worker_id: str) -> str:
+        return self._p + "wip:" + worker_id
+
+    @property
+    def main_queue(self) -> str:
+        """RQ queue name (RQ prefixes it with rq:queue:)."""
+        return f"hsq-{self.run}"
+
+    @property
+    def retry_queue(self) -> str:
+        return f"hsq-{self.run}-retry"
+
+    def all_static(self) -> list[str]:
+        """Keys `purge` deletes besides wip/worker keys and job hashes."""
+        return [
+            self.config,
+            self.index,
+            self.done,
+            self.dead,
+            self.stats,
+            self.crashes,
+            self.workers,
+            rq_queue_key(self.main_queue),
+            rq_queue_key(self.retry_queue),
+        ]

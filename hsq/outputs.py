@@ -1,0 +1,170 @@
+"""Training outputs: one safetensors file per sample, written durably, checked on demand.
+
+    <out>/<run>/<shard>/<sample_id>.safetensors     shard = first 2 hex of sha256(id)
+
+Tensors: input_ids int64 [T], loss_mask int64 [T], aux_hidden_states [T, k*H],
+last_hidden_state [T, H] (post-norm). Metadata: format, sample_id, run, layer_ids,
+layer_convention, model_id, num_tokens, input_fingerprint.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import hashlib
+import json
+import os
+import secrets
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as st_save
+
+from hsq.dataset import Sample, check_sample_id
+from hsq.errors import OutputError
+from hsq.protocol import LAYER_CONVENTION, Dump, fingerprint
+
+OUTPUT_FORMAT = "hsq-eagle3-v1"
+SUFFIX = ".safetensors"
+
+
+def output_relpath(sample_id: str) -> str:
+    sid = check_sample_id(sample_id)  # never trust an id as a path, even from Redis
+    shard = hashlib.sha256(sid.encode()).hexdigest()[:2]
+    return f"{shard}/{sid}{SUFFIX}"
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    path: str
+    num_tokens: int
+    bytes: int
+    checksum: str
+    worker: str
+    time: float
+    attempt: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | builtins.bytes) -> ManifestEntry:
+        return cls(**json.loads(text))
+
+
+def encode_output(sample: Sample, dump: Dump, run: str) -> bytes:
+    n = len(sample.input_ids)
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+    tensors = {
+        "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
+        "loss_mask": torch.tensor(mask, dtype=torch.int64),
+        "aux_hidden_states": dump.aux_hidden_states,
+        "last_hidden_state": dump.last_hidden_state,
+    }
+    meta = {
+        "format": OUTPUT_FORMAT,
+        "sample_id": sample.id,
+        "run": run,
+        "layer_ids": json.dumps(dump.meta.layer_ids),
+        "layer_convention": LAYER_CONVENTION,
+        "model_id": dump.meta.model.model_id,
+        "num_tokens": str(n),
+        "input_fingerprint": dump.meta.input_fingerprint,
+    }
+    return bytes(st_save(tensors, metadata=meta))
+
+
+def checksum(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """temp file in the same directory, fsync, rename, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        what = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
+        raise OutputError(f"cannot write {path}: {what}") from exc
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The safetensors JSON header only: cheap enough for 100k files."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("file shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise ValueError("implausible safetensors header size")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not an object")
+    return header
+
+
+def check_output(
+    path: Path, sample_id: str, entry: ManifestEntry, *, deep: bool = False
+) -> list[str]:
+    """Problems with one output file (empty list: fine). Deep reads every byte."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return ["missing"]
+    problems: list[str] = []
+    if size != entry.bytes:
+        problems.append(f"size {size} != manifest {entry.bytes}")
+    try:
+        header = read_header(path)
+        meta = header.get("__metadata__", {})
+        n = entry.num_tokens
+        if meta.get("sample_id") != sample_id:
+            problems.append(f"sample_id {meta.get('sample_id')!r} != {sample_id!r}")
+        if meta.get("num_tokens") != str(n):
+            problems.append(f"num_tokens {meta.get('num_tokens')} != manifest {n}")
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+            shape = header.get(name, {}).get("shape")
+            if not shape or shape[0] != n:
+                problems.append(f"{name} shape {shape} does not start with {n}")
+    except (OSError, ValueError) as exc:
+        return [*problems, f"unreadable header: {exc}"]
+    if deep and not problems:
+        problems += _deep_check(path, entry)
+    return problems
+
+
+def _deep_check(path: Path, entry: ManifestEntry) -> list[str]:
+    data = path.read_bytes()
+    if checksum(data) != entry.checksum:
+        return ["checksum mismatch"]
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for damaged files
+        return [f"unreadable tensors: {exc}"]
+    problems = []
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        if not bool(torch.isfinite(tensors[name]).all()):
+            problems.append(f"{name} holds NaN or Inf")
+    header_fp = read_header(path).get("__metadata__", {}).get("input_fingerprint")
+    if header_fp != fingerprint(tensors["input_ids"]):
+        problems.append("input_ids do not match the recorded fingerprint")
+    return problems

@@ -1,0 +1,59 @@
+"""A run's configuration as recorded in Redis by the producer and read by every worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from hsq.errors import ConfigError
+
+DEFAULT_MAX_ATTEMPTS = 3
+DEFAULT_CHUNK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: str
+    dataset: str
+    """Absolute path; readable at that path on every worker node."""
+    out: str
+    """Absolute output root; files go to <out>/<run>/."""
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    layer_ids: list[int] | None = None
+    """Expected effective aux layers; None: pinned by the first valid dump."""
+    model_id: str | None = None
+    """Expected model identity; None: pinned by the first valid dump."""
+    max_tokens: int | None = None
+    created: float = field(default_factory=time.time)
+
+    def validate(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError("--max-attempts must be >= 1")
+        if not 1 <= self.chunk_size <= 4096:
+            raise ConfigError("--chunk-size must be within [1, 4096]")
+
+    def to_redis(self) -> dict[str, str]:
+        # Unset fields are left out, so workers can pin them atomically with HSETNX.
+        return {k: json.dumps(v) for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_redis(cls, raw: dict[bytes, bytes]) -> RunConfig:
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for k, v in raw.items():
+            key = k.decode()
+            if key in known:
+                values[key] = json.loads(v)
+        return cls(**values)
+
+    def conflicts(self, other: RunConfig) -> list[str]:
+        """Settings a second `enqueue` may not change for an existing run."""
+        names = ("dataset", "out", "layer_ids", "model_id")
+        return [
+            f"{n}: recorded {getattr(self, n)!r}, given {getattr(other, n)!r}"
+            for n in names
+            if getattr(other, n) is not None and getattr(self, n) != getattr(other, n)
+        ]

@@ -1,0 +1,87 @@
+"""HTTP client for an inference server (SGLang or the reference server).
+
+Translates httpx errors into hsq's: a server that cannot be reached is unavailable (not
+the sample's fault); one that died after the request was sent is unavailable *mid-request*
+(counted per sample, so a sample that kills the server ends in the dead letter instead of
+killing it forever); 4xx/5xx answers are the sample's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from hsq.errors import ServerRejectedError, ServerUnavailableError
+
+
+class MidRequestFailure(ServerUnavailableError):
+    """The connection broke or timed out after the request was sent."""
+
+    reason = "server_died_mid_request"
+
+
+@dataclass(frozen=True)
+class PrefillAnswer:
+    prompt_tokens: int
+    cached_tokens: int
+    raw: dict[str, Any]
+
+
+class ServerClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        request_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
+        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "rid": rid}
+        try:
+            r = self._http.post("/generate", json=body)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ServerUnavailableError(f"{self.base_url} unreachable: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            raise MidRequestFailure(f"{self.base_url} failed mid-request: {exc!r}") from exc
+        if r.status_code == 503:
+            raise ServerUnavailableError(f"{self.base_url} is not ready (503)")
+        if r.status_code >= 400:
+            raise ServerRejectedError(
+                f"{self.base_url} answered {r.status_code}: {r.text[:500]}", r.status_code
+            )
+        try:
+            data = r.json()
+            info = data["meta_info"]
+            return PrefillAnswer(
+                int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), data
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ServerRejectedError(f"unexpected answer from /generate: {exc!r}", 502) from exc
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def model_info(self) -> dict[str, Any]:
+        try:
+            r = self._http.get("/model_info", timeout=10.0)
+            r.raise_for_status()
+            data: dict[str, Any] = r.json()
+            return data
+        except httpx.HTTPError as exc:
+            raise ServerUnavailableError(f"{self.base_url}/model_info: {exc!r}") from exc

@@ -1,0 +1,50 @@
+"""Exclusive ownership of a dump dir.
+
+flock(2) on <dump_dir>/.hsq-worker.lock: the kernel drops the lock when its holder dies,
+even by SIGKILL, so a stale lock needs no cleanup and can never be stolen from a live worker.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from hsq.errors import ConfigError
+
+LOCK_NAME = ".hsq-worker.lock"
+
+
+class DumpDirLock:
+    def __init__(self, dump_dir: Path) -> None:
+        self.path = dump_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, owner: str) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                f"dump dir {self.path.parent} is owned by another live worker ({holder}); "
+                "each worker needs its own dump dir"
+            ) from None
+        info = {
+            "worker": owner,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.time(),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

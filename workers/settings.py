@@ -1,0 +1,37 @@
+"""The worker's settings, built once at the edge (CLI flags and env vars) and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsq.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    run: str
+    server: str
+    dump_dir: Path
+    redis_url: str
+    name: str | None = None
+    burst: bool = False
+    dump_timeout_s: float = 60.0
+    """How long to wait for `done` after the server answered."""
+    request_timeout_s: float = 600.0
+    claim_timeout_s: float = 1.0
+    persist_depth: int = 2
+    backoff_max_s: float = 30.0
+    max_server_crashes: int = 3
+    """Requests of one sample that may die with the server before it is dead-lettered."""
+    reap_interval_s: float = 5.0
+    heartbeat_interval_s: float = 2.0
+
+    def validate(self) -> None:
+        if not self.server.startswith(("http://", "https://")):
+            raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
+        if self.persist_depth < 1 or self.max_server_crashes < 1:
+            raise ConfigError("--persist-depth and --max-server-crashes must be >= 1")
+        for name in ("dump_timeout_s", "request_timeout_s", "claim_timeout_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
