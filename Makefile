@@ -3,13 +3,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint fmt clean
+.PHONY: setup test lint fmt clean demo
 
 setup:
 	./scripts/setup.sh
 
 test:
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo:
+	$(VENV)/bin/hsq --log-format console demo
 
 lint:
 	$(VENV)/bin/ruff check .

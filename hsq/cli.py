@@ -328,6 +328,8 @@ def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
 
 
 def main() -> None:
+    import redis
+
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
@@ -341,6 +343,9 @@ def main() -> None:
         sys.exit(EXIT_USAGE)
     except StoreError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_REDIS)
+    except redis.exceptions.RedisError as exc:
+        click.echo(f"error: Redis: {exc}", err=True)
         sys.exit(EXIT_REDIS)
     except HsqError as exc:
         click.echo(f"error: {exc}", err=True)

@@ -35,11 +35,11 @@ class ManagedProcess:
         self.argv = list(argv)
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 - lives as long as the process
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=child_env
-        )
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=child_env
+            )
 
     @property
     def pid(self) -> int:
@@ -66,7 +66,6 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self._log.close()
         return self.proc.returncode
 
     def __enter__(self) -> ManagedProcess:

@@ -40,6 +40,7 @@ from hsq.errors import (
     MultipleDumpsError,
     NoDumpError,
     NonFiniteDumpError,
+    ServerUnavailableError,
     StaleDumpError,
     WrongLengthError,
 )
@@ -244,14 +245,26 @@ def clear_dump_dir(dump_dir: Path) -> int:
     return removed
 
 
-def wait_for_dump(dump_dir: Path, timeout: float, poll_interval: float = 0.002) -> Path:
+def wait_for_dump(
+    dump_dir: Path,
+    timeout: float,
+    poll_interval: float = 0.002,
+    *,
+    server_alive: Callable[[], bool] | None = None,
+    alive_check_s: float = 1.0,
+) -> Path:
     """Wait until exactly one complete dump exists and nothing else is being written.
 
     Raises MultipleDumpsError as soon as two complete dumps exist, and after ``timeout``
     IncompleteDumpError (a dump without `done`), MultipleDumpsError (one complete plus
-    another one started) or NoDumpError (nothing at all).
+    another one started) or NoDumpError (nothing at all). While waiting longer than
+    ``alive_check_s``, ``server_alive`` is asked now and then: a server that died after
+    answering never finishes its dump, and that is not the sample's fault
+    (ServerUnavailableError).
     """
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    next_check = start + alive_check_s
     delay = poll_interval
     while True:
         s = scan(dump_dir)
@@ -269,6 +282,10 @@ def wait_for_dump(dump_dir: Path, timeout: float, poll_interval: float = 0.002) 
             if s.pending:
                 raise IncompleteDumpError(f"no `done` marker after {timeout:.1f}s: {names}")
             raise NoDumpError(f"no dump appeared in {dump_dir} within {timeout:.1f}s")
+        if server_alive is not None and time.monotonic() >= next_check:
+            if not server_alive():
+                raise ServerUnavailableError("the server went away before its dump was complete")
+            next_check = time.monotonic() + alive_check_s
         time.sleep(delay)
         delay = min(delay * 1.5, 0.05)
 

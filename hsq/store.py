@@ -157,7 +157,8 @@ class RunStore:
         return {sid: IndexEntry.decode(v) for sid, v in zip(ids, vals, strict=True) if v}
 
     def iter_hash_keys(self, key: str) -> Iterator[str]:
-        for field in self.r.hscan_iter(key, no_values=True):
+        # HSCAN NOVALUES needs Redis 7.4; values are small here.
+        for field, _ in self.r.hscan_iter(key, count=1000):
             yield _s(field)
 
     def count(self, key: str) -> int:

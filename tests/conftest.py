@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsq.procs import ReferenceServer
+from hsq.procs import RedisServer, ReferenceServer
 from hsq.protocol import Expected, fingerprint
 
 
@@ -40,3 +40,21 @@ def dump_dir(tmp_path: Path) -> Path:
     d = tmp_path / "dumps"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server with a password, as in production; one per test session."""
+    srv = RedisServer(tmp_path_factory.mktemp("redis"), password="test-secret").wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    return redis_server.url

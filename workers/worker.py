@@ -292,7 +292,7 @@ class Worker:
             raise CachedTokensError(
                 f"server reused {answer.cached_tokens} cached tokens; disable the radix cache"
             )
-        path = wait_for_dump(d, self.s.dump_timeout_s)
+        path = wait_for_dump(d, self.s.dump_timeout_s, server_alive=self.client.healthy)
         t2 = time.perf_counter()
         meta = read_meta(path)
         if self.expected_model is None or self.expected_layers is None:

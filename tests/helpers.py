@@ -1,0 +1,73 @@
+"""Helpers for tests that drive hsq's real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hsq.procs import ManagedProcess, ReferenceServer
+from hsq.store import RunStore, connect
+
+
+def hsq(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsq", "--log-format", "json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hsq {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def start_worker(
+    base: Path, run: str, server: ReferenceServer, redis_url: str, *extra: str, name: str = "w"
+) -> ManagedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "hsq",
+        "worker",
+        "--run",
+        run,
+        "--server",
+        server.url,
+        "--dump-dir",
+        str(server.dump_dir),
+        "--redis",
+        redis_url,
+        "--name",
+        name,
+        *extra,
+    ]
+    return ManagedProcess(argv, base / f"{name}.log")
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.2) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def store(redis_url: str, run: str) -> RunStore:
+    return RunStore(connect(redis_url), run)
+
+
+def log_events(path: Path, event: str) -> list[dict[str, object]]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == event:
+            out.append(rec)
+    return out
