@@ -68,6 +68,9 @@ class ReferenceSettings:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: without TCP_NODELAY, Nagle plus the
+    # client's delayed ACK add ~40 ms to every keep-alive request.
+    disable_nagle_algorithm = True
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:
