@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 problems found, 2 usage or configuration error, 3 Redis unre
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,209 @@ def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
     from hsq.demo import run_demo
 
     sys.exit(run_demo(samples=samples, out=out, redis_url=redis_url, seed=seed))
+
+
+def _store(redis_url: str, run: str) -> Any:
+    from hsq.store import RunStore, connect
+
+    st = RunStore(connect(redis_url), run)
+    st.require_config()  # an unknown run is a usage error (exit 2), said in plain words
+    return st
+
+
+@cli.command("status")
+@click.option("--run", default=None, envvar="HSQ_RUN", help="one run [default: every run]")
+@_redis_option
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per run (stable keys)")
+@click.option("--watch", is_flag=True, help="refresh in place until Ctrl-C")
+@click.option("--interval", default=2.0, show_default=True, type=float)
+def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval: float) -> None:
+    """How far along a run is: counts, rate, ETA, workers, dead letter by reason.
+
+    \b
+    Example:
+      hsq status --run kimi-v1 --watch
+      hsq status --json | jq .done
+    JSON keys: run, total, done, queued, in_progress, retry, dead, missing, invalid_lines,
+    tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
+    dead_by_reason, workers (docs/operations.md).
+    """
+    from hsq.ops import dumps_json, list_runs, run_status, status_text
+    from hsq.store import connect
+
+    client = connect(redis_url)
+    runs = [run] if run else list_runs(client)
+    if run:
+        _store(redis_url, run)
+    while True:
+        from hsq.store import RunStore
+
+        reports = [run_status(RunStore(client, r)) for r in runs]
+        if as_json:
+            out = "\n".join(dumps_json(r) for r in reports)
+        else:
+            out = "\n".join("\n".join(status_text(r)) for r in reports) or "no runs"
+        if watch:
+            click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out)
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
+        else:
+            click.echo(out)
+            return
+
+
+@cli.command("requeue")
+@click.option("--run", required=True, envvar="HSQ_RUN")
+@_redis_option
+@click.option("--failed", is_flag=True, help="every sample in the dead letter")
+@click.option("--reason", default=None, help="dead-letter samples with this reason")
+@click.option("--sample", "samples", multiple=True, help="these sample ids (repeatable)")
+@click.option("--missing", is_flag=True, help="samples in no queue, not done and not dead")
+@click.option("--dry-run", is_flag=True, help="say what would be requeued, change nothing")
+def requeue(
+    run: str,
+    redis_url: str,
+    failed: bool,
+    reason: str | None,
+    samples: tuple[str, ...],
+    missing: bool,
+    dry_run: bool,
+) -> None:
+    """Put failed, chosen or lost samples back in the queue (idempotent).
+
+    \b
+    Examples:
+      hsq requeue --run kimi-v1 --failed --dry-run
+      hsq requeue --run kimi-v1 --reason stale_dump
+      hsq requeue --run kimi-v1 --sample s000042 --sample s000043
+      hsq requeue --run kimi-v1 --missing
+    """
+    from hsq.ops import requeue as do_requeue
+    from hsq.ops import select_for_requeue
+
+    if not (failed or reason or samples or missing):
+        raise click.UsageError("say what to requeue: --failed, --reason, --sample or --missing")
+    st = _store(redis_url, run)
+    ids, res = select_for_requeue(
+        st, failed=failed, reason=reason, samples=samples, missing=missing
+    )
+    do_requeue(st, ids, res, dry_run=dry_run)
+    verb = "would requeue" if dry_run else "requeued"
+    click.echo(f"selected {res.selected}, {verb} {res.enqueued}")
+    for why, sids in res.skipped.items():
+        shown = ", ".join(sids[:10]) + (" ..." if len(sids) > 10 else "")
+        click.echo(f"skipped {len(sids)}: {why}: {shown}")
+
+
+@cli.command("verify")
+@click.option("--run", required=True, envvar="HSQ_RUN")
+@_redis_option
+@click.option("--deep", is_flag=True, help="read every byte: checksum, tensors, finite values")
+@click.option(
+    "--requeue",
+    "do_requeue",
+    is_flag=True,
+    help="un-done missing and corrupt samples (corrupt files removed) and requeue",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="output root if it is mounted elsewhere here [default: the run's]",
+)
+@click.option("--no-progress", is_flag=True)
+def verify(
+    run: str, redis_url: str, deep: bool, do_requeue: bool, out: Path | None, no_progress: bool
+) -> None:
+    """Check every output file against the run's manifest; exit 1 if anything is wrong.
+
+    Reads only headers (size, names, shapes, token count) unless --deep. Reports missing
+    and corrupt files, and orphans (files no manifest entry claims).
+
+    \b
+    Example:
+      hsq verify --run kimi-v1 --deep --requeue
+    """
+    from tqdm import tqdm
+
+    from hsq.ops import repair
+    from hsq.ops import verify as do_verify
+
+    st = _store(redis_url, run)
+    cfg = st.require_config()
+    root = (out or Path(cfg.out)) / run
+    with tqdm(
+        total=st.count(st.k.done),
+        unit="file",
+        desc="verifying",
+        disable=no_progress,
+        file=sys.stderr,
+        mininterval=0.5,
+    ) as bar:
+        res = do_verify(st, root, deep=deep, on_progress=bar.update)
+    click.echo(
+        f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
+        f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}"
+    )
+    for sid in res.missing[:20]:
+        click.echo(f"  missing  {sid}")
+    for sid, problems in list(res.corrupt.items())[:20]:
+        click.echo(f"  corrupt  {sid}: {'; '.join(problems)}")
+    for rel in res.orphans[:20]:
+        click.echo(f"  orphan   {rel}")
+    if do_requeue and (res.missing or res.corrupt):
+        n = repair(st, root, res)
+        click.echo(f"requeued {n} samples")
+    if res.problems:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command("runs")
+@_redis_option
+def runs(redis_url: str) -> None:
+    """List runs with their progress.
+
+    \b
+    Example:
+      hsq runs --redis redis://:pw@head:6379/0
+    """
+    from hsq.ops import list_runs
+    from hsq.store import RunStore, connect
+
+    client = connect(redis_url)
+    names = list_runs(client)
+    if not names:
+        click.echo("no runs")
+    for name in names:
+        st = RunStore(client, name)
+        click.echo(
+            f"{name}  done {st.count(st.k.done)}/{st.count(st.k.index)}  dead {st.count(st.k.dead)}"
+        )
+
+
+@cli.command("purge")
+@click.option("--run", required=True)
+@_redis_option
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def purge(run: str, redis_url: str, yes: bool) -> None:
+    """Delete a run's Redis state (queues, done, dead letter). Output files stay on disk.
+
+    \b
+    Example:
+      hsq purge --run old-run --yes
+    """
+    from hsq.ops import purge as do_purge
+
+    st = _store(redis_url, run)
+    if not yes:
+        click.confirm(
+            f"delete every Redis key of run {run!r} ({st.count(st.k.done)} done entries)?",
+            abort=True,
+        )
+    n = do_purge(st)
+    click.echo(f"purged run {run}: {n} keys deleted; output files untouched")
 
 
 def main() -> None:

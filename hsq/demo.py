@@ -17,11 +17,11 @@ import click
 import redis
 from tqdm import tqdm
 
+from hsq.ops import verify
 from hsq.procs import ManagedProcess, RedisServer, ReferenceServer
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
 from hsq.synthetic import write_synthetic
-from hsq.verify import verify_run
 from producer.enqueue import enqueue_run
 
 
@@ -100,7 +100,7 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
         stats = {k.decode(): int(v) for k, v in store.r.hgetall(store.k.stats).items()}  # type: ignore[union-attr]
         dead_entries = store.dead_entries()
         echo("verifying    every output (checksum, shapes, finite values) ...")
-        v = verify_run(store, out.resolve() / run, deep=True)
+        v = verify(store, out.resolve() / run, deep=True)
 
     done_tokens = stats.get("tokens", 0)
     echo("")
@@ -117,8 +117,10 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
     for sid, entry in list(dead_entries.items())[:10]:
         echo(f"  dead          {sid}: {entry['reason']}: {entry['message'][:120]}")
     echo(f"  verified      {v.ok}/{v.checked} outputs OK")
-    for sid, problems in list(v.problems.items())[:10]:
+    for sid, problems in list(v.corrupt.items())[:10]:
         echo(f"  BAD           {sid}: {'; '.join(problems)}")
+    for sid in v.missing[:10]:
+        echo(f"  MISSING       {sid}")
     echo(f"  outputs       {out.resolve() / run}")
     echo(f"  logs          {work}")
     ok = rc == 0 and done == samples and not dead_entries and v.ok == done

@@ -18,15 +18,16 @@ import secrets
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file
-from safetensors.torch import save as st_save
+from typing import TYPE_CHECKING, Any
 
 from hsq.dataset import Sample, check_sample_id
 from hsq.errors import OutputError
-from hsq.protocol import LAYER_CONVENTION, Dump, fingerprint
+
+if TYPE_CHECKING:
+    from hsq.protocol import Dump
+
+# torch and safetensors are imported inside the functions that need them, so operator
+# commands (status, requeue, verify without --deep) start in a fraction of a second.
 
 OUTPUT_FORMAT = "hsq-eagle3-v1"
 SUFFIX = ".safetensors"
@@ -57,6 +58,11 @@ class ManifestEntry:
 
 
 def encode_output(sample: Sample, dump: Dump, run: str) -> bytes:
+    import torch
+    from safetensors.torch import save as st_save
+
+    from hsq.protocol import LAYER_CONVENTION
+
     n = len(sample.input_ids)
     mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
     tensors = {
@@ -153,6 +159,11 @@ def check_output(
 
 
 def _deep_check(path: Path, entry: ManifestEntry) -> list[str]:
+    import torch
+    from safetensors.torch import load_file
+
+    from hsq.protocol import fingerprint
+
     data = path.read_bytes()
     if checksum(data) != entry.checksum:
         return ["checksum mismatch"]

@@ -35,6 +35,16 @@ JOB_FUNC = "workers.jobs.extract_chunk"
 HEARTBEAT_TTL_S = 10
 SampleRef = tuple[str, IndexEntry]
 
+# Un-marks a sample (verify --requeue) and takes it out of the totals, exactly once.
+_UNDO_DONE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
+
 # Marks a sample done exactly once and keeps the run's totals in step with the done hash.
 _MARK_DONE = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
@@ -103,6 +113,7 @@ class RunStore:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self._mark_done = client.register_script(_MARK_DONE)
+        self._undo_done = client.register_script(_UNDO_DONE)
         self._queues = {
             name: Queue(name, connection=client, serializer=JSONSerializer)
             for name in (self.k.main_queue, self.k.retry_queue)
@@ -150,6 +161,12 @@ class RunStore:
             n += len(buf)
         return n
 
+    def set_totals(self, *, samples: int, tokens: int) -> None:
+        self.r.hset(self.k.stats, mapping={"total_samples": samples, "total_tokens": tokens})
+
+    def stats(self) -> dict[str, int]:
+        return {_s(k): int(v) for k, v in self.r.hgetall(self.k.stats).items()}
+
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:
         if not ids:
             return {}
@@ -176,6 +193,12 @@ class RunStore:
         res = self._mark_done(
             keys=[self.k.done, self.k.stats],
             args=[sample_id, entry.to_json(), entry.num_tokens, entry.bytes],
+        )
+        return bool(res)
+
+    def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
+        res = self._undo_done(
+            keys=[self.k.done, self.k.stats], args=[sample_id, entry.num_tokens, entry.bytes]
         )
         return bool(res)
 
@@ -295,25 +318,28 @@ class RunStore:
         }
 
     def outstanding_samples(self) -> dict[str, str]:
-        """sample id -> place, for every sample in a queue or held by a worker."""
+        """sample id -> place ("main", "retry", "wip:<worker>") for every queued or held sample."""
         out: dict[str, str] = {}
         for place, job_ids in self.outstanding_job_ids().items():
             for i in range(0, len(job_ids), 500):
                 batch = job_ids[i : i + 500]
                 p = self.r.pipeline(transaction=False)
                 for jid in batch:
-                    p.exists(rq_job_key(jid))
-                exists = p.execute()
-                for jid, ok in zip(batch, exists, strict=True):
-                    if not ok:
-                        continue
-                    try:
-                        job = Job.fetch(jid, connection=self.r, serializer=JSONSerializer)
-                    except Exception:
-                        continue
-                    for sid, _ in job.kwargs.get("samples", []):
-                        out[str(sid)] = place
+                    p.hgetall(rq_job_key(jid))
+                for jid, raw in zip(batch, p.execute(), strict=True):
+                    for sid in self._job_sample_ids(jid, raw):
+                        out[sid] = place
         return out
+
+    def _job_sample_ids(self, job_id: str, raw: dict[bytes, bytes]) -> list[str]:
+        if not raw:
+            return []  # the job hash vanished: it holds nothing (`requeue --missing` covers it)
+        job = Job(job_id, connection=self.r, serializer=JSONSerializer)
+        try:
+            job.restore(raw)
+            return [str(sid) for sid, _ in job.kwargs.get("samples", [])]
+        except Exception:  # a damaged job hash holds nothing we can trust
+            return []
 
     # ------------------------------------------------------------------ workers
     def register(self, worker_id: str, info: dict[str, Any]) -> None:

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsq.dataset import IndexEntry
+from hsq.ops import verify
 from hsq.procs import ReferenceServer
 from hsq.protocol import fingerprint
 from hsq.synthetic import write_synthetic
-from hsq.verify import verify_run
 from sglang_server.reference.model import load_model
 from tests.helpers import hsq, log_events, start_worker, store, wait_until
 
@@ -99,7 +99,7 @@ def test_end_to_end_outputs_equal_a_direct_computation(
     # The run pinned the model and layers the first dump showed.
     cfg = st.require_config()
     assert cfg.model_id == model.identity.model_id and cfg.layer_ids == [2, 4, 5]
-    assert verify_run(st, out / "e2e", deep=True).ok == 24
+    assert verify(st, out / "e2e", deep=True).ok == 24
     # Structured per-sample logs with timings.
     ev = log_events(w.log_path, "sample_done")
     assert len(ev) == 24 and {"request_ms", "wait_ms", "persist_ms"} <= set(ev[0])
@@ -237,7 +237,7 @@ def test_transient_faults_succeed_on_retry_and_permanent_ones_reach_the_dead_let
     ):
         assert retried[reason] >= 1, retried
     # Nothing wrong was saved: every output is valid and none exists for the poison sample.
-    report = verify_run(st, out / "faults", deep=True)
+    report = verify(st, out / "faults", deep=True)
     assert report.ok == 11 and not report.problems
     names = {p.stem for p in (out / "faults").rglob("*.safetensors")}
     assert poison["id"] not in names and len(names) == 11
@@ -269,7 +269,7 @@ def test_kill_9_mid_sample_completes_within_60s(
     files = list((out / "kill").rglob("*"))
     assert not [p for p in files if p.name.endswith(".tmp")]
     assert len([p for p in files if p.suffix == ".safetensors"]) == 30
-    assert verify_run(st, out / "kill", deep=True).ok == 30
+    assert verify(st, out / "kill", deep=True).ok == 30
     assert log_events(b.log_path, "recovered_dead_worker_jobs")
 
 

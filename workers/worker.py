@@ -52,6 +52,7 @@ from hsq.store import ChunkJob, RunStore, SampleRef, connect, new_worker_id
 from workers.client import MidRequestFailure, ServerClient
 from workers.lock import DumpDirLock
 from workers.persist import ChunkTracker, Persister, StagedSample
+from workers.rate import RateWindow
 from workers.settings import WorkerSettings
 
 log = structlog.get_logger("hsq.worker")
@@ -69,6 +70,7 @@ class Worker:
         self.state = "starting"
         self.last_sample: str | None = None
         self.counts = {"done": 0, "retried": 0, "dead": 0, "tokens": 0}
+        self.rate = RateWindow(60.0)
         self._stop = threading.Event()
         self._output_error: OutputError | None = None
         self._lock = DumpDirLock(settings.dump_dir)
@@ -161,7 +163,10 @@ class Worker:
         return self.store.nothing_outstanding()
 
     def _info(self) -> dict[str, Any]:
+        samples_s, tokens_s = self.rate.rates()
         return {
+            "samples_per_s": round(samples_s, 3),
+            "tokens_per_s": round(tokens_s, 1),
             "name": self.name,
             "server": self.s.server,
             "state": self.state,
@@ -338,6 +343,7 @@ class Worker:
             newly = self.store.mark_done(sid, entry)
             self.counts["done"] += 1
             self.counts["tokens"] += entry.num_tokens
+            self.rate.add(entry.num_tokens)
             log.info(
                 "sample_done",
                 sample=sid,

@@ -1,0 +1,287 @@
+"""Operating a run through the CLI, as a subprocess, against real Redis and a real run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from hsq.keys import rq_queue_key
+from hsq.procs import ReferenceServer
+from hsq.protocol import fingerprint
+from hsq.synthetic import write_synthetic
+from tests.helpers import hsq, start_worker, store
+
+Factory = Callable[..., ReferenceServer]
+SUMMED = ("done", "queued", "in_progress", "retry", "dead", "missing")
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: Factory) -> ReferenceServer:
+    return server_factory(name="opsrv").wait_ready()
+
+
+@pytest.fixture
+def fresh(server: ReferenceServer) -> ReferenceServer:
+    httpx.delete(server.url + "/admin/faults").raise_for_status()
+    return server
+
+
+def make_run(tmp: Path, run: str, redis_url: str, n: int, *extra: str) -> Path:
+    ds = tmp / f"{run}.jsonl"
+    write_synthetic(ds, n, seed=len(run), min_len=4, max_len=40)
+    hsq(
+        "enqueue",
+        str(ds),
+        "--run",
+        run,
+        "--out",
+        str(tmp / "out"),
+        "--redis",
+        redis_url,
+        "--no-progress",
+        *extra,
+        check=True,
+    )
+    return ds
+
+
+def status(run: str, redis_url: str) -> dict[str, Any]:
+    proc = hsq("status", "--run", run, "--redis", redis_url, "--json", check=True)
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def burst(tmp: Path, run: str, srv: ReferenceServer, redis_url: str, name: str = "w") -> None:
+    w = start_worker(tmp, run, srv, redis_url, "--burst", name=name)
+    assert w.proc.wait(120) == 0, w.log_tail()
+
+
+def test_a_wiped_queue_is_recovered_by_requeue_missing(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    make_run(tmp_path, "wipe", redis_url, 20, "--chunk-size", "3")
+    redis.Redis.from_url(redis_url).delete(rq_queue_key("hsq-wipe"))  # the queue is lost
+    st = status("wipe", redis_url)
+    assert (st["total"], st["queued"], st["missing"], st["done"]) == (20, 0, 20, 0)
+    assert sum(st[k] for k in SUMMED) == st["total"]
+    dry = hsq(
+        "requeue", "--run", "wipe", "--missing", "--dry-run", "--redis", redis_url, check=True
+    )
+    assert "would requeue 20" in dry.stdout
+    assert status("wipe", redis_url)["missing"] == 20
+    assert (
+        "requeued 20"
+        in hsq("requeue", "--run", "wipe", "--missing", "--redis", redis_url, check=True).stdout
+    )
+    # Idempotent: nothing is missing any more.
+    assert (
+        "requeued 0"
+        in hsq("requeue", "--run", "wipe", "--missing", "--redis", redis_url, check=True).stdout
+    )
+    burst(tmp_path, "wipe", fresh, redis_url)
+    st = status("wipe", redis_url)
+    assert st["done"] == 20 and st["missing"] == 0
+
+
+def test_verify_finds_truncated_and_bit_flipped_files_and_repairs_them(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    make_run(tmp_path, "vfy", redis_url, 10)
+    burst(tmp_path, "vfy", fresh, redis_url)
+    root = tmp_path / "out" / "vfy"
+    files = sorted(root.rglob("*.safetensors"))
+    truncated, flipped = files[0], files[1]
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    raw = bytearray(flipped.read_bytes())
+    raw[-3] ^= 0x40  # a bit in the tensor data: the header still reads fine
+    flipped.write_bytes(bytes(raw))
+    orphan = root / "zz" / "stray.safetensors"
+    orphan.parent.mkdir()
+    shutil.copy(files[2], orphan)
+
+    shallow = hsq("verify", "--run", "vfy", "--redis", redis_url, "--no-progress")
+    assert shallow.returncode == 1
+    assert f"corrupt  {truncated.stem}" in shallow.stdout
+    assert "orphan   zz/stray.safetensors" in shallow.stdout
+    deep = hsq("verify", "--run", "vfy", "--redis", redis_url, "--deep", "--no-progress")
+    assert deep.returncode == 1
+    assert f"corrupt  {flipped.stem}: checksum mismatch" in deep.stdout
+    assert "ok 8, missing 0, corrupt 2, orphans 1" in deep.stdout
+
+    fix = hsq(
+        "verify", "--run", "vfy", "--redis", redis_url, "--deep", "--requeue", "--no-progress"
+    )
+    assert "requeued 2 samples" in fix.stdout
+    assert not truncated.exists() and not flipped.exists()
+    st = status("vfy", redis_url)
+    assert (st["done"], st["queued"]) == (8, 2)
+    orphan.unlink()
+    burst(tmp_path, "vfy", fresh, redis_url)
+    final = hsq("verify", "--run", "vfy", "--redis", redis_url, "--deep", "--no-progress")
+    assert final.returncode == 0 and "ok 10, missing 0, corrupt 0, orphans 0" in final.stdout
+    st = status("vfy", redis_url)
+    sizes = sum(p.stat().st_size for p in root.rglob("*.safetensors"))
+    assert st["bytes_done"] == sizes  # totals stayed in step through undo and redo
+
+
+def test_status_numbers_add_up_during_a_live_run(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    make_run(tmp_path, "live", redis_url, 40, "--chunk-size", "4")
+    rules = [{"mode": "stale", "times": 3}, {"mode": "slow", "seconds": 0.15, "prob": 0.5}]
+    httpx.post(fresh.url + "/admin/faults", json={"rules": rules}).raise_for_status()
+    w = start_worker(tmp_path, "live", fresh, redis_url, name="live-w")
+    snapshots = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = status("live", redis_url)
+            snapshots.append(st)
+            if st["done"] == 40:
+                break
+        else:
+            pytest.fail(f"run did not finish: {snapshots[-1]}")
+    finally:
+        w.stop()
+    for st in snapshots:
+        assert set(st) >= {
+            "run",
+            "total",
+            "done",
+            "queued",
+            "in_progress",
+            "retry",
+            "dead",
+            "workers",
+        }
+        assert st["total"] == 40
+        assert sum(st[k] for k in SUMMED) == 40, st
+        assert st["missing"] == 0, st
+    assert any(s["in_progress"] > 0 for s in snapshots)
+    live = [s for s in snapshots if s["workers"]]
+    assert live and live[-1]["workers"][0]["name"] == "live-w"
+    assert live[-1]["workers"][0]["server"] == fresh.url
+    assert any(s["tokens_per_s"] > 0 for s in live)
+    text = hsq("status", "--run", "live", "--redis", redis_url, check=True).stdout
+    assert "40/40 done (100.0%)" in text
+
+
+def test_requeue_failed_by_reason_and_by_sample(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    ds = make_run(tmp_path, "rq", redis_url, 8, "--max-attempts", "2")
+    poison = json.loads(ds.read_text().splitlines()[3])
+    rule = {"mode": "wrong_count", "fingerprint": fingerprint(poison["input_ids"])}
+    httpx.post(fresh.url + "/admin/faults", json={"rules": [rule]}).raise_for_status()
+    burst(tmp_path, "rq", fresh, redis_url)
+    st = status("rq", redis_url)
+    assert st["dead"] == 1 and st["dead_by_reason"] == {"wrong_length": 1}
+    text = hsq("status", "--run", "rq", "--redis", redis_url, check=True).stdout
+    assert "dead letter by reason: wrong_length: 1" in text
+
+    dry = hsq(
+        "requeue",
+        "--run",
+        "rq",
+        "--reason",
+        "wrong_length",
+        "--dry-run",
+        "--redis",
+        redis_url,
+        check=True,
+    )
+    assert "would requeue 1" in dry.stdout and status("rq", redis_url)["dead"] == 1
+    none = hsq("requeue", "--run", "rq", "--reason", "stale_dump", "--redis", redis_url, check=True)
+    assert "selected 0, requeued 0" in none.stdout
+    odd = hsq(
+        "requeue",
+        "--run",
+        "rq",
+        "--sample",
+        "no-such-id",
+        "--sample",
+        json.loads(ds.read_text().splitlines()[0])["id"],
+        "--redis",
+        redis_url,
+        check=True,
+    )
+    assert "unknown sample id: no-such-id" in odd.stdout and "already done" in odd.stdout
+
+    httpx.delete(fresh.url + "/admin/faults").raise_for_status()  # the server is fixed
+    assert (
+        "requeued 1"
+        in hsq("requeue", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
+    )
+    assert (
+        "requeued 0"
+        in hsq("requeue", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
+    )
+    burst(tmp_path, "rq", fresh, redis_url)
+    st = status("rq", redis_url)
+    assert (st["done"], st["dead"]) == (8, 0)
+
+
+def test_runs_purge_and_exit_codes(tmp_path: Path, redis_url: str) -> None:
+    make_run(tmp_path, "old", redis_url, 3)
+    assert "old  done 0/3" in hsq("runs", "--redis", redis_url, check=True).stdout
+    # No terminal to confirm on: purge refuses.
+    refused = subprocess.run(
+        [sys.executable, "-m", "hsq", "purge", "--run", "old", "--redis", redis_url],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert refused.returncode == 1
+    assert (
+        "purged run old"
+        in hsq("purge", "--run", "old", "--yes", "--redis", redis_url, check=True).stdout
+    )
+    assert redis.Redis.from_url(redis_url).keys("hsq:run:old:*") == []
+    gone = hsq("status", "--run", "old", "--redis", redis_url)
+    assert gone.returncode == 2 and "does not exist" in gone.stderr
+    assert hsq("requeue", "--run", "old", "--redis", redis_url).returncode == 2
+    down = hsq("status", "--redis", "redis://127.0.0.1:1/0")
+    assert down.returncode == 3 and "cannot reach Redis" in down.stderr
+    assert "Traceback" not in down.stderr + gone.stderr
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        "enqueue",
+        "worker",
+        "status",
+        "requeue",
+        "verify",
+        "runs",
+        "purge",
+        "demo",
+        "serve-reference",
+    ],
+)
+def test_every_command_has_help_with_an_example(cmd: str) -> None:
+    out = hsq(cmd, "--help", check=True).stdout
+    assert "Example" in out and "hsq " + cmd in out
+
+
+def test_redis_url_comes_from_the_environment(tmp_path: Path, redis_url: str) -> None:
+    make_run(tmp_path, "env", redis_url, 2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsq", "status", "--run", "env", "--json"],
+        capture_output=True,
+        text=True,
+        env={"REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["total"] == 2
+    assert store(redis_url, "env").count(store(redis_url, "env").k.index) == 2
