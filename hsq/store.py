@@ -10,10 +10,12 @@ it is done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,7 +177,7 @@ class RunStore:
 
     def iter_hash_keys(self, key: str) -> Iterator[str]:
         # HSCAN NOVALUES needs Redis 7.4; values are small here.
-        for field, _ in self.r.hscan_iter(key, count=1000):
+        for field, _ in self.r.hscan_iter(key, count=10000):
             yield _s(field)
 
     def count(self, key: str) -> int:
@@ -325,21 +327,11 @@ class RunStore:
                 batch = job_ids[i : i + 500]
                 p = self.r.pipeline(transaction=False)
                 for jid in batch:
-                    p.hgetall(rq_job_key(jid))
-                for jid, raw in zip(batch, p.execute(), strict=True):
-                    for sid in self._job_sample_ids(jid, raw):
+                    p.hget(rq_job_key(jid), "data")
+                for data in p.execute():
+                    for sid in _job_sample_ids(data):
                         out[sid] = place
         return out
-
-    def _job_sample_ids(self, job_id: str, raw: dict[bytes, bytes]) -> list[str]:
-        if not raw:
-            return []  # the job hash vanished: it holds nothing (`requeue --missing` covers it)
-        job = Job(job_id, connection=self.r, serializer=JSONSerializer)
-        try:
-            job.restore(raw)
-            return [str(sid) for sid, _ in job.kwargs.get("samples", [])]
-        except Exception:  # a damaged job hash holds nothing we can trust
-            return []
 
     # ------------------------------------------------------------------ workers
     def register(self, worker_id: str, info: dict[str, Any]) -> None:
@@ -393,6 +385,22 @@ class RunStore:
         if any(self.queue_lengths().values()):
             return False
         return all(self.r.llen(self.k.wip(w)) == 0 for w in self.worker_ids())
+
+
+def _job_sample_ids(data: bytes | None) -> list[str]:
+    """Sample ids from an RQ job's `data` field (zlib-compressed JSON [func, inst, args,
+    kwargs] with the JSON serializer), read without building a Job: status and requeue scan
+    every queued job."""
+    if not data:
+        return []  # the job hash vanished: it holds nothing (`requeue --missing` covers it)
+    try:
+        # RQ stores it uncompressed when compression did not help.
+        with contextlib.suppress(zlib.error):
+            data = zlib.decompress(data)
+        kwargs = json.loads(data)[3]
+        return [str(sid) for sid, _ in kwargs.get("samples", [])]
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError):
+        return []  # a damaged job holds nothing we can trust
 
 
 def _s(value: bytes | str) -> str:
