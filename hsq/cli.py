@@ -261,6 +261,20 @@ def enqueue(
     help="validated dumps waiting for the persist stage (bounds memory)",
 )
 @click.option("--max-server-crashes", default=3, show_default=True, type=int)
+@click.option(
+    "--metrics-port",
+    default=None,
+    type=int,
+    envvar="HSQ_METRICS_PORT",
+    help="serve Prometheus metrics on this port [default: off]",
+)
+@click.option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    envvar="HSQ_METRICS_HOST",
+    help="bind address of the metrics endpoint",
+)
 def worker(
     run: str,
     server: str,
@@ -272,6 +286,8 @@ def worker(
     request_timeout: float,
     persist_depth: int,
     max_server_crashes: int,
+    metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Extract samples of a run through one inference server.
 
@@ -293,6 +309,8 @@ def worker(
         request_timeout_s=request_timeout,
         persist_depth=persist_depth,
         max_server_crashes=max_server_crashes,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     sys.exit(run_worker(settings))
 
@@ -529,6 +547,22 @@ def purge(run: str, redis_url: str, yes: bool) -> None:
         )
     n = do_purge(st)
     click.echo(f"purged run {run}: {n} keys deleted; output files untouched")
+
+
+@cli.command("exporter")
+@_redis_option
+@click.option("--port", default=9640, show_default=True, type=int, envvar="HSQ_EXPORTER_PORT")
+@click.option("--host", default="0.0.0.0", show_default=True, envvar="HSQ_EXPORTER_HOST")
+def exporter(redis_url: str, port: int, host: str) -> None:
+    """Serve queue-level Prometheus metrics for every run in a Redis.
+
+    \b
+    Example:
+      hsq exporter --redis redis://:pw@head:6379/0 --port 9640
+    """
+    from hsq.exporter import run_exporter
+
+    run_exporter(redis_url, host, port)
 
 
 def main() -> None:

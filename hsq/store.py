@@ -163,8 +163,15 @@ class RunStore:
             n += len(buf)
         return n
 
-    def set_totals(self, *, samples: int, tokens: int) -> None:
-        self.r.hset(self.k.stats, mapping={"total_samples": samples, "total_tokens": tokens})
+    def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
+        self.r.hset(
+            self.k.stats,
+            mapping={
+                "total_samples": samples,
+                "total_tokens": tokens,
+                "invalid_lines": invalid_lines,
+            },
+        )
 
     def stats(self) -> dict[str, int]:
         return {_s(k): int(v) for k, v in self.r.hgetall(self.k.stats).items()}

@@ -74,7 +74,9 @@ def enqueue_run(
     if existing is None:
         store.save_config(cfg)
     store.put_index(valid)
-    store.set_totals(samples=len(valid), tokens=sum(e.num_tokens for _, e in valid))
+    store.set_totals(
+        samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
+    )
     for key, err, sid in bad:
         store.to_dead(key, err.reason, f"{err} (id {sid!r})" if sid else str(err), 0, None)
 

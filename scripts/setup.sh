@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv/ with hsq and its dev tools, and installs the system services the tests use.
+# Creates .venv/ with hsq and its dev tools, and installs the system services the tests use
+# (redis-server, prometheus with promtool; Debian packages).
 #   CPU host: the CPU build of torch (TORCH_SPEC, default torch==2.13.0); never a CUDA build.
 #   GPU host (nvidia-smi works and the system python has CUDA torch): the venv sees that torch.
 # TORCH_INDEX=<url> points pip at a CPU wheel index on hosts without a local torch wheel.
@@ -12,6 +13,8 @@ say() { printf '[setup] %s\n' "$*"; }
 
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
+# Prometheus and promtool: the monitoring tests scrape a live run with a real Prometheus.
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || need_apt+=(prometheus)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
     say "missing ${need_apt[*]} and no root: install them, then re-run"; exit 1; fi

@@ -26,6 +26,9 @@ class WorkerSettings:
     """Requests of one sample that may die with the server before it is dead-lettered."""
     reap_interval_s: float = 5.0
     heartbeat_interval_s: float = 2.0
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (None: off)."""
+    metrics_host: str = "0.0.0.0"
 
     def validate(self) -> None:
         if not self.server.startswith(("http://", "https://")):

@@ -51,6 +51,7 @@ from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, RunStore, SampleRef, connect, new_worker_id
 from workers.client import MidRequestFailure, ServerClient
 from workers.lock import DumpDirLock
+from workers.metrics import WorkerMetrics
 from workers.persist import ChunkTracker, Persister, StagedSample
 from workers.rate import RateWindow
 from workers.settings import WorkerSettings
@@ -66,8 +67,9 @@ class Worker:
         settings.validate()
         self.s = settings
         self.id = new_worker_id(settings.name)
-        self.name = settings.name or self.id
-        self.state = "starting"
+        self.name = settings.name or self.id.rsplit(".", 1)[0]
+        self.metrics = WorkerMetrics(settings.run, self.name)
+        self._state = "starting"
         self.last_sample: str | None = None
         self.counts = {"done": 0, "retried": 0, "dead": 0, "tokens": 0}
         self.rate = RateWindow(60.0)
@@ -81,6 +83,16 @@ class Worker:
         self.out_root: Path
         self.expected_model: str | None = None
         self.expected_layers: list[int] | None = None
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if value != self._state:
+            self._state = value
+            self.metrics.set_state(value)
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self, *_args: object) -> None:
@@ -146,6 +158,9 @@ class Worker:
             raise StoreError(f"dataset {self.cfg.dataset} is not readable on this node")
         self.out_root = Path(self.cfg.out) / self.s.run
         self.out_root.mkdir(parents=True, exist_ok=True)
+        self.metrics.out_dir = self.out_root
+        if self.s.metrics_port is not None:
+            self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
         self.expected_model, self.expected_layers = self.cfg.model_id, self.cfg.layer_ids
         self.store.register(self.id, self._info())
         log.info(
@@ -240,6 +255,7 @@ class Worker:
     def _hand_back(self, job: ChunkJob, why: str) -> None:
         self.persister.drain()
         self.store.give_back(self.id, job)
+        self.metrics.handed_back(len(job.samples))
         log.info("job_handed_back", job=job.job_id, why=why)
 
     def _one(self, ref: SampleRef, attempt: int, tracker: ChunkTracker) -> str:
@@ -250,6 +266,7 @@ class Worker:
         except DatasetError as exc:
             self._fail(ref, attempt, exc.reason, str(exc), permanent=True)
             return "failed"
+        self.metrics.add_in_flight(1)
         try:
             staged = self._extract(ref, sample, attempt, tracker)
         except DumpError as exc:
@@ -276,6 +293,9 @@ class Worker:
         except ServerUnavailableError as exc:
             log.warning("server_unavailable", sample=sid, error=str(exc))
             return "server_down"
+        finally:
+            self.metrics.add_in_flight(-1)
+        self.metrics.add_in_flight(1)  # until the persist stage is through with it
         tracker.add()
         self.persister.submit(staged)
         return "submitted"
@@ -315,6 +335,8 @@ class Worker:
         staged = self.staging / rid
         os.rename(path, staged)  # the dump dir is clear: the next prefill may start
         t3 = time.perf_counter()
+        self.metrics.observe("request", t1 - t0)
+        self.metrics.observe("wait_done", t2 - t1)
         timings = {
             "request_ms": (t1 - t0) * 1e3,
             "wait_ms": (t2 - t1) * 1e3,
@@ -328,6 +350,8 @@ class Worker:
         t0 = time.perf_counter()
         try:
             dump = read_dump(item.staged, item.expected)
+            t1 = time.perf_counter()
+            self.metrics.observe("validate", t1 - t0)
             data = encode_output(item.sample, dump, self.s.run)
             rel = output_relpath(sid)
             write_durably(self.out_root / rel, data)
@@ -341,6 +365,8 @@ class Worker:
                 attempt=item.attempt,
             )
             newly = self.store.mark_done(sid, entry)
+            self.metrics.observe("persist", time.perf_counter() - t1)
+            self.metrics.done(entry.num_tokens, entry.bytes)
             self.counts["done"] += 1
             self.counts["tokens"] += entry.num_tokens
             self.rate.add(entry.num_tokens)
@@ -361,6 +387,7 @@ class Worker:
             self._output_error = exc
         finally:
             shutil.rmtree(item.staged, ignore_errors=True)
+            self.metrics.add_in_flight(-1)
             if item.tracker.one_done():  # the request loop closed the chunk: ours to end
                 if self._output_error is None:
                     self.store.finish(self.id, item.tracker.job)
@@ -372,7 +399,9 @@ class Worker:
     ) -> None:
         sid = ref[0]
         attempts = attempt + 1
-        if permanent or reason in PERMANENT or attempts >= self.cfg.max_attempts:
+        dead = permanent or reason in PERMANENT or attempts >= self.cfg.max_attempts
+        self.metrics.failed(reason, dead)
+        if dead:
             self.store.to_dead(sid, reason, message, attempts, self.id)
             self.counts["dead"] += 1
             log.error("sample_dead", sample=sid, reason=reason, attempts=attempts, error=message)
@@ -386,11 +415,13 @@ class Worker:
         delay = 0.25
         while not self._stop.is_set() and not self.client.healthy():
             self.state = "server_down"
+            self.metrics.set_server_up(False)
             log.warning("waiting_for_server", server=self.s.server, retry_in_s=round(delay, 2))
             self._stop.wait(delay)
             delay = min(delay * 2, self.s.backoff_max_s)
         if not self._stop.is_set():
             self.state = "working"
+            self.metrics.set_server_up(True)
 
     def _recover_output(self) -> None:
         self.state = "backing_off"

@@ -1,0 +1,162 @@
+"""Generates dashboards/hsq.json: edit the panels here, run it, commit both.
+
+    python deploy/grafana/build_dashboard.py
+tests/test_monitoring.py checks that the JSON is current and that every query returns data
+from a real Prometheus scraping a live run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+R = 'run=~"$run"'
+RI = "$__rate_interval"
+
+PANELS: list[dict[str, Any]] = [
+    {
+        "title": "Queue depth (jobs)",
+        "unit": "short",
+        "targets": {"{{run}} {{queue}}": f"sum by (run, queue) (hsq_queue_jobs{{{R}}})"},
+    },
+    {
+        "title": "Samples remaining / dead",
+        "unit": "short",
+        "targets": {
+            "{{run}} remaining": f'sum by (run) (hsq_run_samples{{{R}, state="remaining"}})',
+            "{{run}} dead": f'sum by (run) (hsq_run_samples{{{R}, state="dead"}})',
+        },
+    },
+    {
+        "title": "ETA",
+        "type": "stat",
+        "unit": "s",
+        "targets": {
+            "{{run}}": f'(sum by (run) (hsq_run_tokens{{{R}, state="total"}})'
+            f' - sum by (run) (hsq_run_tokens{{{R}, state="done"}}))'
+            f" / sum by (run) (rate(hsq_worker_tokens_total{{{R}}}[10m]))"
+        },
+    },
+    {
+        "title": "Throughput (samples/s)",
+        "unit": "short",
+        "targets": {
+            "{{worker}}": f"sum by (worker) (rate(hsq_worker_samples_total{{{R}, "
+            f'outcome="done"}}[{RI}]))',
+            "total": f'sum(rate(hsq_worker_samples_total{{{R}, outcome="done"}}[{RI}]))',
+        },
+    },
+    {
+        "title": "Throughput (tokens/s)",
+        "unit": "short",
+        "targets": {
+            "{{worker}}": f"sum by (worker) (rate(hsq_worker_tokens_total{{{R}}}[{RI}]))",
+            "total": f"sum(rate(hsq_worker_tokens_total{{{R}}}[{RI}]))",
+        },
+    },
+    {
+        "title": "Output write rate",
+        "unit": "Bps",
+        "targets": {
+            "{{worker}}": f"sum by (worker) (rate(hsq_worker_written_bytes_total{{{R}}}[{RI}]))",
+            "total": f"sum(rate(hsq_worker_written_bytes_total{{{R}}}[{RI}]))",
+        },
+    },
+    {
+        "title": "Failures by reason (per s)",
+        "unit": "short",
+        "targets": {
+            "{{reason}}": f"sum by (reason) (rate(hsq_worker_mismatches_total{{{R}}}[{RI}]))"
+        },
+    },
+    {
+        "title": "Phase latency p50 / p95 / p99",
+        "unit": "s",
+        "targets": {
+            f"{{{{phase}}}} p{q}": f"histogram_quantile(0.{q}, sum by (le, phase) "
+            f"(rate(hsq_worker_phase_seconds_bucket{{{R}}}[{RI}])))"
+            for q in (50, 95, 99)
+        },
+    },
+    {
+        "title": "Workers and servers",
+        "type": "table",
+        "unit": "short",
+        "targets": {
+            "server up": f"max by (worker) (hsq_worker_server_up{{{R}}})",
+            "state": f"max by (worker, state) (hsq_worker_state{{{R}}}) == 1",
+            "in flight": f"max by (worker) (hsq_worker_in_flight_samples{{{R}}})",
+            "seconds since last sample": f"time() - max by (worker) "
+            f"(hsq_worker_last_success_timestamp_seconds{{{R}}})",
+            "scraped": 'up{job="hsq-worker"}',
+        },
+    },
+    {
+        "title": "Output filesystem free",
+        "unit": "bytes",
+        "targets": {"{{worker}}": f"min by (worker) (hsq_worker_output_free_bytes{{{R}}})"},
+    },
+]
+
+
+def panel(i: int, spec: dict[str, Any]) -> dict[str, Any]:
+    kind = spec.get("type", "timeseries")
+    width = 24 if kind == "table" else 12
+    return {
+        "id": i + 1,
+        "type": kind,
+        "title": spec["title"],
+        "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
+        "gridPos": {"h": 8, "w": width, "x": (i % 2) * 12 if width == 12 else 0, "y": (i // 2) * 8},
+        "fieldConfig": {"defaults": {"unit": spec["unit"]}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {
+                "refId": chr(ord("A") + j),
+                "expr": expr,
+                "legendFormat": legend,
+                "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
+                **({"instant": True, "format": "table"} if kind == "table" else {}),
+            }
+            for j, (legend, expr) in enumerate(spec["targets"].items())
+        ],
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "uid": "hsq-overview",
+        "title": "hsq: hidden-state extraction",
+        "tags": ["hsq"],
+        "timezone": "utc",
+        "schemaVersion": 39,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "templating": {
+            "list": [
+                {
+                    "name": "run",
+                    "label": "run",
+                    "type": "query",
+                    "multi": True,
+                    "includeAll": True,
+                    "allValue": ".*",
+                    "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
+                    "query": {"query": "label_values(hsq_run_samples, run)", "refId": "runs"},
+                    "refresh": 2,
+                }
+            ]
+        },
+        "panels": [panel(i, p) for i, p in enumerate(PANELS)],
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "dashboards" / "hsq.json"
+    out.write_text(render())
+    print(f"wrote {out}")

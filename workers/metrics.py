@@ -1,0 +1,125 @@
+"""Worker metrics (prometheus-client), on a registry of the worker's own (no globals).
+
+Labels stay low-cardinality: run, worker (the stable --name), phase, outcome, reason.
+Never a sample id.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+
+# Prefill of 16 tokens on a tiny CPU model to 8k tokens of a large model on a slow server.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+PHASES = ("request", "wait_done", "validate", "persist")
+STATES = ("starting", "working", "idle", "server_down", "backing_off", "stopping")
+
+
+class WorkerMetrics:
+    def __init__(self, run: str, worker: str, out_dir: Path | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"run": run, "worker": worker}
+        self.out_dir = out_dir
+        lab = ["run", "worker"]
+        r = self.registry
+        self.samples = Counter(
+            "hsq_worker_samples",
+            "Samples handled, by outcome (done, retry, dead, handed_back)",
+            [*lab, "outcome"],
+            registry=r,
+        )
+        self.tokens = Counter("hsq_worker_tokens", "Tokens of samples done", lab, registry=r)
+        self.bytes = Counter(
+            "hsq_worker_written_bytes", "Output bytes written durably", lab, registry=r
+        )
+        self.phase = Histogram(
+            "hsq_worker_phase_seconds",
+            "Latency of each phase of a sample",
+            [*lab, "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.mismatches = Counter(
+            "hsq_worker_mismatches", "Failed samples by reason", [*lab, "reason"], registry=r
+        )
+        self.server_up = Gauge(
+            "hsq_worker_server_up", "1 if the worker's inference server is healthy", lab, registry=r
+        )
+        self.in_flight = Gauge(
+            "hsq_worker_in_flight_samples",
+            "Samples between request and done (bounded by --persist-depth + 1)",
+            lab,
+            registry=r,
+        )
+        self.last_success = Gauge(
+            "hsq_worker_last_success_timestamp_seconds",
+            "Unix time of the last sample done",
+            lab,
+            registry=r,
+        )
+        self.state = Gauge(
+            "hsq_worker_state", "1 for the worker's current state", [*lab, "state"], registry=r
+        )
+        self.free = Gauge(
+            "hsq_worker_output_free_bytes", "Free bytes on the output filesystem", lab, registry=r
+        )
+        self.size = Gauge(
+            "hsq_worker_output_size_bytes", "Size of the output filesystem", lab, registry=r
+        )
+        self.free.labels(**self.labels).set_function(lambda: self._disk(free=True))
+        self.size.labels(**self.labels).set_function(lambda: self._disk(free=False))
+        for outcome in ("done", "retry", "dead", "handed_back"):
+            self.samples.labels(**self.labels, outcome=outcome)
+        for phase in PHASES:
+            self.phase.labels(**self.labels, phase=phase)
+        self.tokens.labels(**self.labels)
+        self.bytes.labels(**self.labels)
+        self.set_state("starting")
+
+    def _disk(self, free: bool) -> float:
+        if self.out_dir is None:
+            return float("nan")
+        try:
+            usage = shutil.disk_usage(self.out_dir)
+        except OSError:
+            return float("nan")
+        return float(usage.free if free else usage.total)
+
+    def serve(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    # Hooks the worker calls; each is a few dict lookups.
+    def observe(self, phase: str, seconds: float) -> None:
+        self.phase.labels(**self.labels, phase=phase).observe(seconds)
+
+    def done(self, tokens: int, nbytes: int) -> None:
+        self.samples.labels(**self.labels, outcome="done").inc()
+        self.tokens.labels(**self.labels).inc(tokens)
+        self.bytes.labels(**self.labels).inc(nbytes)
+        self.last_success.labels(**self.labels).set(time.time())
+
+    def failed(self, reason: str, dead: bool) -> None:
+        self.samples.labels(**self.labels, outcome="dead" if dead else "retry").inc()
+        self.mismatches.labels(**self.labels, reason=reason).inc()
+
+    def handed_back(self, n: int) -> None:
+        self.samples.labels(**self.labels, outcome="handed_back").inc(n)
+
+    def set_server_up(self, up: bool) -> None:
+        self.server_up.labels(**self.labels).set(1 if up else 0)
+
+    def set_state(self, state: str) -> None:
+        for s in STATES:
+            self.state.labels(**self.labels, state=s).set(1 if s == state else 0)
+
+    def add_in_flight(self, delta: int) -> None:
+        self.in_flight.labels(**self.labels).inc(delta)
