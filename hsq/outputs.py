@@ -9,6 +9,7 @@ layer_convention, model_id, num_tokens, input_fingerprint.
 
 from __future__ import annotations
 
+import array
 import builtins
 import errno
 import hashlib
@@ -16,15 +17,18 @@ import json
 import os
 import secrets
 import struct
+import sys
+import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hsq.dataset import Sample, check_sample_id
 from hsq.errors import OutputError
 
 if TYPE_CHECKING:
-    from hsq.protocol import Dump
+    from hsq.protocol import DumpMeta, DumpTensors
 
 # torch and safetensors are imported inside the functions that need them, so operator
 # commands (status, requeue, verify without --deep) start in a fraction of a second.
@@ -57,47 +61,75 @@ class ManifestEntry:
         return cls(**json.loads(text))
 
 
-def encode_output(sample: Sample, dump: Dump, run: str) -> bytes:
-    import torch
-    from safetensors.torch import save as st_save
+def _int64_bytes(values: list[int]) -> bytes:
+    arr = array.array("q", values)
+    if sys.byteorder != "little":
+        arr.byteswap()  # safetensors is little-endian
+    return arr.tobytes()
 
-    from hsq.protocol import LAYER_CONVENTION
+
+def write_output(
+    path: Path, sample: Sample, meta: DumpMeta, dump: DumpTensors, run: str
+) -> tuple[int, str]:
+    """Write a sample's training file durably from a validated dump; (bytes, checksum).
+
+    The hidden states are copied file to file in the kernel (copy_file_range), never
+    through Python objects; the crc32 is computed from the dump's mapping on the way.
+    """
+    from hsq import stfile
+    from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION
 
     n = len(sample.input_ids)
     mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-    tensors = {
-        "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
-        "loss_mask": torch.tensor(mask, dtype=torch.int64),
-        "aux_hidden_states": dump.aux_hidden_states,
-        "last_hidden_state": dump.last_hidden_state,
-    }
-    meta = {
+    aux, last = dump.header.tensors[AUX_TENSOR], dump.header.tensors[LAST_TENSOR]
+    metadata = {
         "format": OUTPUT_FORMAT,
         "sample_id": sample.id,
         "run": run,
-        "layer_ids": json.dumps(dump.meta.layer_ids),
+        "layer_ids": json.dumps(meta.layer_ids),
         "layer_convention": LAYER_CONVENTION,
-        "model_id": dump.meta.model.model_id,
+        "model_id": meta.model.model_id,
         "num_tokens": str(n),
-        "input_fingerprint": dump.meta.input_fingerprint,
+        "input_fingerprint": meta.input_fingerprint,
     }
-    return bytes(st_save(tensors, metadata=meta))
+    header = stfile.build_header(
+        [
+            ("input_ids", "I64", [n], 8 * n),
+            ("loss_mask", "I64", [n], 8 * n),
+            (AUX_TENSOR, aux.dtype, aux.shape, aux.nbytes),
+            (LAST_TENSOR, last.dtype, last.shape, last.nbytes),
+        ],
+        metadata,
+    )
+    sources: list[memoryview | bytes | tuple[int, int, int]] = [
+        _int64_bytes(sample.input_ids),
+        _int64_bytes(mask),
+        (dump.fd, aux.start, aux.nbytes),
+        (dump.fd, last.start, last.nbytes),
+    ]
+    nbytes, crc = _durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
+    return nbytes, f"crc32:{crc:08x}"
 
 
-def checksum(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+def file_checksum(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
 
 
-def write_durably(path: Path, data: bytes) -> None:
+T = TypeVar("T")
+
+
+def _durably(path: Path, fill: Callable[[int], T]) -> T:
     """temp file in the same directory, fsync, rename, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            result = fill(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -111,6 +143,7 @@ def write_durably(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         what = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
         raise OutputError(f"cannot write {path}: {what}") from exc
+    return result
 
 
 def read_header(path: Path) -> dict[str, Any]:
@@ -164,8 +197,7 @@ def _deep_check(path: Path, entry: ManifestEntry) -> list[str]:
 
     from hsq.protocol import fingerprint
 
-    data = path.read_bytes()
-    if checksum(data) != entry.checksum:
+    if file_checksum(path) != entry.checksum:
         return ["checksum mismatch"]
     try:
         tensors = load_file(str(path))

@@ -176,7 +176,7 @@ def test_shapes_disagree_with_meta(dump_dir: Path) -> None:
 
 def test_tensor_dtype_disagrees_with_meta(dump_dir: Path) -> None:
     path = make(dump_dir, 1, IDS, "r", dtype="float16")
-    with pytest.raises(errors.CorruptDumpError, match="bfloat16"):
+    with pytest.raises(errors.CorruptDumpError, match="is BF16, meta says float16"):
         read_dump(path, expected_for(IDS, "r"))
 
 

@@ -1,9 +1,9 @@
 """The persist stage: a bounded, single-thread pipeline step behind the request loop.
 
 The request loop moves a validated dump out of the dump dir into staging and submits it
-here; while this thread loads, checks, encodes and durably writes sample N, the server
-already prefills sample N+1. `submit` blocks when `depth` samples wait, so memory stays
-bounded whatever the queue length or dataset size.
+here; while a persist thread checks and durably writes sample N, the server already
+prefills sample N+1. `submit` blocks when `depth` samples wait, so memory and staging space
+stay bounded (depth + threads samples) whatever the queue length or dataset size.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 
 from hsq.dataset import Sample
-from hsq.protocol import Expected
+from hsq.protocol import DumpMeta
 from hsq.store import ChunkJob, SampleRef
 
 log = structlog.get_logger("hsq.worker.persist")
@@ -53,18 +53,27 @@ class StagedSample:
     ref: SampleRef
     sample: Sample
     staged: Path
-    expected: Expected
+    meta: DumpMeta
+    """Already checked against the request (rid, fingerprint, count, layers, model)."""
     attempt: int
     tracker: ChunkTracker
     timings: dict[str, float] = field(default_factory=dict)
 
 
 class Persister:
-    def __init__(self, handle: Callable[[StagedSample], None], depth: int = 2) -> None:
+    def __init__(
+        self, handle: Callable[[StagedSample], None], depth: int = 2, threads: int = 1
+    ) -> None:
         self._handle = handle
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
-        self._thread = threading.Thread(target=self._run, name="persist", daemon=True)
-        self._thread.start()
+        # Several threads overlap one sample's fsync with another's copy and checks; all of
+        # that work releases the GIL.
+        self._threads = [
+            threading.Thread(target=self._run, name=f"persist-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
 
     def submit(self, item: StagedSample) -> None:
         self._queue.put(item)
@@ -74,8 +83,10 @@ class Persister:
         self._queue.join()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
 
     def _run(self) -> None:
         while True:

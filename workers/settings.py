@@ -21,6 +21,7 @@ class WorkerSettings:
     request_timeout_s: float = 600.0
     claim_timeout_s: float = 1.0
     persist_depth: int = 2
+    persist_threads: int = 2
     backoff_max_s: float = 30.0
     max_server_crashes: int = 3
     """Requests of one sample that may die with the server before it is dead-lettered."""
@@ -33,8 +34,10 @@ class WorkerSettings:
     def validate(self) -> None:
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
-        if self.persist_depth < 1 or self.max_server_crashes < 1:
-            raise ConfigError("--persist-depth and --max-server-crashes must be >= 1")
+        if min(self.persist_depth, self.persist_threads, self.max_server_crashes) < 1:
+            raise ConfigError(
+                "--persist-depth, --persist-threads and --max-server-crashes must be >= 1"
+            )
         for name in ("dump_timeout_s", "request_timeout_s", "claim_timeout_s", "backoff_max_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -37,13 +37,13 @@ from hsq.errors import (
     StoreError,
     WrongLengthError,
 )
-from hsq.outputs import ManifestEntry, checksum, encode_output, output_relpath, write_durably
+from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import (
     Expected,
     check_meta,
     clear_dump_dir,
     fingerprint,
-    read_dump,
+    open_dump_tensors,
     read_meta,
     wait_for_dump,
 )
@@ -72,6 +72,7 @@ class Worker:
         self._state = "starting"
         self.last_sample: str | None = None
         self.counts = {"done": 0, "retried": 0, "dead": 0, "tokens": 0}
+        self._counts_lock = threading.Lock()
         self.rate = RateWindow(60.0)
         self._stop = threading.Event()
         self._output_error: OutputError | None = None
@@ -102,7 +103,7 @@ class Worker:
 
     def run(self) -> int:
         self._start()
-        persister = Persister(self._persist, self.s.persist_depth)
+        persister = Persister(self._persist, self.s.persist_depth, self.s.persist_threads)
         self.persister = persister
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
@@ -342,24 +343,27 @@ class Worker:
             "wait_ms": (t2 - t1) * 1e3,
             "stage_ms": (t3 - t2) * 1e3,
         }
-        return StagedSample(ref, sample, staged, expected, attempt, tracker, timings)
+        return StagedSample(ref, sample, staged, meta, attempt, tracker, timings)
 
     def _persist(self, item: StagedSample) -> None:
         """Runs on the persist thread."""
         sid = item.ref[0]
         t0 = time.perf_counter()
         try:
-            dump = read_dump(item.staged, item.expected)
+            tensors = open_dump_tensors(item.staged, item.meta)  # header, shapes, finite
             t1 = time.perf_counter()
             self.metrics.observe("validate", t1 - t0)
-            data = encode_output(item.sample, dump, self.s.run)
             rel = output_relpath(sid)
-            write_durably(self.out_root / rel, data)
+            try:
+                out = self.out_root / rel
+                nbytes, crc = write_output(out, item.sample, item.meta, tensors, self.s.run)
+            finally:
+                tensors.close()
             entry = ManifestEntry(
                 path=rel,
                 num_tokens=len(item.sample.input_ids),
-                bytes=len(data),
-                checksum=checksum(data),
+                bytes=nbytes,
+                checksum=crc,
                 worker=self.id,
                 time=time.time(),
                 attempt=item.attempt,
@@ -367,8 +371,9 @@ class Worker:
             newly = self.store.mark_done(sid, entry)
             self.metrics.observe("persist", time.perf_counter() - t1)
             self.metrics.done(entry.num_tokens, entry.bytes)
-            self.counts["done"] += 1
-            self.counts["tokens"] += entry.num_tokens
+            with self._counts_lock:  # several persist threads
+                self.counts["done"] += 1
+                self.counts["tokens"] += entry.num_tokens
             self.rate.add(entry.num_tokens)
             log.info(
                 "sample_done",
@@ -403,11 +408,13 @@ class Worker:
         self.metrics.failed(reason, dead)
         if dead:
             self.store.to_dead(sid, reason, message, attempts, self.id)
-            self.counts["dead"] += 1
+            with self._counts_lock:
+                self.counts["dead"] += 1
             log.error("sample_dead", sample=sid, reason=reason, attempts=attempts, error=message)
         else:
             self.store.enqueue([[ref]], retry=True, attempt=attempts, reason=reason)
-            self.counts["retried"] += 1
+            with self._counts_lock:
+                self.counts["retried"] += 1
             log.warning("sample_retry", sample=sid, reason=reason, attempt=attempts, error=message)
 
     # ------------------------------------------------------------------ waiting

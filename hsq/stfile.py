@@ -1,0 +1,195 @@
+"""Raw safetensors I/O for the hot paths: header build/parse and GIL-free writes.
+
+The files are ordinary safetensors (an 8-byte little-endian header length, a JSON header,
+then the tensor bytes) that `safetensors.safe_open` reads. Writing from memoryviews with
+os.write and copying between files with copy_file_range keeps Python's GIL released and
+avoids the extra in-memory copy of `safetensors.torch.save`: the dump writer shares its
+process with the model's forward, and the worker's persist threads move gigabytes a second.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CODES: dict[torch.dtype, str] = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+# Exponent bits all set means Inf or NaN; checked on an integer view of the raw bytes.
+_NONFINITE = {
+    "BF16": (torch.int16, 0x7F80),
+    "F16": (torch.int16, 0x7C00),
+    "F32": (torch.int32, 0x7F800000),
+}
+MAX_HEADER = 100 * 2**20
+
+
+class FormatError(ValueError):
+    """Not a well-formed safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    start: int
+    """Absolute offset of the first byte in the file."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    file_size: int
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    arr: Any = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
+
+
+def build_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None
+) -> bytes:
+    """entries: (name, dtype code, shape, nbytes) in file order; returns length + JSON."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_header(fd: int) -> Header:
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        raise FormatError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise FormatError(f"implausible header length {n} for a {size}-byte file")
+    try:
+        raw = json.loads(os.pread(fd, n, 8))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"header is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise FormatError("header is not an object")
+    base = 8 + n
+    meta = raw.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    end = 0
+    for name, spec in sorted(raw.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
+        try:
+            code, shape, (lo, hi) = spec["dtype"], spec["shape"], spec["data_offsets"]
+            want = ITEMSIZE[code] * _prod(shape)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"tensor {name!r}: bad entry {spec!r}") from exc
+        if lo != end or hi - lo != want:
+            raise FormatError(f"tensor {name!r}: offsets {lo}..{hi} do not fit {code}{shape}")
+        end = hi
+        tensors[name] = TensorInfo(name, code, list(shape), base + lo, hi - lo)
+    if base + end != size:
+        raise FormatError(f"file is {size} bytes, header describes {base + end}")
+    return Header(tensors, meta, size)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise ValueError(f"bad dimension {d!r}")
+        n *= d
+    return n
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    while nbytes:
+        n = os.copy_file_range(src, dst, nbytes, offset)
+        if n == 0:
+            raise FormatError("source file ended early")
+        offset += n
+        nbytes -= n
+
+
+def write(
+    fd: int,
+    header: bytes,
+    sources: Sequence[memoryview | bytes | tuple[int, int, int]],
+    *,
+    crc: bool = True,
+    crc_of: mmap.mmap | None = None,
+) -> tuple[int, int]:
+    """Write a header then each source: bytes/memoryview, or (src_fd, offset, nbytes) copied
+    in the kernel (copy_file_range). Returns (bytes written, crc32 of the whole file, or 0
+    without `crc`); copied ranges are read for the crc from `crc_of`, the source's mapping."""
+    value = zlib.crc32(header) if crc else 0
+    _write_all(fd, header)
+    total = len(header)
+    for src in sources:
+        if isinstance(src, tuple):
+            sfd, off, n = src
+            _copy_range(sfd, fd, off, n)
+            if crc:
+                if crc_of is None:
+                    raise ValueError("a copied range needs crc_of, the source file's mapping")
+                value = zlib.crc32(memoryview(crc_of)[off : off + n], value)
+            total += n
+        else:
+            if crc:
+                value = zlib.crc32(src, value)
+            _write_all(fd, src)
+            total += memoryview(src).nbytes
+    return total, value
+
+
+def all_finite(buf: mmap.mmap, info: TensorInfo, chunk_bytes: int = 64 * 2**20) -> bool:
+    """No NaN or Inf, checked on the raw bytes in chunks (bounded temporaries)."""
+    if info.dtype not in _NONFINITE:
+        return True
+    int_dtype, mask = _NONFINITE[info.dtype]
+    item = ITEMSIZE[info.dtype]
+    step = max(item, chunk_bytes - chunk_bytes % item)
+    for off in range(info.start, info.start + info.nbytes, step):
+        n = min(step, info.start + info.nbytes - off)
+        x = torch.frombuffer(buf, dtype=int_dtype, count=n // item, offset=off)
+        if bool(((x & mask) == mask).any()):
+            return False
+    return True
+
+
+def map_file(fd: int) -> mmap.mmap:
+    """A private mapping (writable as far as torch.frombuffer cares; nothing is written)."""
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
