@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint fmt clean demo
+.PHONY: setup test lint fmt clean demo bench
 
 setup:
 	./scripts/setup.sh
@@ -13,6 +13,9 @@ test:
 
 demo:
 	$(VENV)/bin/hsq --log-format console demo
+
+bench:
+	$(PY) bench/pipeline.py
 
 lint:
 	$(VENV)/bin/ruff check .

@@ -260,6 +260,13 @@ def enqueue(
     type=int,
     help="validated dumps waiting for the persist stage (bounds memory)",
 )
+@click.option(
+    "--persist-threads",
+    default=2,
+    show_default=True,
+    type=int,
+    help="threads writing outputs (overlap one sample's fsync with the next's copy)",
+)
 @click.option("--max-server-crashes", default=3, show_default=True, type=int)
 @click.option(
     "--metrics-port",

@@ -9,6 +9,7 @@ process with the model's forward, and the worker's persist threads move gigabyte
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -136,8 +137,20 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
 
 
 def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    """Kernel-side copy at dst's position. copy_file_range refuses some pairs of
+    filesystems (tmpfs dump dir -> ext4/NFS output: EXDEV); sendfile takes any regular file."""
+    use_cfr = True
     while nbytes:
-        n = os.copy_file_range(src, dst, nbytes, offset)
+        try:
+            if use_cfr:
+                n = os.copy_file_range(src, dst, nbytes, offset)
+            else:
+                n = os.sendfile(dst, src, offset, nbytes)
+        except OSError as exc:
+            if use_cfr and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                use_cfr = False
+                continue
+            raise
         if n == 0:
             raise FormatError("source file ended early")
         offset += n

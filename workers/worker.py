@@ -14,6 +14,7 @@ the worker waits for the server. A full output disk is handled the same way.
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -142,7 +143,8 @@ class Worker:
             self._shutdown_store()
             self._lock.release()
             self.client.close()
-            log.info("worker_stopped", worker=self.id, **self.counts)
+            peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            log.info("worker_stopped", worker=self.id, peak_rss_mb=round(peak_mb, 1), **self.counts)
         return 0
 
     def _start(self) -> None:

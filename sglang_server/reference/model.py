@@ -146,10 +146,16 @@ def load_model(
     else:
         cfg_dict = shape_config(source)
         config = LlamaConfig(**cfg_dict)
-        # Weights come from a fixed seed on the CPU, so every process builds the same model.
-        with torch.random.fork_rng(devices=[]):
+        # Weights come from a fixed seed, so every process builds the same model.
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
-            decoder = LlamaModel(config)
+            if dev.type == "cuda":
+                # Initialise on the GPU in the compute dtype: an 8B model's random init on
+                # the CPU takes minutes and 32 GB of host memory.
+                with torch.device(dev):
+                    decoder = LlamaModel._from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            else:
+                decoder = LlamaModel(config)
         name = f"{source}-seed{seed}"
     decoder = decoder.to(device=dev, dtype=dtype).eval()
     num_layers = int(config.num_hidden_layers)

@@ -1,0 +1,96 @@
+"""Server-side dump cost: the reference engine's prefill with dumping vs the bare forward.
+
+In one process, for each length: K forwards of the model alone, then K requests through
+the engine (forward, cast, pinned async device-to-host copy, hand-off to the writer thread,
+which writes the dump while the next forward runs), with the writer drained at the end.
+The ratio is what dumping adds to prefill time.
+
+    python bench/dump_cost.py --model llama-8b --device cuda --lengths 2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hsq.protocol import clear_dump_dir
+from sglang_server.reference.dumper import DumpWriter
+from sglang_server.reference.engine import Engine
+from sglang_server.reference.faults import FaultPlan
+from sglang_server.reference.model import load_model
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lengths", default="512,2048")
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--dump-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = load_model(
+        args.model, device=args.device, dtype=dtype, dump_dtype=torch.bfloat16, layers=None
+    )
+    dump_dir = Path(tempfile.mkdtemp(prefix="hsq-dumpcost-", dir=args.dump_root))
+    writer = DumpWriter(dump_dir, depth=2, fsync=False)
+    engine = Engine(model, writer, FaultPlan(), max_tokens=1 << 20)
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for n in (int(x) for x in args.lengths.split(",")):
+        ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
+        for _ in range(2):  # warm-up: kernels, allocator, pinned host cache
+            model.forward(ids)
+            engine.generate(ids)
+        writer.flush()
+        clear_dump_dir(dump_dir)
+        times = {}
+        for mode in ("forward", "engine", "forward", "engine"):  # interleaved, best of two
+            sync(args.device)
+            t0 = time.perf_counter()
+            for _ in range(args.repeats):
+                if mode == "forward":
+                    model.forward(ids)
+                else:
+                    engine.generate(ids)
+            sync(args.device)
+            writer.flush()
+            dt = (time.perf_counter() - t0) / args.repeats
+            times[mode] = min(times.get(mode, dt), dt)
+            clear_dump_dir(dump_dir)
+        rows.append(
+            {
+                "tokens": n,
+                "forward_ms": round(times["forward"] * 1e3, 2),
+                "with_dump_ms": round(times["engine"] * 1e3, 2),
+                "dump_overhead": round(times["engine"] / times["forward"] - 1, 4),
+                "prefill_tok_s": round(n / times["forward"], 1),
+                "dump_gb_s": round(
+                    n * (len(model.layer_ids) + 1) * model.hidden_size * 2 / times["engine"] / 1e9,
+                    3,
+                ),
+            }
+        )
+    writer.close()
+    print(f"server-side dump cost: {args.model} on {args.device}")
+    print(f"{'tokens':>7} {'forward ms':>11} {'+dump ms':>9} {'overhead':>9} {'prefill tok/s':>14}")
+    for r in rows:
+        print(
+            f"{r['tokens']:>7} {r['forward_ms']:>11} {r['with_dump_ms']:>9} "
+            f"{r['dump_overhead']:>9.2%} {r['prefill_tok_s']:>14,.0f}"
+        )
+    print(json.dumps({"dump_cost": rows, "model": args.model, "device": args.device}))
+
+
+if __name__ == "__main__":
+    main()
