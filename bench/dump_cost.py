@@ -43,11 +43,19 @@ def main() -> None:
         args.model, device=args.device, dtype=dtype, dump_dtype=torch.bfloat16, layers=None
     )
     dump_dir = Path(tempfile.mkdtemp(prefix="hsq-dumpcost-", dir=args.dump_root))
-    writer = DumpWriter(dump_dir, depth=2, fsync=False)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    per_token = (len(model.layer_ids) + 1) * model.hidden_size * 2
+    writer = DumpWriter(
+        dump_dir,
+        depth=2,
+        fsync=False,
+        device=model.device,
+        max_bytes=max(lengths) * per_token + 256,
+    )
     engine = Engine(model, writer, FaultPlan(), max_tokens=1 << 20)
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for n in (int(x) for x in args.lengths.split(",")):
+    for n in lengths:
         ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
         for _ in range(2):  # warm-up: kernels, allocator, pinned host cache
             model.forward(ids)

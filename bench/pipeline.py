@@ -169,6 +169,19 @@ def hsq_run(
     }
 
 
+def server_breakdown(log: Path) -> str:
+    """Medians over the run of the server's own timings (where a request's time goes)."""
+    vals: dict[str, list[float]] = {}
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        e = json.loads(line)
+        for key in ("e2e_ms", "forward_ms", "copy_wait_ms", "write_ms", "queued_ms"):
+            if key in e:
+                vals.setdefault(key, []).append(float(e[key]))
+    return ", ".join(f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in vals.items())
+
+
 def disk_bandwidth(directory: Path, total_mb: int = 512, file_mb: int = 64) -> float:
     """Durable write bandwidth (bytes/s): files written and fsynced one after another."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -234,7 +247,9 @@ def main() -> None:
     ]
     if args.device == "cpu":
         server_args += ["--threads", str(args.server_threads)]
-    server = ReferenceServer(dump_root / "d0", work / "server.log", args=server_args)
+    server = ReferenceServer(
+        dump_root / "d0", work / "server.log", args=server_args, env={"HSQ_LOG_LEVEL": "DEBUG"}
+    )
     try:
         server.wait_ready(timeout=900)
         bare_tok_s = bare(server, samples)
@@ -291,6 +306,7 @@ def main() -> None:
     ]
     for name, value in lines:
         print(f"  {name:<40} {value}")
+    print("  server, median per request:", server_breakdown(work / "server.log"))
     shutil.rmtree(out_root, ignore_errors=True)
     shutil.rmtree(dump_root, ignore_errors=True)
     print(json.dumps(row))

@@ -235,7 +235,14 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         layers=list(settings.layers) if settings.layers else None,
         seed=settings.seed,
     )
-    writer = DumpWriter(settings.dump_dir, depth=settings.writer_depth, fsync=settings.fsync)
+    per_token = (len(model.layer_ids) + 1) * model.hidden_size * model.dump_dtype.itemsize
+    writer = DumpWriter(
+        settings.dump_dir,
+        depth=settings.writer_depth,
+        fsync=settings.fsync,
+        device=model.device,
+        max_bytes=settings.max_tokens * per_token + 256,
+    )
     faults = FaultPlan([FaultRule.parse(f) for f in settings.faults], seed=settings.seed)
     return Engine(
         model,

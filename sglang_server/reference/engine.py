@@ -27,7 +27,7 @@ from hsq.protocol import (
     expected_shapes,
     fingerprint,
 )
-from sglang_server.reference.dumper import DumpPart, DumpWriter, to_host
+from sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
 from sglang_server.reference.faults import FaultPlan, FaultRule
 from sglang_server.reference.model import HiddenStateModel
 
@@ -124,14 +124,15 @@ class Engine:
                 self._crash(index)
             t0 = time.perf_counter()
             captured = self.model.forward(ids)
-            tensors = {AUX_TENSOR: to_host(captured.aux), LAST_TENSOR: to_host(captured.last)}
+            batch = self.writer.to_host({AUX_TENSOR: captured.aux, LAST_TENSOR: captured.last})
+            tensors = batch.tensors
             forward_s = time.perf_counter() - t0
-            parts = self._parts(index, rid, fp, len(ids), tensors, rule)
+            parts = self._parts(index, rid, fp, len(ids), tensors, rule, batch)
             self._counter += len(parts)
             self._previous = (rid, fp)
             self.requests += 1
             # Blocks when the writer is behind: backpressure instead of unbounded memory.
-            self.writer.submit(parts, self.model.device)
+            self.writer.submit(parts, batch)
         return GenerateResult(
             rid=rid,
             prompt_tokens=len(ids),
@@ -170,6 +171,7 @@ class Engine:
         n: int,
         tensors: dict[str, torch.Tensor],
         rule: FaultRule | None,
+        batch: HostBatch,
     ) -> list[DumpPart]:
         mode = rule.mode if rule else None
         if mode == "split" and n >= 2:
@@ -184,8 +186,7 @@ class Engine:
             old_rid, old_fp = self._previous or ("stale-" + uuid.uuid4().hex, "blake2b128:0")
             return [DumpPart(index, self._meta(index, old_rid, old_fp, n), tensors)]
         if mode == "nan":
-            if self.model.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the async copy must land first
+            batch.wait()  # the async copy must land first
             tensors = {k: v.clone() for k, v in tensors.items()}
             tensors[AUX_TENSOR][0, 0] = float("nan")
         part = DumpPart(index, self._meta(index, rid, fp, n), tensors)
