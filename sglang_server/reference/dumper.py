@@ -106,6 +106,11 @@ class DumpWriter:
             ready.record(self._stream)
         return HostBatch(out, ready, buf)
 
+    def release(self, batch: HostBatch) -> None:
+        """Return a batch's buffer without writing it (after `batch.wait()`)."""
+        if batch.buffer is not None:
+            self._free.put(batch.buffer)
+
     def submit(self, parts: list[DumpPart], batch: HostBatch) -> None:
         self._queue.put(_Job(parts, batch))
 
@@ -149,8 +154,7 @@ class DumpWriter:
                     self.errors += 1
                     log.error("dump_write_failed", index=part.index, error=str(exc))
         finally:
-            if job.batch.buffer is not None:
-                self._free.put(job.batch.buffer)
+            self.release(job.batch)
         log.debug(
             "dump_written",
             indices=[p.index for p in job.parts],
