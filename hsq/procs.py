@@ -129,7 +129,13 @@ class RedisServer(ManagedProcess):
     """A private redis-server: free port, its own directory, optional password and AOF."""
 
     def __init__(
-        self, workdir: Path, *, password: str | None = None, appendonly: bool = False
+        self,
+        workdir: Path,
+        *,
+        password: str | None = None,
+        appendonly: bool = False,
+        port: int | None = None,
+        bind: Sequence[str] = ("127.0.0.1",),
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -137,20 +143,22 @@ class RedisServer(ManagedProcess):
                 "redis-server not found: run `make setup` (installs it) or set "
                 "REDIS_URL to an existing Redis"
             )
-        self.port = free_port()
+        self.port = port or free_port()
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [
             binary,
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            *bind,
             "--dir",
             str(workdir),
             "--save",
             "",
             "--appendonly",
             "yes" if appendonly else "no",
+            "--appendfsync",
+            "everysec",
             "--protected-mode",
             "yes",
         ]

@@ -47,6 +47,22 @@ end
 return 0
 """
 
+# Ownership-checked job moves: act only if the job is still in this worker's wip list.
+_FINISH = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+"""
+_GIVE_BACK = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+  redis.call('LPUSH', KEYS[2], ARGV[1])
+  return 1
+end
+return 0
+"""
+
 # Marks a sample done exactly once and keeps the run's totals in step with the done hash.
 _MARK_DONE = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
@@ -116,6 +132,8 @@ class RunStore:
             raise ConfigError(str(exc)) from exc
         self._mark_done = client.register_script(_MARK_DONE)
         self._undo_done = client.register_script(_UNDO_DONE)
+        self._finish = client.register_script(_FINISH)
+        self._give_back = client.register_script(_GIVE_BACK)
         self._queues = {
             name: Queue(name, connection=client, serializer=JSONSerializer)
             for name in (self.k.main_queue, self.k.retry_queue)
@@ -293,18 +311,19 @@ class RunStore:
         samples = [(str(sid), IndexEntry.decode(e)) for sid, e in kw["samples"]]
         return ChunkJob(jid, origin, samples, int(kw.get("attempt", 0)), kw.get("reason"))
 
-    def finish(self, worker_id: str, job: ChunkJob) -> None:
-        p = self.r.pipeline(transaction=False)
-        p.lrem(self.k.wip(worker_id), 1, job.job_id)
-        p.delete(rq_job_key(job.job_id))
-        p.execute()
+    def finish(self, worker_id: str, job: ChunkJob) -> bool:
+        """Drop a finished job. Only while we still hold it: a reaper may have handed it to
+        another worker while we were cut off, and its hash must then stay."""
+        res = self._finish(keys=[self.k.wip(worker_id), rq_job_key(job.job_id)], args=[job.job_id])
+        return bool(res)
 
-    def give_back(self, worker_id: str, job: ChunkJob) -> None:
-        """Put a job back at the front of its queue, untouched (not the sample's fault)."""
-        p = self.r.pipeline(transaction=True)
-        p.lrem(self.k.wip(worker_id), 1, job.job_id)
-        p.lpush(rq_queue_key(job.origin), job.job_id)
-        p.execute()
+    def give_back(self, worker_id: str, job: ChunkJob) -> bool:
+        """Put a job back at the front of its queue, untouched (not the sample's fault);
+        only while we still hold it, so a reaped job is never queued twice."""
+        res = self._give_back(
+            keys=[self.k.wip(worker_id), rq_queue_key(job.origin)], args=[job.job_id]
+        )
+        return bool(res)
 
     def queue_lengths(self) -> dict[str, int]:
         p = self.r.pipeline(transaction=False)

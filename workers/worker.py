@@ -77,6 +77,7 @@ class Worker:
         self.rate = RateWindow(60.0)
         self._stop = threading.Event()
         self._output_error: OutputError | None = None
+        self._redis_error = False
         self._lock = DumpDirLock(settings.dump_dir)
         self.staging = settings.dump_dir / STAGING
         self.client = ServerClient(settings.server, request_timeout=settings.request_timeout_s)
@@ -117,6 +118,9 @@ class Worker:
                     next_reap = time.monotonic() + self.s.reap_interval_s
                 if self._output_error is not None:
                     self._recover_output()
+                    continue
+                if self._redis_error:
+                    self._release_when_redis_back()
                     continue
                 try:
                     job = self.store.claim(self.id, self.s.claim_timeout_s)
@@ -214,9 +218,10 @@ class Worker:
     def _release_when_redis_back(self) -> None:
         """After a Redis error mid-chunk, put every job we hold back in the queue."""
         self.persister.drain()
-        while True:
+        while not self._stop.is_set():
             try:
                 n = self.store.release_wip(self.id)
+                self._redis_error = False
                 log.info("released_jobs_after_redis_error", jobs=n)
                 return
             except redis.exceptions.RedisError as exc:
@@ -253,7 +258,7 @@ class Worker:
                 self._wait_for_server()
                 return
         if tracker.close():
-            self.store.finish(self.id, job)
+            self._end_chunk(job)
 
     def _hand_back(self, job: ChunkJob, why: str) -> None:
         self.persister.drain()
@@ -392,17 +397,41 @@ class Worker:
         except OutputError as exc:
             log.error("output_write_failed", sample=sid, error=str(exc))
             self._output_error = exc
+        except redis.exceptions.RedisError as exc:
+            # The file is durable but not marked done: the chunk goes back once Redis
+            # answers again and the sample is redone (same bytes, one manifest entry).
+            log.error("mark_done_failed", sample=sid, error=str(exc))
+            self._redis_error = True
         finally:
             shutil.rmtree(item.staged, ignore_errors=True)
             self.metrics.add_in_flight(-1)
             if item.tracker.one_done():  # the request loop closed the chunk: ours to end
-                if self._output_error is None:
-                    self.store.finish(self.id, item.tracker.job)
-                else:
-                    self.store.give_back(self.id, item.tracker.job)
+                self._end_chunk(item.tracker.job)
+
+    def _end_chunk(self, job: ChunkJob) -> None:
+        """Finish a chunk from the persist thread (hand it back if a sample failed to land)."""
+        try:
+            if self._output_error is None and not self._redis_error:
+                self.store.finish(self.id, job)
+            else:
+                self.store.give_back(self.id, job)
+        except redis.exceptions.RedisError as exc:
+            log.error("end_chunk_failed", job=job.job_id, error=str(exc))
+            self._redis_error = True  # the request loop releases our jobs once Redis is back
 
     def _fail(
         self, ref: SampleRef, attempt: int, reason: str, message: str, permanent: bool = False
+    ) -> None:
+        try:
+            self._route_failure(ref, attempt, reason, message, permanent)
+        except redis.exceptions.RedisError as exc:
+            # Not recorded: the chunk is handed back (not finished) once Redis answers, and
+            # the sample runs again.
+            log.error("failure_not_recorded", sample=ref[0], reason=reason, error=str(exc))
+            self._redis_error = True
+
+    def _route_failure(
+        self, ref: SampleRef, attempt: int, reason: str, message: str, permanent: bool
     ) -> None:
         sid = ref[0]
         attempts = attempt + 1

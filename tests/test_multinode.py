@@ -1,0 +1,175 @@
+"""Many nodes: Redis outages, and hosts in network namespaces losing their link mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hsq.ops import verify
+from hsq.procs import ManagedProcess, RedisServer, ReferenceServer, free_port
+from hsq.synthetic import write_synthetic
+from tests.helpers import hsq, log_events, start_worker, store, wait_until
+
+Factory = Callable[..., ReferenceServer]
+
+
+def enqueue(ds: Path, run: str, out: Path, url: str, *extra: str) -> None:
+    hsq("enqueue", str(ds), "--run", run, "--out", str(out), "--redis", url, "--no-progress",
+        *extra, check=True)
+
+
+def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
+    tmp_path: Path, server_factory: Factory
+) -> None:
+    srv = server_factory("--fault", "slow:seconds=0.05", name="aofsrv").wait_ready()
+    rdir = tmp_path / "redis"
+    redis1 = RedisServer(rdir, password="pw", appendonly=True).wait_ready()
+    url = redis1.url
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, 60, seed=21, min_len=4, max_len=32)
+    enqueue(ds, "aof", tmp_path / "out", url, "--chunk-size", "4", "--max-attempts", "1")
+    st = store(url, "aof")
+    w = start_worker(tmp_path, "aof", srv, url, "--burst", name="survivor")
+    redis2 = None
+    try:
+        wait_until(lambda: st.count(st.k.done) >= 10, 60, interval=0.05)
+        redis1.signal(signal.SIGKILL)  # a crash, not a clean shutdown
+        redis1.proc.wait(10)
+        time.sleep(8)  # longer than the client's own retries: the worker backs off itself
+        assert w.alive()
+        redis2 = RedisServer(rdir, password="pw", appendonly=True, port=redis1.port).wait_ready()
+        assert w.proc.wait(120) == 0, w.log_tail()
+        st = store(url, "aof")
+        assert st.count(st.k.done) == 60 and st.count(st.k.dead) == 0
+        assert verify(st, tmp_path / "out" / "aof", deep=True).ok == 60
+        assert log_events(w.log_path, "redis_unavailable")
+    finally:
+        w.stop()
+        if redis2 is not None:
+            redis2.stop()
+
+
+class Netns:
+    """Hosts B and C in their own network namespaces, each linked by a veth pair to the
+    root namespace (host A). Created and removed by the test."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.hosts: dict[str, tuple[str, str, str]] = {}  # name -> (ns, root ip, host ip)
+
+    def ip(self, *args: str, ns: str | None = None) -> None:
+        cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    def add(self, name: str, subnet: int) -> None:
+        ns, veth = f"hsq{self.tag}{name}", f"hsq{self.tag}{name}0"
+        root_ip, host_ip = f"10.231.{subnet}.1", f"10.231.{subnet}.2"
+        self.ip("netns", "add", ns)
+        self.hosts[name] = (ns, root_ip, host_ip)
+        self.ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        self.ip("addr", "add", f"{root_ip}/24", "dev", veth)
+        self.ip("link", "set", veth, "up")
+        self.ip("addr", "add", f"{host_ip}/24", "dev", "eth0", ns=ns)
+        self.ip("link", "set", "eth0", "up", ns=ns)
+        self.ip("link", "set", "lo", "up", ns=ns)
+
+    def link(self, name: str, up: bool) -> None:
+        self.ip("link", "set", f"hsq{self.tag}{name}0", "up" if up else "down")
+
+    def exec(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[name][0]]
+
+    def cleanup(self) -> None:
+        for name, (ns, _, _) in self.hosts.items():
+            subprocess.run(["ip", "link", "del", f"hsq{self.tag}{name}0"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def netns() -> Iterator[Netns]:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to create network namespaces")
+    net = Netns(str(os.getpid() % 10000))
+    try:
+        net.add("B", 17)
+        net.add("C", 18)
+    except subprocess.CalledProcessError as exc:
+        net.cleanup()
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    yield net
+    net.cleanup()
+
+
+def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
+    """A: Redis + exporter (root namespace). B, C: a reference server and a worker each."""
+    (_, root_b, _), (_, root_c, _) = netns.hosts["B"], netns.hosts["C"]
+    redis_srv = RedisServer(tmp_path / "redis", password="pw", appendonly=True,
+                            bind=("127.0.0.1", root_b, root_c)).wait_ready()
+    local_url = redis_srv.url
+    exporter = ManagedProcess([sys.executable, "-m", "hsq", "exporter", "--redis", local_url,
+                               "--port", str(free_port()), "--host", "127.0.0.1"],
+                              tmp_path / "exporter.log")
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, 80, seed=31, min_len=4, max_len=32)
+    out = tmp_path / "out"
+    enqueue(ds, "net", out, local_url, "--chunk-size", "4")
+    procs: dict[str, ManagedProcess] = {"exporter": exporter}
+    for host, root_ip in (("B", root_b), ("C", root_c)):
+        port = 30000
+        procs[f"server{host}"] = ManagedProcess(
+            [*netns.exec(host), sys.executable, "-m", "hsq", "serve-reference", "--dump-dir",
+             str(tmp_path / f"dumps{host}"), "--port", str(port), "--threads", "1",
+             "--fault", "slow:seconds=0.1"], tmp_path / f"server{host}.log")
+        procs[f"worker{host}"] = ManagedProcess(
+            [*netns.exec(host), sys.executable, "-m", "hsq", "worker", "--run", "net",
+             "--server", f"http://127.0.0.1:{port}", "--dump-dir", str(tmp_path / f"dumps{host}"),
+             "--redis", f"redis://:pw@{root_ip}:{redis_srv.port}/0", "--name", f"host{host}"],
+            tmp_path / f"worker{host}.log")
+    st = store(local_url, "net")
+    try:
+        wait_until(lambda: bool(log_events(procs["workerB"].log_path, "sample_done")), 90)
+        wait_until(lambda: st.count(st.k.done) >= 20, 90, interval=0.05)
+        assert st.count(st.k.done) < 80
+        netns.link("B", up=False)
+        cut = time.monotonic()
+        # C finishes everything, including what B held when its link went down.
+        wait_until(lambda: st.count(st.k.done) == 80, 120, interval=0.2)
+        recovered_in = time.monotonic() - cut
+        assert recovered_in < 90
+        assert log_events(procs["workerC"].log_path, "recovered_dead_worker_jobs")
+        assert st.count(st.k.dead) == 0
+        done_events = (log_events(procs["workerB"].log_path, "sample_done")
+                       + log_events(procs["workerC"].log_path, "sample_done"))
+        per_sample = Counter(str(e["sample"]) for e in done_events)
+        assert len(per_sample) == 80 and set(per_sample.values()) == {1}  # acknowledged once
+        files = list((out / "net").rglob("*"))
+        assert len([p for p in files if p.suffix == ".safetensors"]) == 80
+        assert not [p for p in files if p.name.endswith(".tmp")]
+        assert verify(st, out / "net", deep=True).ok == 80
+
+        # B comes back and rejoins: it takes work again.
+        netns.link("B", up=True)
+        more = tmp_path / "more.jsonl"
+        write_synthetic(more, 120, seed=31, min_len=4, max_len=32)  # the first 80 are the same
+        ds.write_text(more.read_text())
+        enqueue(ds, "net", out, local_url, "--chunk-size", "2")
+        wait_until(lambda: st.count(st.k.done) == 120, 120, interval=0.2)
+        new_ids = {json.loads(x)["id"] for x in more.read_text().splitlines()[80:]}
+        by_b = [e for e in log_events(procs["workerB"].log_path, "sample_done")
+                if e["sample"] in new_ids]
+        assert by_b, "host B did not rejoin"
+        assert st.count(st.k.dead) == 0
+    finally:
+        for p in procs.values():
+            p.stop()
+        redis_srv.stop()
