@@ -24,8 +24,19 @@ Factory = Callable[..., ReferenceServer]
 
 
 def enqueue(ds: Path, run: str, out: Path, url: str, *extra: str) -> None:
-    hsq("enqueue", str(ds), "--run", run, "--out", str(out), "--redis", url, "--no-progress",
-        *extra, check=True)
+    hsq(
+        "enqueue",
+        str(ds),
+        "--run",
+        run,
+        "--out",
+        str(out),
+        "--redis",
+        url,
+        "--no-progress",
+        *extra,
+        check=True,
+    )
 
 
 def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
@@ -113,12 +124,25 @@ def netns() -> Iterator[Netns]:
 def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
     """A: Redis + exporter (root namespace). B, C: a reference server and a worker each."""
     (_, root_b, _), (_, root_c, _) = netns.hosts["B"], netns.hosts["C"]
-    redis_srv = RedisServer(tmp_path / "redis", password="pw", appendonly=True,
-                            bind=("127.0.0.1", root_b, root_c)).wait_ready()
+    redis_srv = RedisServer(
+        tmp_path / "redis", password="pw", appendonly=True, bind=("127.0.0.1", root_b, root_c)
+    ).wait_ready()
     local_url = redis_srv.url
-    exporter = ManagedProcess([sys.executable, "-m", "hsq", "exporter", "--redis", local_url,
-                               "--port", str(free_port()), "--host", "127.0.0.1"],
-                              tmp_path / "exporter.log")
+    exporter = ManagedProcess(
+        [
+            sys.executable,
+            "-m",
+            "hsq",
+            "exporter",
+            "--redis",
+            local_url,
+            "--port",
+            str(free_port()),
+            "--host",
+            "127.0.0.1",
+        ],
+        tmp_path / "exporter.log",
+    )
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 80, seed=31, min_len=4, max_len=32)
     out = tmp_path / "out"
@@ -127,14 +151,43 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
     for host, root_ip in (("B", root_b), ("C", root_c)):
         port = 30000
         procs[f"server{host}"] = ManagedProcess(
-            [*netns.exec(host), sys.executable, "-m", "hsq", "serve-reference", "--dump-dir",
-             str(tmp_path / f"dumps{host}"), "--port", str(port), "--threads", "1",
-             "--fault", "slow:seconds=0.1"], tmp_path / f"server{host}.log")
+            [
+                *netns.exec(host),
+                sys.executable,
+                "-m",
+                "hsq",
+                "serve-reference",
+                "--dump-dir",
+                str(tmp_path / f"dumps{host}"),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--fault",
+                "slow:seconds=0.1",
+            ],
+            tmp_path / f"server{host}.log",
+        )
         procs[f"worker{host}"] = ManagedProcess(
-            [*netns.exec(host), sys.executable, "-m", "hsq", "worker", "--run", "net",
-             "--server", f"http://127.0.0.1:{port}", "--dump-dir", str(tmp_path / f"dumps{host}"),
-             "--redis", f"redis://:pw@{root_ip}:{redis_srv.port}/0", "--name", f"host{host}"],
-            tmp_path / f"worker{host}.log")
+            [
+                *netns.exec(host),
+                sys.executable,
+                "-m",
+                "hsq",
+                "worker",
+                "--run",
+                "net",
+                "--server",
+                f"http://127.0.0.1:{port}",
+                "--dump-dir",
+                str(tmp_path / f"dumps{host}"),
+                "--redis",
+                f"redis://:pw@{root_ip}:{redis_srv.port}/0",
+                "--name",
+                f"host{host}",
+            ],
+            tmp_path / f"worker{host}.log",
+        )
     st = store(local_url, "net")
     try:
         wait_until(lambda: bool(log_events(procs["workerB"].log_path, "sample_done")), 90)
@@ -148,8 +201,9 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         assert recovered_in < 90
         assert log_events(procs["workerC"].log_path, "recovered_dead_worker_jobs")
         assert st.count(st.k.dead) == 0
-        done_events = (log_events(procs["workerB"].log_path, "sample_done")
-                       + log_events(procs["workerC"].log_path, "sample_done"))
+        done_events = log_events(procs["workerB"].log_path, "sample_done") + log_events(
+            procs["workerC"].log_path, "sample_done"
+        )
         per_sample = Counter(str(e["sample"]) for e in done_events)
         assert len(per_sample) == 80 and set(per_sample.values()) == {1}  # acknowledged once
         files = list((out / "net").rglob("*"))
@@ -165,8 +219,11 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         enqueue(ds, "net", out, local_url, "--chunk-size", "2")
         wait_until(lambda: st.count(st.k.done) == 120, 120, interval=0.2)
         new_ids = {json.loads(x)["id"] for x in more.read_text().splitlines()[80:]}
-        by_b = [e for e in log_events(procs["workerB"].log_path, "sample_done")
-                if e["sample"] in new_ids]
+        by_b = [
+            e
+            for e in log_events(procs["workerB"].log_path, "sample_done")
+            if e["sample"] in new_ids
+        ]
         assert by_b, "host B did not rejoin"
         assert st.count(st.k.dead) == 0
     finally:
