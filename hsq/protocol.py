@@ -187,7 +187,7 @@ def write_dump(
     final = dump_dir / f"{DUMP_PREFIX}{index}"
     tmp.mkdir(parents=False, exist_ok=False)
     entries = [
-        (k, stfile.CODES[v.dtype], list(v.shape), v.numel() * v.element_size())
+        (k, stfile.dtype_code(v.dtype), list(v.shape), v.numel() * v.element_size())
         for k, v in tensors.items()
     ]
     fd = os.open(tmp / TENSOR_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -392,7 +392,7 @@ def open_dump_tensors(path: Path, meta: DumpMeta, *, check_finite: bool = True) 
         raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc}") from exc
     dt = DumpTensors(fd, mm, header)
     try:
-        code = stfile.CODES[DTYPES[meta.dtype]]
+        code = stfile.dtype_code(DTYPES[meta.dtype])
         if set(header.tensors) != set(meta.tensors):
             raise CorruptDumpError(
                 f"{path.name}: tensors {sorted(header.tensors)}, meta {sorted(meta.tensors)}"

@@ -18,27 +18,33 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-CODES: dict[torch.dtype, str] = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
+# torch is imported where tensors are touched, so header reads stay cheap for operator
+# commands (`hsq verify` reads 100k headers).
+_CODE_NAMES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
 }
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype (BF16, F32, ...)."""
+    return _CODE_NAMES[str(dtype).removeprefix("torch.")]
+
+
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 # Exponent bits all set means Inf or NaN; checked on an integer view of the raw bytes.
-_NONFINITE = {
-    "BF16": (torch.int16, 0x7F80),
-    "F16": (torch.int16, 0x7C00),
-    "F32": (torch.int32, 0x7F800000),
-}
+_NONFINITE = {"BF16": ("int16", 0x7F80), "F16": ("int16", 0x7C00), "F32": ("int32", 0x7F800000)}
 MAX_HEADER = 100 * 2**20
 
 
@@ -65,6 +71,8 @@ class Header:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    import torch
+
     arr: Any = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr)
 
@@ -219,9 +227,12 @@ def _pwrite_all(fd: int, data: memoryview | bytes, at: int) -> None:
 
 def all_finite(buf: mmap.mmap, info: TensorInfo, chunk_bytes: int = 64 * 2**20) -> bool:
     """No NaN or Inf, checked on the raw bytes in chunks (bounded temporaries)."""
+    import torch
+
     if info.dtype not in _NONFINITE:
         return True
-    int_dtype, mask = _NONFINITE[info.dtype]
+    int_name, mask = _NONFINITE[info.dtype]
+    int_dtype = getattr(torch, int_name)
     item = ITEMSIZE[info.dtype]
     step = max(item, chunk_bytes - chunk_bytes % item)
     for off in range(info.start, info.start + info.nbytes, step):

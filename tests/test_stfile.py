@@ -15,7 +15,7 @@ from hsq import stfile
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
     entries = [
-        (k, stfile.CODES[v.dtype], list(v.shape), v.numel() * v.element_size())
+        (k, stfile.dtype_code(v.dtype), list(v.shape), v.numel() * v.element_size())
         for k, v in tensors.items()
     ]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
