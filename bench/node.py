@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,15 @@ import torch
 
 from bench.pipeline import bare, disk_bandwidth, load_samples
 from hsq.demo import redis_calls
-from hsq.procs import ManagedProcess, RedisServer, ReferenceServer, free_port, wait_http_ok
+from hsq.procs import (
+    ManagedProcess,
+    RedisServer,
+    ReferenceServer,
+    exporter_process,
+    free_port,
+    wait_http_ok,
+    worker_process,
+)
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
 from hsq.synthetic import write_synthetic
@@ -78,29 +85,19 @@ def hsq_phase(
     enqueue_run(store, RunConfig(run=run, dataset=str(ds), out=str(out)), progress=False)
     c0, cpu0, t0 = redis_calls(client), redis_cpu(client), time.perf_counter()
     workers = [
-        ManagedProcess(
-            [
-                sys.executable,
-                "-m",
-                "hsq",
-                "worker",
-                "--run",
-                run,
-                "--server",
-                s.url,
-                "--dump-dir",
-                str(s.dump_dir),
-                "--redis",
-                redis_url,
-                "--burst",
-                "--name",
-                f"gpu{i}",
-                "--metrics-port",
-                str(metrics_ports[i]),
-                "--metrics-host",
-                "127.0.0.1",
-            ],
+        worker_process(
+            run,
+            s.url,
+            s.dump_dir,
+            redis_url,
             work / f"{run}-w{i}.log",
+            "--burst",
+            "--name",
+            f"gpu{i}",
+            "--metrics-port",
+            str(metrics_ports[i]),
+            "--metrics-host",
+            "127.0.0.1",
         )
         for i, s in enumerate(servers[:n])
     ]
@@ -216,21 +213,7 @@ def main() -> None:
         work / "redis", password=secrets.token_hex(8), appendonly=True
     ).wait_ready()
     eport = free_port()
-    exporter = ManagedProcess(
-        [
-            sys.executable,
-            "-m",
-            "hsq",
-            "exporter",
-            "--redis",
-            redis_srv.url,
-            "--port",
-            str(eport),
-            "--host",
-            "127.0.0.1",
-        ],
-        work / "exp.log",
-    )
+    exporter = exporter_process(redis_srv.url, eport, work / "exp.log")
     servers = [
         ReferenceServer(
             dumps / f"d{i}",

@@ -23,7 +23,6 @@ import os
 import platform
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import httpx
 
 from hsq.dataset import read_sample, scan_dataset
 from hsq.demo import redis_calls
-from hsq.procs import ManagedProcess, RedisServer, ReferenceServer
+from hsq.procs import RedisServer, ReferenceServer, worker_process
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, wait_for_dump
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
@@ -119,25 +118,15 @@ def hsq_run(
     enqueue_run(store, RunConfig(run=run, dataset=str(ds), out=str(out)), progress=False)
     c0 = redis_calls(client)
     log = work / f"worker-{run}.log"
-    w = ManagedProcess(
-        [
-            sys.executable,
-            "-m",
-            "hsq",
-            "worker",
-            "--run",
-            run,
-            "--server",
-            server.url,
-            "--dump-dir",
-            str(server.dump_dir),
-            "--redis",
-            redis_url,
-            "--burst",
-            "--persist-threads",
-            str(persist_threads),
-        ],
+    w = worker_process(
+        run,
+        server.url,
+        server.dump_dir,
+        redis_url,
         log,
+        "--burst",
+        "--persist-threads",
+        str(persist_threads),
     )
     rc = w.proc.wait(3600)
     calls = redis_calls(client) - c0 - 1

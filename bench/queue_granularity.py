@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from hsq.demo import redis_calls
-from hsq.procs import ManagedProcess, RedisServer, ReferenceServer
+from hsq.procs import RedisServer, ReferenceServer, worker_process
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
 from hsq.synthetic import write_synthetic
@@ -51,23 +50,8 @@ def main() -> None:
             )
             c0 = redis_calls(client)
             t0 = time.perf_counter()
-            w = ManagedProcess(
-                [
-                    sys.executable,
-                    "-m",
-                    "hsq",
-                    "worker",
-                    "--run",
-                    run,
-                    "--server",
-                    server.url,
-                    "--dump-dir",
-                    str(server.dump_dir),
-                    "--redis",
-                    redis_srv.url,
-                    "--burst",
-                ],
-                work / f"w{size}.log",
+            w = worker_process(
+                run, server.url, server.dump_dir, redis_srv.url, work / f"w{size}.log", "--burst"
             )
             rc = w.proc.wait(600)
             elapsed = time.perf_counter() - t0

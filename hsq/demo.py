@@ -18,7 +18,7 @@ import redis
 from tqdm import tqdm
 
 from hsq.ops import verify
-from hsq.procs import ManagedProcess, RedisServer, ReferenceServer
+from hsq.procs import RedisServer, ReferenceServer, worker_process
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
 from hsq.synthetic import write_synthetic
@@ -59,25 +59,15 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
         calls0 = redis_calls(store.r)
         polls = 0
         t0 = time.perf_counter()
-        worker = ManagedProcess(
-            [
-                sys.executable,
-                "-m",
-                "hsq",
-                "worker",
-                "--run",
-                run,
-                "--server",
-                server.url,
-                "--dump-dir",
-                str(server.dump_dir),
-                "--redis",
-                redis_url,
-                "--burst",
-                "--name",
-                "demo-w0",
-            ],
+        worker = worker_process(
+            run,
+            server.url,
+            server.dump_dir,
+            redis_url,
             work / "worker-0.log",
+            "--burst",
+            "--name",
+            "demo-w0",
         )
         stack.callback(worker.stop)
         with tqdm(

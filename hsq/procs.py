@@ -22,6 +22,11 @@ import httpx
 from hsq.errors import ConfigError, HsqError
 
 
+def hsq_command(*args: str) -> list[str]:
+    """`hsq ARGS...` run by this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "hsq", *args]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -184,3 +189,35 @@ class RedisServer(ManagedProcess):
             finally:
                 client.close()
         raise HsqError(f"redis-server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+
+def worker_process(
+    run: str,
+    server_url: str,
+    dump_dir: Path,
+    redis_url: str,
+    log_path: Path,
+    *extra: str,
+    prefix: Sequence[str] = (),
+) -> ManagedProcess:
+    """`hsq worker` for one server; `prefix` runs it elsewhere (e.g. `ip netns exec NS`)."""
+    argv = hsq_command(
+        "worker",
+        "--run",
+        run,
+        "--server",
+        server_url,
+        "--dump-dir",
+        str(dump_dir),
+        "--redis",
+        redis_url,
+        *extra,
+    )
+    return ManagedProcess([*prefix, *argv], log_path)
+
+
+def exporter_process(redis_url: str, port: int, log_path: Path) -> ManagedProcess:
+    return ManagedProcess(
+        hsq_command("exporter", "--redis", redis_url, "--port", str(port), "--host", "127.0.0.1"),
+        log_path,
+    )

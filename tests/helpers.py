@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hsq.procs import ManagedProcess, ReferenceServer
+from hsq.procs import ManagedProcess, ReferenceServer, worker_process
 from hsq.store import RunStore, connect
 
 
@@ -28,24 +28,9 @@ def hsq(*args: str, timeout: float = 120, check: bool = False) -> subprocess.Com
 def start_worker(
     base: Path, run: str, server: ReferenceServer, redis_url: str, *extra: str, name: str = "w"
 ) -> ManagedProcess:
-    argv = [
-        sys.executable,
-        "-m",
-        "hsq",
-        "worker",
-        "--run",
-        run,
-        "--server",
-        server.url,
-        "--dump-dir",
-        str(server.dump_dir),
-        "--redis",
-        redis_url,
-        "--name",
-        name,
-        *extra,
-    ]
-    return ManagedProcess(argv, base / f"{name}.log")
+    return worker_process(
+        run, server.url, server.dump_dir, redis_url, base / f"{name}.log", "--name", name, *extra
+    )
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.2) -> float:

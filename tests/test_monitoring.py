@@ -16,7 +16,14 @@ import httpx
 import pytest
 import yaml
 
-from hsq.procs import ManagedProcess, ReferenceServer, free_port, wait_http_ok
+from hsq.procs import (
+    ManagedProcess,
+    ReferenceServer,
+    exporter_process,
+    free_port,
+    wait_http_ok,
+    worker_process,
+)
 from hsq.synthetic import write_synthetic
 from tests.helpers import hsq, store, wait_until
 
@@ -188,44 +195,20 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
     )
     wport, eport = free_port(), free_port()
     prom = prometheus(wport, eport)  # first, so it scrapes the whole run
-    worker = ManagedProcess(
-        [
-            sys.executable,
-            "-m",
-            "hsq",
-            "worker",
-            "--run",
-            "mon",
-            "--server",
-            srv.url,
-            "--dump-dir",
-            str(srv.dump_dir),
-            "--redis",
-            redis_url,
-            "--name",
-            "mon-w",
-            "--metrics-port",
-            str(wport),
-            "--metrics-host",
-            "127.0.0.1",
-        ],
+    worker = worker_process(
+        "mon",
+        srv.url,
+        srv.dump_dir,
+        redis_url,
         tmp_path / "worker.log",
+        "--name",
+        "mon-w",
+        "--metrics-port",
+        str(wport),
+        "--metrics-host",
+        "127.0.0.1",
     )
-    exporter = ManagedProcess(
-        [
-            sys.executable,
-            "-m",
-            "hsq",
-            "exporter",
-            "--redis",
-            redis_url,
-            "--port",
-            str(eport),
-            "--host",
-            "127.0.0.1",
-        ],
-        tmp_path / "exporter.log",
-    )
+    exporter = exporter_process(redis_url, eport, tmp_path / "exporter.log")
     try:
         wait_http_ok(f"http://127.0.0.1:{eport}/metrics", exporter, timeout=60)
         wait_http_ok(f"http://127.0.0.1:{wport}/metrics", worker, timeout=60)

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -16,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from hsq.ops import verify
-from hsq.procs import ManagedProcess, RedisServer, ReferenceServer, free_port
+from hsq.procs import (
+    ManagedProcess,
+    RedisServer,
+    ReferenceServer,
+    exporter_process,
+    free_port,
+    hsq_command,
+    worker_process,
+)
 from hsq.synthetic import write_synthetic
 from tests.helpers import hsq, log_events, start_worker, store, wait_until
 
@@ -128,21 +135,7 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         tmp_path / "redis", password="pw", appendonly=True, bind=("127.0.0.1", root_b, root_c)
     ).wait_ready()
     local_url = redis_srv.url
-    exporter = ManagedProcess(
-        [
-            sys.executable,
-            "-m",
-            "hsq",
-            "exporter",
-            "--redis",
-            local_url,
-            "--port",
-            str(free_port()),
-            "--host",
-            "127.0.0.1",
-        ],
-        tmp_path / "exporter.log",
-    )
+    exporter = exporter_process(local_url, free_port(), tmp_path / "exporter.log")
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 80, seed=31, min_len=4, max_len=32)
     out = tmp_path / "out"
@@ -153,40 +146,29 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         procs[f"server{host}"] = ManagedProcess(
             [
                 *netns.exec(host),
-                sys.executable,
-                "-m",
-                "hsq",
-                "serve-reference",
-                "--dump-dir",
-                str(tmp_path / f"dumps{host}"),
-                "--port",
-                str(port),
-                "--threads",
-                "1",
-                "--fault",
-                "slow:seconds=0.1",
+                *hsq_command(
+                    "serve-reference",
+                    "--dump-dir",
+                    str(tmp_path / f"dumps{host}"),
+                    "--port",
+                    str(port),
+                    "--threads",
+                    "1",
+                    "--fault",
+                    "slow:seconds=0.1",
+                ),
             ],
             tmp_path / f"server{host}.log",
         )
-        procs[f"worker{host}"] = ManagedProcess(
-            [
-                *netns.exec(host),
-                sys.executable,
-                "-m",
-                "hsq",
-                "worker",
-                "--run",
-                "net",
-                "--server",
-                f"http://127.0.0.1:{port}",
-                "--dump-dir",
-                str(tmp_path / f"dumps{host}"),
-                "--redis",
-                f"redis://:pw@{root_ip}:{redis_srv.port}/0",
-                "--name",
-                f"host{host}",
-            ],
+        procs[f"worker{host}"] = worker_process(
+            "net",
+            f"http://127.0.0.1:{port}",
+            tmp_path / f"dumps{host}",
+            f"redis://:pw@{root_ip}:{redis_srv.port}/0",
             tmp_path / f"worker{host}.log",
+            "--name",
+            f"host{host}",
+            prefix=netns.exec(host),
         )
     st = store(local_url, "net")
     try:
