@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint fmt clean demo bench
+.PHONY: setup test lint fmt clean demo bench sglang-sources
 
 setup:
 	./scripts/setup.sh
@@ -16,6 +16,9 @@ demo:
 
 bench:
 	$(PY) bench/pipeline.py
+
+sglang-sources:
+	./scripts/fetch_sglang_sources.sh
 
 lint:
 	$(VENV)/bin/ruff check .

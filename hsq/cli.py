@@ -574,6 +574,78 @@ def exporter(redis_url: str, port: int, host: str) -> None:
     run_exporter(redis_url, host, port)
 
 
+@cli.command(
+    "launch-sglang",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option("--model-path", required=True)
+@click.option(
+    "--dump-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    envvar="SGLANG_HS_DUMP_DIR",
+    help="the dump dir the worker owns (node-local tmpfs)",
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="EAGLE-3 aux layer ids as the drafter config names them [default: SGLang's]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--tp", "tp_size", default=1, show_default=True, type=int)
+@click.option(
+    "--sglang-version",
+    default=None,
+    help="[default: the installed one] decides plugin (>= 0.5.11) or launcher",
+)
+@click.option("--print-only", is_flag=True, help="print the command, start nothing")
+@click.option("--start-timeout", default=1800.0, show_default=True, type=float)
+@click.pass_context
+def launch_sglang(
+    ctx: click.Context,
+    model_path: str,
+    dump_dir: Path,
+    layers: str | None,
+    host: str,
+    port: int,
+    tp_size: int,
+    sglang_version: str | None,
+    print_only: bool,
+    start_timeout: float,
+) -> None:
+    """Start a stock SGLang server that dumps hidden states, then check its /server_info.
+
+    Sets the required flags (--disable-radix-cache, prefill CUDA graphs off) and the hook's
+    environment; extra arguments go to SGLang unchanged. Exits 2 if the running server's
+    settings would produce wrong dumps (docs/sglang.md).
+
+    \b
+    Example:
+      hsq launch-sglang --model-path /models/kimi-k2.5 --tp 8 --dump-dir /dev/shm/hsq0
+    """
+    import shlex
+
+    from sglang_server.sglang_hook.launcher import run_checked
+
+    sys.exit(
+        run_checked(
+            model_path=model_path,
+            dump_dir=dump_dir,
+            layers=_layers(layers),
+            host=host,
+            port=port,
+            tp_size=tp_size,
+            sglang_version=sglang_version,
+            extra=list(ctx.args),
+            print_only=print_only,
+            start_timeout=start_timeout,
+            echo=click.echo,
+            quote=shlex.join,
+        )
+    )
+
+
 def main() -> None:
     import redis
 

@@ -54,4 +54,6 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" >"$constraints"
 say "installing hsq (editable) with dev tools"
 "${pip[@]}" install -q -c "$constraints" -e '.[dev]'
+say "fetching pinned SGLang wheels (read as source by tests/test_sglang_conformance.py)"
+./scripts/fetch_sglang_sources.sh
 say "done: torch $torch_version, $(.venv/bin/hsq --version)"

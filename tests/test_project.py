@@ -42,3 +42,33 @@ def test_readme_links_resolve() -> None:
         if "](docs/" in line:
             target = line.split("](", 1)[1].split(")", 1)[0]
             assert (ROOT / target).exists(), target
+
+
+def test_launch_sglang_prints_the_plugin_or_launcher_command_and_refuses_bad_flags() -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hsq",
+                "launch-sglang",
+                "--model-path",
+                "/m",
+                "--dump-dir",
+                "/tmp/hsq-dd",
+                "--print-only",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+        )
+
+    new = run("--sglang-version", "0.5.23", "--tp", "8")
+    assert new.returncode == 0
+    assert "-m sglang.launch_server" in new.stdout and "--disable-radix-cache" in new.stdout
+    assert "SGLANG_HS_DUMP_DIR=/tmp/hsq-dd" in new.stdout and "--tp-size 8" in new.stdout
+    old = run("--sglang-version", "0.5.9")
+    assert old.returncode == 0 and "-m sglang_server.sglang_hook.launch" in old.stdout
+    bad = run("--sglang-version", "0.5.23", "--", "--enable-dp-attention")
+    assert bad.returncode == 2 and "not supported" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,133 @@
+"""Collects the chunks of one request (chunked prefill) until its prompt is complete.
+
+A request must arrive as contiguous chunks starting at token 0. Anything else (a radix
+cache hit skipped a prefix, a chunk was lost, chunks came out of order) marks it broken:
+nothing is written for it, because a dump with a hole would pass every shape check.
+The client then sees no dump and retries. Requests that never finish (aborted, client
+gone) are evicted after a timeout so their chunks do not pin host memory forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_server.sglang_hook.plan import PlanEntry
+
+log = logging.getLogger("hsq.sglang_hook")
+
+
+@dataclass
+class Chunk:
+    """Host copies of one request's rows of one forward."""
+
+    entry: PlanEntry
+    input_ids: torch.Tensor
+    """[n] token ids the forward computed: the fingerprint is taken from these."""
+    last: torch.Tensor
+    """[n, H] final hidden state after the model's norm."""
+    aux: list[torch.Tensor]
+    """Pieces [n, w] of the aux states in layer order; their widths sum to k*H."""
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.input_ids, self.last, *self.aux]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+@dataclass
+class Complete:
+    rid: str
+    chunks: list[Chunk]
+
+    def assemble(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [T], aux [T, k*H], last [T, H]) from the chunks, in token order."""
+        first = self.chunks[0]
+        if len(self.chunks) == 1 and len(first.aux) == 1:
+            return first.input_ids, first.aux[0].contiguous(), first.last.contiguous()
+        total = sum(c.last.shape[0] for c in self.chunks)
+        width = sum(p.shape[1] for p in first.aux)
+        aux = torch.empty((total, width), dtype=first.last.dtype)
+        last = torch.empty((total, first.last.shape[1]), dtype=first.last.dtype)
+        for c in self.chunks:
+            rows = slice(c.entry.prefix_len, c.entry.prefix_len + c.last.shape[0])
+            last[rows] = c.last
+            col = 0
+            for part in c.aux:
+                aux[rows, col : col + part.shape[1]] = part
+                col += part.shape[1]
+        ids = torch.cat([c.input_ids for c in self.chunks])
+        return ids, aux, last
+
+
+@dataclass
+class _Open:
+    chunks: list[Chunk] = field(default_factory=list)
+    rows: int = 0
+    broken: bool = False
+    last_seen: float = 0.0
+
+
+class Accumulator:
+    """Per-rid chunk state. Used by the writer thread only: no locking."""
+
+    def __init__(self, evict_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.evict_after_s = evict_after_s
+        self._clock = clock
+        self._open: dict[str, _Open] = {}
+        self.broken = 0
+        self.evicted = 0
+
+    @property
+    def open_rids(self) -> list[str]:
+        return [rid for rid, s in self._open.items() if not s.broken]
+
+    @property
+    def broken_rids(self) -> list[str]:
+        return [rid for rid, s in self._open.items() if s.broken]
+
+    def add(self, chunk: Chunk) -> Complete | None:
+        e = chunk.entry
+        now = self._clock()
+        state = self._open.get(e.rid)
+        if state is None:
+            state = self._open[e.rid] = _Open()
+        state.last_seen = now
+        if not state.broken and e.prefix_len != state.rows:
+            # Out of order, a gap or a cached prefix: the dump would have a hole.
+            self._break(e, state, f"chunk starts at token {e.prefix_len}, expected {state.rows}")
+        if state.broken:
+            # Kept as a tombstone until evicted, so a late earlier chunk cannot reopen it.
+            return None
+        state.chunks.append(chunk)
+        state.rows += e.extend_len
+        if state.rows < e.total_len:
+            return None
+        del self._open[e.rid]
+        return Complete(e.rid, state.chunks)
+
+    def _break(self, e: PlanEntry, state: _Open, why: str) -> None:
+        state.broken = True
+        state.chunks.clear()  # free the host memory now
+        self.broken += 1
+        log.error("hs_dump: request %s is broken and will not be dumped: %s", e.rid, why)
+
+    def evict(self) -> list[str]:
+        """Drop requests not seen for ``evict_after_s`` (aborted or abandoned)."""
+        now = self._clock()
+        stale = [r for r, s in self._open.items() if now - s.last_seen >= self.evict_after_s]
+        for rid in stale:
+            state = self._open.pop(rid)
+            if not state.broken:
+                self.evicted += 1
+                log.warning(
+                    "hs_dump: evicted unfinished request %s after %.0fs (%d of its tokens seen)",
+                    rid,
+                    self.evict_after_s,
+                    state.rows,
+                )
+        return stale

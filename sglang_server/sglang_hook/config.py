@@ -1,0 +1,94 @@
+"""The hook's settings, read once from the environment of each SGLang process.
+
+Environment, not flags: SGLang's argument parser rejects flags it does not know, and the
+environment reaches every spawned scheduler process unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_server.sglang_hook.layers import parse_layer_ids
+
+ENV_PREFIX = "SGLANG_HS_"
+ENV_DUMP_DIR = "SGLANG_HS_DUMP_DIR"
+ENV_LAYER_IDS = "SGLANG_HS_LAYER_IDS"
+ENV_RID_PREFIX = "SGLANG_HS_RID_PREFIX"
+ENV_QUEUE_ITEMS = "SGLANG_HS_QUEUE_ITEMS"
+ENV_QUEUE_MB = "SGLANG_HS_QUEUE_MB"
+ENV_EVICT_AFTER_S = "SGLANG_HS_EVICT_AFTER_S"
+ENV_FSYNC = "SGLANG_HS_FSYNC"
+KNOWN_ENV = frozenset(
+    {
+        ENV_DUMP_DIR,
+        ENV_LAYER_IDS,
+        ENV_RID_PREFIX,
+        ENV_QUEUE_ITEMS,
+        ENV_QUEUE_MB,
+        ENV_EVICT_AFTER_S,
+        ENV_FSYNC,
+    }
+)
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    dump_dir: Path
+    layer_ids: tuple[int, ...] | None = None
+    """EAGLE-3 ids as a drafter config names them (SGLang applies its +1 rule); None:
+    SGLang's default. The effective HF indices are what meta.json records."""
+    rid_prefix: str = ""
+    """Dump only rids starting with this (e.g. "hsq-"); health checks and rid-less
+    requests (SGLang's warm-up) are never dumped."""
+    queue_items: int = 8
+    """Forwards whose host copies may wait for the writer before the scheduler blocks."""
+    queue_bytes: int = 8 << 30
+    """Bytes of queued host copies before the scheduler blocks (one larger batch is
+    still admitted when the queue is empty, so no batch can deadlock)."""
+    evict_after_s: float = 600.0
+    """Drop the chunks of a request not seen for this long (aborted, client gone)."""
+    fsync: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> HookConfig | None:
+        """None when SGLANG_HS_DUMP_DIR is unset (the hook stays off); ValueError on a
+        typo'd SGLANG_HS_* name or a bad value, so a misconfiguration never runs silently."""
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in KNOWN_ENV)
+        if unknown:
+            raise ValueError(f"unknown settings {unknown}; known: {sorted(KNOWN_ENV)}")
+        raw_dir = env.get(ENV_DUMP_DIR, "").strip()
+        if not raw_dir:
+            return None
+        cfg = cls(
+            dump_dir=Path(raw_dir),
+            layer_ids=parse_layer_ids(env.get(ENV_LAYER_IDS)),
+            rid_prefix=env.get(ENV_RID_PREFIX, ""),
+            queue_items=_int(env, ENV_QUEUE_ITEMS, cls.queue_items),
+            queue_bytes=_int(env, ENV_QUEUE_MB, cls.queue_bytes >> 20) << 20,
+            evict_after_s=float(env.get(ENV_EVICT_AFTER_S, cls.evict_after_s)),
+            fsync=env.get(ENV_FSYNC, "1").strip().lower() not in ("0", "false", "no"),
+        )
+        if cfg.queue_items < 1 or cfg.queue_bytes < 1 or cfg.evict_after_s <= 0:
+            raise ValueError(f"queue sizes and eviction time must be positive: {cfg}")
+        return cfg
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces this config (for launch commands)."""
+        env = {ENV_DUMP_DIR: str(self.dump_dir)}
+        if self.layer_ids is not None:
+            env[ENV_LAYER_IDS] = ",".join(str(i) for i in self.layer_ids)
+        if self.rid_prefix:
+            env[ENV_RID_PREFIX] = self.rid_prefix
+        return env
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key} must be an integer, got {raw!r}") from None

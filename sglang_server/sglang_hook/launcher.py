@@ -1,0 +1,95 @@
+"""`hsq launch-sglang`: start a dumping SGLang server as a child and check it once it is up.
+
+The command comes from cli.launch_command (pure); this module is the I/O around it: find
+the installed SGLang version, start the process, poll /health, read /server_info and stop
+the server if its settings would produce wrong dumps.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from hsq.errors import ConfigError
+from sglang_server.sglang_hook.cli import check_server_info, launch_command
+
+EXIT_BAD_SERVER = 2
+
+
+def installed_sglang_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ConfigError(
+            "sglang is not installed here; pass --sglang-version with "
+            "--print-only to only print the command"
+        ) from exc
+
+
+def run_checked(
+    *,
+    model_path: str,
+    dump_dir: Path,
+    layers: tuple[int, ...] | None,
+    host: str,
+    port: int,
+    tp_size: int,
+    sglang_version: str | None,
+    extra: list[str],
+    print_only: bool,
+    start_timeout: float,
+    echo: Callable[[str], None],
+    quote: Callable[[list[str]], str],
+) -> int:
+    version = sglang_version or installed_sglang_version()
+    try:
+        cmd = launch_command(
+            model_path,
+            dump_dir,
+            sglang_version=version,
+            layer_ids=layers,
+            host=host,
+            port=port,
+            tp_size=tp_size,
+            python=sys.executable,
+            extra_args=extra,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    echo(quote(cmd))
+    if print_only:
+        return 0
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    dump_dir.chmod(0o700)  # private to the one worker that owns it
+    proc = subprocess.Popen(cmd)
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    deadline = time.monotonic() + start_timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    else:
+        proc.terminate()
+        echo(f"error: SGLang did not become healthy (exit {proc.poll()})")
+        return EXIT_BAD_SERVER
+    info = httpx.get(base + "/server_info", timeout=30).json()
+    problems = check_server_info(info)
+    if problems:
+        for p in problems:
+            echo(f"error: {p}")
+        proc.terminate()
+        proc.wait(120)
+        return EXIT_BAD_SERVER
+    echo(f"sglang {version} serving at {base}, dumping to {dump_dir}; /server_info checked")
+    return proc.wait()

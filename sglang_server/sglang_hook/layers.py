@@ -1,0 +1,104 @@
+"""Which layers SGLang captures for a given list of EAGLE-3 layer ids.
+
+SGLang captures the residual stream *entering* decoder layer i, which is HF
+``hidden_states[i]``: hsq's "hf_hidden_states" convention. The ids a drafter config names
+go through a per-model rule first (``set_eagle3_layers_to_capture``), so the same ids
+capture different layers on Llama and on DeepSeek. meta.json records the effective list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+Family = Literal["llama", "deepseek"]
+
+# Architectures (HF `architectures[0]`) whose SGLang model class uses each rule, read in
+# sglang 0.5.9..0.5.23 models/*.py. Anything else: the glue trusts what the model set.
+LLAMA_FAMILY = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
+DEEPSEEK_FAMILY = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "KimiK25ForConditionalGeneration",
+    }
+)
+
+
+def family(architecture: str) -> Family | None:
+    if architecture in LLAMA_FAMILY:
+        return "llama"
+    if architecture in DEEPSEEK_FAMILY:
+        return "deepseek"
+    return None
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default: early, middle and late; SGLang uses it as is (no +1)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def effective_layer_ids(
+    fam: Family,
+    num_layers: int,
+    ids: Sequence[int] | None,
+    *,
+    deepseek_first_id_rule: bool = True,
+) -> list[int]:
+    """The HF hidden_states indices SGLang captures when given ``ids``.
+
+    Llama family: explicit ids get +1 (id i names the *output* of layer i). DeepSeek/Kimi:
+    +1 only when the first id is 1 (``deepseek_first_id_rule``, sglang >= 0.5.13), else
+    the ids as given; before 0.5.13 always +1. ``None``: the default, unchanged. The
+    result is sorted because models capture while walking the layers in order, so that is
+    the order of the packed aux tensor.
+    """
+    if ids is None:
+        out = default_layer_ids(num_layers)
+    elif fam == "deepseek" and deepseek_first_id_rule and (not ids or ids[0] != 1):
+        out = list(ids)
+    else:
+        out = [i + 1 for i in ids]
+    out = sorted(set(out))
+    bad = [i for i in out if not 0 <= i <= num_layers]
+    if bad or not out:
+        raise ValueError(f"layer ids {out} out of range for a model of {num_layers} layers")
+    return out
+
+
+def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
+    """'2,30,58' (or '2 30 58') -> (2, 30, 58); empty or 'default' -> None."""
+    if text is None or text.strip().lower() in ("", "default"):
+        return None
+    try:
+        ids = tuple(int(x) for x in text.replace(",", " ").split())
+    except ValueError:
+        raise ValueError(f"layer ids must be integers, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"layer ids must be >= 0, got {text!r}")
+    return ids
+
+
+def find_capture_list(model: object) -> list[int] | None:
+    """The ``layers_to_capture`` list a loaded SGLang model holds, wherever it keeps it.
+
+    Text models keep it on the inner ``model``; wrappers such as Kimi-K2.5 one level
+    deeper, under ``language_model``.
+    """
+    for path in ("model", "language_model.model", "language_model", ""):
+        obj: object = model
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        value = getattr(obj, "layers_to_capture", None)
+        if isinstance(value, list | tuple) and value:
+            return [int(v) for v in value]
+    return None

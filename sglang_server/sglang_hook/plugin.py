@@ -1,0 +1,224 @@
+"""The SGLang glue: three hooks that feed DumpHook. Only this module touches SGLang.
+
+- AFTER ``ModelRunner.load_model``: turn aux capture on (before attention backends and
+  CUDA graphs are set up), read back the layers the model will capture, build DumpHook.
+- AROUND ``Scheduler.run_batch``: snapshot the batch plan of a prefill batch.
+- AROUND ``LogitsProcessor.forward``: the one point where every token's final (post-norm)
+  and aux states are visible for every model; hand them to DumpHook.
+
+``register`` is the ``sglang.srt.plugins`` entry point (sglang >= 0.5.11: load_plugins()
+runs it in every scheduler process). ``install_patches`` does the same by assignment for
+older versions, called at the top level of launch.py. SGLang is imported lazily, inside
+these functions, so the module imports (and type-checks) without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pkgutil
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sglang_server.sglang_hook import compat
+from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.identity import model_identity
+from sglang_server.sglang_hook.layers import effective_layer_ids, family, find_capture_list
+from sglang_server.sglang_hook.plan import BatchPlan
+from sglang_server.sglang_hook.sink import DumpContext
+from sglang_server.sglang_hook.tap import DumpHook
+
+log = logging.getLogger("hsq.sglang_hook")
+_MARK = "__hsq_dump_hook__"
+
+_hook: DumpHook | None = None
+_plan = threading.local()  # run_batch and the forward it launches share the thread
+
+
+def _config() -> HookConfig | None:
+    return HookConfig.from_env(os.environ)
+
+
+def _sglang_version() -> str:
+    import sglang  # type: ignore[import-not-found,unused-ignore]
+
+    return str(sglang.__version__)
+
+
+def _attn_tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import (  # type: ignore[import-not-found,unused-ignore]
+            get_parallel,
+        )
+
+        return int(get_parallel().attn_tp_rank)
+    except (ImportError, AttributeError):
+        from sglang.srt.layers.dp_attention import (  # type: ignore[import-not-found,unused-ignore]
+            get_attention_tp_rank,
+        )
+
+        return int(get_attention_tp_rank())
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    global _hook
+    cfg = _config()
+    if cfg is None or getattr(runner, "is_draft_worker", False):
+        return None
+    model = runner.model
+    ids = list(cfg.layer_ids) if cfg.layer_ids is not None else None
+    # SGLang's own per-model id rule; wrappers without it (Kimi-K2.5 before 0.5.2x)
+    # delegate to their language model.
+    setter = getattr(model, "set_eagle3_layers_to_capture", None) or getattr(
+        getattr(model, "language_model", None), "set_eagle3_layers_to_capture", None
+    )
+    if setter is None:
+        raise RuntimeError(f"hs_dump: {type(model).__name__} has no EAGLE-3 aux capture")
+    setter(ids)
+    captured = find_capture_list(model)
+    if captured is None:
+        raise RuntimeError(
+            f"hs_dump: {type(model).__name__} set no layers_to_capture; this model (or a "
+            "non-last pipeline stage) cannot be dumped"
+        )
+    mc = runner.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    archs = getattr(mc.hf_config, "architectures", None) or [type(model).__name__]
+    ident = model_identity(
+        str(mc.model_path),
+        str(archs[0]),
+        int(text.num_hidden_layers),
+        int(text.hidden_size),
+        mc.hf_config.to_dict(),
+    )
+    effective = sorted(set(captured))
+    fam = family(ident.architecture)
+    if fam is None:
+        log.warning(
+            "hs_dump: %s has no known layer-id rule; recording the model's own list",
+            ident.architecture,
+        )
+    else:
+        rule = compat.deepseek_first_id_rule(_sglang_version())
+        predicted = effective_layer_ids(fam, ident.num_layers, ids, deepseek_first_id_rule=rule)
+        if predicted != effective:
+            log.error("hs_dump: expected layers %s, model captures %s", predicted, effective)
+    _hook = DumpHook(cfg, DumpContext(ident, effective), attn_tp_rank=_attn_tp_rank())
+    log.info(
+        "hs_dump: %s layers %s -> %s (writer=%s)", ident.model_id, ids, effective, _hook.is_writer
+    )
+    return None
+
+
+def _is_prefill(mode: Any) -> bool:
+    # is_extend() would also take verify/draft/DLLM passes; only real prefills count.
+    return getattr(mode, "name", "") in ("EXTEND", "MIXED")
+
+
+def around_run_batch(orig: Callable[..., Any], sched: Any, batch: Any, *a: Any, **k: Any) -> Any:
+    hook = _hook
+    plan: BatchPlan | None = None
+    if hook is not None and hook.is_writer and _is_prefill(batch.forward_mode):
+        try:
+            reqs = batch.reqs
+            plan = hook.plan(
+                reqs,
+                batch.prefix_lens,
+                batch.extend_lens,
+                skip=[getattr(r, "to_finish", None) is not None for r in reqs],
+            )
+        except Exception:  # dumping must never take serving down
+            log.exception("hs_dump: batch plan failed")
+    _plan.value = plan
+    try:
+        return orig(sched, batch, *a, **k)
+    finally:
+        _plan.value = None
+
+
+def around_logits(orig: Callable[..., Any], proc: Any, *args: Any, **kwargs: Any) -> Any:
+    plan: BatchPlan | None = getattr(_plan, "value", None)
+    hook = _hook
+    if plan is not None and hook is not None:
+        _plan.value = None  # the batch's first logits call is the target model's
+        try:
+            input_ids = args[0] if len(args) > 0 else kwargs["input_ids"]
+            hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            aux = args[4] if len(args) > 4 else kwargs.get("aux_hidden_states")
+            hook.capture(plan, input_ids, hidden, aux)
+        except Exception:
+            log.exception("hs_dump: capture failed")
+    return orig(proc, *args, **kwargs)
+
+
+HOOKS: tuple[tuple[compat.Symbol, Callable[..., Any], str], ...] = (
+    (compat.LOAD_MODEL, after_load_model, "AFTER"),
+    (compat.RUN_BATCH, around_run_batch, "AROUND"),
+    (compat.LOGITS_FORWARD, around_logits, "AROUND"),
+)
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def _resolve(target: str) -> tuple[Any, str, Any]:
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    return owner, attr, getattr(owner, attr)
+
+
+def register() -> None:
+    """Entry point (group sglang.srt.plugins): hand the hooks to SGLang's HookRegistry."""
+    cfg = _config()  # a typo'd SGLANG_HS_* fails here, at startup
+    if cfg is None:
+        log.info("hs_dump: SGLANG_HS_DUMP_DIR unset, hidden-state dumping is off")
+        return
+    from sglang.srt.plugins.hook_registry import (  # type: ignore[import-not-found,unused-ignore]
+        HookRegistry,
+        HookType,
+    )
+
+    for sym, fn, kind in HOOKS:
+        if getattr(_resolve(sym.target)[2], _MARK, False):
+            continue  # launch.py patched this process already
+        HookRegistry.register(sym.target, fn, getattr(HookType, kind))
+    log.info("hs_dump: hooks registered, dumping to %s", cfg.dump_dir)
+
+
+def _wrap(orig: Callable[..., Any], fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    # The same calling conventions as HookRegistry's AFTER and AROUND wrappers.
+    if kind == "AFTER":
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = orig(*args, **kwargs)
+            new = fn(result, *args, **kwargs)
+            return result if new is None else new
+
+    else:
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(orig, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, orig)
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def install_patches() -> bool:
+    """Patch by assignment (sglang < 0.5.11, or no plugin installed); idempotent.
+
+    Returns whether the hooks are in place.
+    """
+    if _config() is None:
+        log.warning("hs_dump: SGLANG_HS_DUMP_DIR unset, hidden-state dumping is off")
+        return False
+    for sym, fn, kind in HOOKS:
+        owner, attr, orig = _resolve(sym.target)
+        if not getattr(orig, _MARK, False):
+            setattr(owner, attr, _wrap(orig, fn, kind))
+    return True

@@ -1,0 +1,143 @@
+"""The hook's core: from a batch plan and one forward's tensors to queued chunks.
+
+No SGLang import: the glue (plugin.py) passes plain values in, so everything here runs
+and is tested on a CPU. One DumpHook lives in each scheduler process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from sglang_server.sglang_hook.accumulator import Chunk
+from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.plan import BatchPlan, ReqLike, RidFilter, build_plan
+from sglang_server.sglang_hook.sink import DumpContext, DumpSink, HostCopier
+
+log = logging.getLogger("hsq.sglang_hook")
+
+AuxStates = torch.Tensor | Sequence[torch.Tensor] | None
+"""SGLang passes one packed [T, k*H] tensor (DeepSeek) or a list of k [T, H] (Llama)."""
+
+
+def aux_parts(aux: AuxStates) -> list[torch.Tensor]:
+    if aux is None:
+        return []
+    if isinstance(aux, torch.Tensor):
+        return [aux]
+    return list(aux)
+
+
+class DumpHook:
+    """Plans prefill batches and captures their states; only attention-TP rank 0 writes.
+
+    With plain TP the hidden states after the all-reduce are identical on every rank, so
+    one writer per attention-TP group is enough, and more would write every dump twice.
+    """
+
+    def __init__(
+        self,
+        cfg: HookConfig,
+        ctx: DumpContext,
+        *,
+        attn_tp_rank: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.is_writer = attn_tp_rank == 0
+        self.rid_filter = RidFilter(cfg.rid_prefix)
+        self.skipped_batches = 0
+        self.sink: DumpSink | None = None
+        self._copier: HostCopier | None = None
+        if self.is_writer:
+            self._copier = HostCopier()
+            self.sink = DumpSink(
+                cfg.dump_dir,
+                ctx,
+                max_items=cfg.queue_items,
+                max_bytes=cfg.queue_bytes,
+                evict_after_s=cfg.evict_after_s,
+                fsync=cfg.fsync,
+                clock=clock,
+            )
+
+    def plan(
+        self,
+        reqs: Sequence[ReqLike],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        *,
+        skip: Sequence[bool] | None = None,
+    ) -> BatchPlan | None:
+        """The plan of a prefill batch, or None when this rank has nothing to write."""
+        if not self.is_writer:
+            return None
+        return build_plan(reqs, prefix_lens, extend_lens, self.rid_filter, skip=skip)
+
+    def capture(
+        self,
+        plan: BatchPlan,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        aux: AuxStates,
+    ) -> bool:
+        """Start host copies of every planned request's rows and queue them.
+
+        ``hidden`` is the final state after the norm, as the logits processor gets it.
+        Returns False (and logs why) when the tensors do not fit the plan: nothing of the
+        batch is queued then, and its requests end up broken or evicted, never wrong.
+        """
+        if self.sink is None or self._copier is None:
+            return False
+        problem = self._mismatch(plan, input_ids, hidden, aux)
+        if problem:
+            self.skipped_batches += 1
+            log.error("hs_dump: batch not captured: %s", problem)
+            return False
+        parts = aux_parts(aux)
+        flat: list[torch.Tensor] = []
+        for e in plan.entries:
+            flat += [input_ids[e.rows], hidden[e.rows], *(p[e.rows] for p in parts)]
+        host, ready = self._copier.copy(flat)
+        per = 2 + len(parts)
+        chunks = [
+            Chunk(e, host[i * per], host[i * per + 1], host[i * per + 2 : (i + 1) * per])
+            for i, e in enumerate(plan.entries)
+        ]
+        self.sink.submit(chunks, ready)  # blocks when the writer is behind
+        return True
+
+    def _mismatch(
+        self, plan: BatchPlan, input_ids: torch.Tensor, hidden: torch.Tensor, aux: AuxStates
+    ) -> str | None:
+        # More rows than planned is padding at the end (CUDA-graph buckets); fewer means
+        # the rows are not what the plan says (DP-attention, sequence-parallel norms).
+        if input_ids.dim() != 1 or input_ids.shape[0] < plan.num_rows:
+            return f"input_ids {tuple(input_ids.shape)} for {plan.num_rows} planned rows"
+        if hidden.dim() != 2 or hidden.shape[0] < plan.num_rows:
+            return f"hidden states {tuple(hidden.shape)} for {plan.num_rows} planned rows"
+        parts = aux_parts(aux)
+        want = len(self.ctx.layer_ids) * hidden.shape[1]
+        width = sum(p.shape[-1] for p in parts)
+        if width != want:
+            return (
+                f"aux states {width} wide, {len(self.ctx.layer_ids)} layers of "
+                f"{hidden.shape[1]} need {want} (is aux capture on for this model?)"
+            )
+        if any(p.dim() != 2 or p.shape[0] < plan.num_rows for p in parts):
+            return f"aux rows {[tuple(p.shape) for p in parts]} for {plan.num_rows} planned"
+        if any(p.dtype != hidden.dtype for p in parts):
+            return f"aux dtype {[p.dtype for p in parts]} differs from {hidden.dtype}"
+        return None
+
+    def flush(self, timeout: float = 60.0) -> None:
+        if self.sink is not None:
+            self.sink.flush(timeout)
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()

@@ -1,0 +1,117 @@
+"""Every SGLang name the dump hook relies on exists in every pinned SGLang version.
+
+Reads the wheels that scripts/fetch_sglang_sources.sh puts in .cache/sglang/ as files
+and parses them with `ast` (sglang_server/sglang_hook/srccheck.py); SGLang is never
+imported or run. Without the cache the tests skip locally and fail in CI (env CI set),
+where `make setup` fetches it.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sglang_server.sglang_hook import compat, srccheck
+from sglang_server.sglang_hook.compat import PINNED_VERSIONS, Symbol
+from sglang_server.sglang_hook.srccheck import SourceReader, SourceTree
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".cache" / "sglang"
+
+
+def wheel_reader(version: str) -> Iterator[SourceReader]:
+    wheels = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
+    if not wheels:
+        why = f"no sglang {version} wheel in {CACHE}: run scripts/fetch_sglang_sources.sh"
+        if os.environ.get("CI"):
+            pytest.fail(why + " (CI must have it: `make setup` fetches it)")
+        pytest.skip(why)
+    with zipfile.ZipFile(wheels[0]) as zf:
+        names = set(zf.namelist())
+
+        def read(path: str) -> str | None:
+            return zf.read(path).decode() if path in names else None
+
+        yield read
+
+
+@pytest.fixture(params=PINNED_VERSIONS)
+def version(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def source(version: str) -> Iterator[SourceReader]:
+    yield from wheel_reader(version)
+
+
+def _function_source(read: SourceReader, sym: Symbol) -> str:
+    tree = SourceTree(read)
+    mod = tree.module(sym)
+    assert mod is not None, sym.module
+    cls_name, fn_name = sym.qualname.split(".")
+    for node in ast.walk(mod[0]):
+        if isinstance(node, ast.ClassDef) and node.name == cls_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == fn_name:
+                    return ast.unparse(item)
+    raise AssertionError(f"{sym.target} not found")
+
+
+def test_pinned_versions_are_newest_first_and_cover_both_paths() -> None:
+    parsed = [compat.parse_version(v) for v in PINNED_VERSIONS]
+    assert parsed == sorted(parsed, reverse=True)
+    assert "0.5.11" in PINNED_VERSIONS
+    assert any(not compat.plugin_supported(v) for v in PINNED_VERSIONS)  # launcher path
+    assert compat.plugin_supported(PINNED_VERSIONS[0])
+
+
+def test_every_symbol_the_hook_uses_exists(version: str, source: SourceReader) -> None:
+    assert srccheck.check(source, version) == []
+
+
+def test_the_plugin_entry_point_group_is_sglangs(version: str, source: SourceReader) -> None:
+    if not compat.plugin_supported(version):
+        pytest.skip(f"sglang {version} has no plugin API; launch.py serves it")
+    text = source("sglang/srt/plugins/__init__.py")
+    assert text is not None
+    assert f'GENERAL_PLUGINS_GROUP = "{compat.ENTRY_POINT_GROUP}"' in text
+
+
+def test_deepseek_layer_rule_matches_the_source(version: str, source: SourceReader) -> None:
+    sym = Symbol(
+        "sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.set_eagle3_layers_to_capture"
+    )
+    body = _function_source(source, sym)
+    assert ("layer_ids[0] == 1" in body) == compat.deepseek_first_id_rule(version)
+    assert "[2, num_layers // 2, num_layers - 3]" in body
+
+
+def test_llama_layer_rule_matches_the_source(version: str, source: SourceReader) -> None:
+    sym = Symbol("sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture")
+    body = _function_source(source, sym)
+    assert "[val + 1 for val in layer_ids]" in body
+    assert "[2, num_layers // 2, num_layers - 3]" in body
+
+
+def test_the_checker_reports_what_is_missing() -> None:
+    """Not vacuous: the oldest version lacks the plugin API, and a renamed parameter or a
+    missing attribute is reported."""
+    oldest = PINNED_VERSIONS[-1]
+    for read in wheel_reader(oldest):
+        problems = srccheck.check(read, "0.5.11")  # oldest source, plugin-era requirements
+        assert any("plugin registry" in p for p in problems)
+        tree = SourceTree(read)
+        renamed = Symbol(
+            compat.LOGITS_FORWARD.module,
+            compat.LOGITS_FORWARD.qualname,
+            params=("self", "input_ids", "hidden", "lm_head"),
+        )
+        assert "parameters" in (tree.problem(renamed) or "")
+        assert tree.problem(Symbol(compat.RUN_BATCH.module, "Scheduler.no_such", "attr"))
+        assert tree.problem(compat.RUN_BATCH) is None
