@@ -25,6 +25,12 @@ def hsq(*args: str, timeout: float = 120, check: bool = False) -> subprocess.Com
     return proc
 
 
+def enqueue(dataset: Path, run: str, out: Path, redis_url: str, *extra: str) -> str:
+    """`hsq enqueue` as a subprocess; its stdout (the counts)."""
+    args = ["enqueue", str(dataset), "--run", run, "--out", str(out), "--redis", redis_url]
+    return hsq(*args, "--no-progress", *extra, check=True).stdout
+
+
 def start_worker(
     base: Path, run: str, server: ReferenceServer, redis_url: str, *extra: str, name: str = "w"
 ) -> ManagedProcess:

@@ -25,7 +25,7 @@ from hsq.procs import (
     worker_process,
 )
 from hsq.synthetic import write_synthetic
-from tests.helpers import hsq, store, wait_until
+from tests.helpers import enqueue, hsq, store, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"
@@ -179,20 +179,7 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
     httpx.post(srv.url + "/admin/faults", json={"rules": rules}).raise_for_status()
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 80, seed=4, min_len=4, max_len=64)
-    hsq(
-        "enqueue",
-        str(ds),
-        "--run",
-        "mon",
-        "--out",
-        str(tmp_path / "out"),
-        "--redis",
-        redis_url,
-        "--no-progress",
-        "--chunk-size",
-        "4",
-        check=True,
-    )
+    enqueue(ds, "mon", tmp_path / "out", redis_url, "--chunk-size", "4")
     wport, eport = free_port(), free_port()
     prom = prometheus(wport, eport)  # first, so it scrapes the whole run
     worker = worker_process(

@@ -25,25 +25,9 @@ from hsq.procs import (
     worker_process,
 )
 from hsq.synthetic import write_synthetic
-from tests.helpers import hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, log_events, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]
-
-
-def enqueue(ds: Path, run: str, out: Path, url: str, *extra: str) -> None:
-    hsq(
-        "enqueue",
-        str(ds),
-        "--run",
-        run,
-        "--out",
-        str(out),
-        "--redis",
-        url,
-        "--no-progress",
-        *extra,
-        check=True,
-    )
 
 
 def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(

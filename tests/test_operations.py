@@ -19,7 +19,7 @@ from hsq.keys import rq_queue_key
 from hsq.procs import ReferenceServer
 from hsq.protocol import fingerprint
 from hsq.synthetic import write_synthetic
-from tests.helpers import hsq, start_worker, store
+from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]
 SUMMED = ("done", "queued", "in_progress", "retry", "dead", "missing")
@@ -39,19 +39,7 @@ def fresh(server: ReferenceServer) -> ReferenceServer:
 def make_run(tmp: Path, run: str, redis_url: str, n: int, *extra: str) -> Path:
     ds = tmp / f"{run}.jsonl"
     write_synthetic(ds, n, seed=len(run), min_len=4, max_len=40)
-    hsq(
-        "enqueue",
-        str(ds),
-        "--run",
-        run,
-        "--out",
-        str(tmp / "out"),
-        "--redis",
-        redis_url,
-        "--no-progress",
-        *extra,
-        check=True,
-    )
+    enqueue(ds, run, tmp / "out", redis_url, *extra)
     return ds
 
 

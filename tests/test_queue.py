@@ -21,26 +21,9 @@ from hsq.procs import ReferenceServer
 from hsq.protocol import fingerprint
 from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
-from tests.helpers import hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]
-
-
-def enqueue(dataset: Path, run: str, out: Path, redis_url: str, *extra: str) -> str:
-    proc = hsq(
-        "enqueue",
-        str(dataset),
-        "--run",
-        run,
-        "--out",
-        str(out),
-        "--redis",
-        redis_url,
-        "--no-progress",
-        *extra,
-        check=True,
-    )
-    return proc.stdout
 
 
 def enqueued(stdout: str) -> int:
