@@ -48,6 +48,10 @@ def status(run: str, redis_url: str) -> dict[str, Any]:
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
+def requeue(run: str, redis_url: str, *selection: str) -> str:
+    return hsq("requeue", "--run", run, *selection, "--redis", redis_url, check=True).stdout
+
+
 def burst(tmp: Path, run: str, srv: ReferenceServer, redis_url: str, name: str = "w") -> None:
     w = start_worker(tmp, run, srv, redis_url, "--burst", name=name)
     assert w.proc.wait(120) == 0, w.log_tail()
@@ -66,15 +70,9 @@ def test_a_wiped_queue_is_recovered_by_requeue_missing(
     )
     assert "would requeue 20" in dry.stdout
     assert status("wipe", redis_url)["missing"] == 20
-    assert (
-        "requeued 20"
-        in hsq("requeue", "--run", "wipe", "--missing", "--redis", redis_url, check=True).stdout
-    )
+    assert "requeued 20" in requeue("wipe", redis_url, "--missing")
     # Idempotent: nothing is missing any more.
-    assert (
-        "requeued 0"
-        in hsq("requeue", "--run", "wipe", "--missing", "--redis", redis_url, check=True).stdout
-    )
+    assert "requeued 0" in requeue("wipe", redis_url, "--missing")
     burst(tmp_path, "wipe", fresh, redis_url)
     st = status("wipe", redis_url)
     assert st["done"] == 20 and st["missing"] == 0
@@ -206,14 +204,8 @@ def test_requeue_failed_by_reason_and_by_sample(
     assert "unknown sample id: no-such-id" in odd.stdout and "already done" in odd.stdout
 
     httpx.delete(fresh.url + "/admin/faults").raise_for_status()  # the server is fixed
-    assert (
-        "requeued 1"
-        in hsq("requeue", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
-    )
-    assert (
-        "requeued 0"
-        in hsq("requeue", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
-    )
+    assert "requeued 1" in requeue("rq", redis_url, "--failed")
+    assert "requeued 0" in requeue("rq", redis_url, "--failed")
     burst(tmp_path, "rq", fresh, redis_url)
     st = status("rq", redis_url)
     assert (st["done"], st["dead"]) == (8, 0)

@@ -329,31 +329,21 @@ def test_sigterm_hands_back_and_loses_nothing(
 
 
 def test_worker_errors_are_plain_words_with_exit_codes(tmp_path: Path, redis_url: str) -> None:
-    proc = hsq(
-        "worker",
-        "--run",
-        "nope",
-        "--server",
-        "http://127.0.0.1:9",
-        "--dump-dir",
-        str(tmp_path / "d"),
-        "--redis",
-        redis_url,
-    )
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = hsq(
-        "worker",
-        "--run",
-        "nope",
-        "--server",
-        "http://127.0.0.1:9",
-        "--dump-dir",
-        str(tmp_path / "d2"),
-        "--redis",
-        "redis://127.0.0.1:1/0",
-    )
-    assert proc.returncode == 3 and "cannot reach Redis" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    cases = [(redis_url, 2, "does not exist"), ("redis://127.0.0.1:1/0", 3, "cannot reach Redis")]
+    for i, (url, code, message) in enumerate(cases):
+        proc = hsq(
+            "worker",
+            "--run",
+            "nope",
+            "--server",
+            "http://127.0.0.1:9",
+            "--dump-dir",
+            str(tmp_path / f"d{i}"),
+            "--redis",
+            url,
+        )
+        assert proc.returncode == code and message in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_index_entries_round_trip() -> None:
