@@ -97,6 +97,7 @@ def cli(log_level: str, log_format: str) -> None:
 )
 @click.option("--no-fsync", is_flag=True, help="skip fsync of dumps (tmpfs dump dirs)")
 @click.option("--threads", default=None, type=int, help="torch CPU threads")
+@click.option("--no-ready-marker", is_flag=True, hidden=True)  # tests: a hookless server
 def serve_reference(
     model: str,
     device: str,
@@ -114,6 +115,7 @@ def serve_reference(
     writer_depth: int,
     no_fsync: bool,
     threads: int | None,
+    no_ready_marker: bool,
 ) -> None:
     """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
 
@@ -141,6 +143,7 @@ def serve_reference(
         writer_depth=writer_depth,
         fsync=not no_fsync,
         threads=threads,
+        ready_marker=not no_ready_marker,
     )
     serve(settings)
 

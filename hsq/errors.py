@@ -2,6 +2,7 @@
 
     HsqError
     ├── ConfigError                 bad flags, settings or arguments (exit code 2)
+    │   └── HookInactiveError       the server's dump hook is not active (no readiness marker)
     ├── DatasetError                a dataset line or file is unusable (`reason` says why)
     ├── StoreError                  Redis unreachable or its state inconsistent (exit code 3)
     ├── OutputError                 an output file cannot be written (disk full, permissions)
@@ -106,3 +107,8 @@ class ServerRejectedError(ServerError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class HookInactiveError(ConfigError):
+    """The server has no active dump hook (no or a mismatched readiness marker): every
+    sample would time out with no_dump, so the worker refuses to start instead."""

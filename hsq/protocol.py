@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -28,7 +29,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from safetensors.torch import load_file
 from hsq import stfile
 from hsq.errors import (
     CorruptDumpError,
+    HookInactiveError,
     IncompleteDumpError,
     MetaMismatchError,
     MultipleDumpsError,
@@ -428,3 +430,142 @@ def read_dump(path: Path, expected: Expected, *, check_finite: bool = True) -> D
         aux_hidden_states=tensors[AUX_TENSOR],
         last_hidden_state=tensors[LAST_TENSOR],
     )
+
+
+# ---------------------------------------------------------------------------- readiness marker
+
+READY_FILE = "hsq-ready.json"
+"""Written by a server once its dump hook is active; not a req_* name, so never cleared."""
+READY_MAX_BYTES = 64 * 1024
+_READY_MAX_STR = 4096
+_READY_MAX_LAYERS = 1024
+
+
+@dataclass(frozen=True)
+class ReadyMarker:
+    """What a server with an active dump hook announces in its dump dir.
+
+    A worker reads it before its first request: without it every sample would time out
+    with no_dump (a hook that never loaded), so the worker refuses to start instead.
+    """
+
+    layer_ids: tuple[int, ...]
+    """Effective HF hidden_states indices, as every dump's meta.json will record them."""
+    model: ModelIdentity
+    server: str
+    """"sglang" or "hsq-reference"."""
+    server_version: str
+    hook_version: str
+    """hsq's version (hsq.__version__) in the server's environment."""
+    pid: int
+    created_unix: float
+    format_version: int = FORMAT_VERSION
+    """The dump format the server writes; a worker reads only its own."""
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["layer_ids"] = list(self.layer_ids)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ReadyMarker:
+        """Strict: exact keys, exact types, bounded sizes; HookInactiveError otherwise."""
+        if len(text) > READY_MAX_BYTES:
+            raise HookInactiveError(f"{READY_FILE} is larger than {READY_MAX_BYTES} bytes")
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HookInactiveError(f"{READY_FILE} is not JSON: {exc}") from exc
+        obj = _ready_obj(raw, {f.name for f in fields(cls)}, READY_FILE)
+        model = _ready_obj(obj["model"], {f.name for f in fields(ModelIdentity)}, "model")
+        layers = obj["layer_ids"]
+        if (
+            not isinstance(layers, list)
+            or not 0 < len(layers) <= _READY_MAX_LAYERS
+            or not all(_is_int(i) and i >= 0 for i in layers)
+        ):
+            raise HookInactiveError(f"{READY_FILE}: layer_ids must be a list of ints >= 0")
+        marker = cls(
+            layer_ids=tuple(layers),
+            model=ModelIdentity(
+                name=_ready_str(model, "name"),
+                architecture=_ready_str(model, "architecture"),
+                num_layers=_ready_int(model, "num_layers"),
+                hidden_size=_ready_int(model, "hidden_size"),
+                config_digest=_ready_str(model, "config_digest"),
+            ),
+            server=_ready_str(obj, "server"),
+            server_version=_ready_str(obj, "server_version"),
+            hook_version=_ready_str(obj, "hook_version"),
+            pid=_ready_int(obj, "pid"),
+            created_unix=_ready_float(obj, "created_unix"),
+            format_version=_ready_int(obj, "format_version"),
+        )
+        if marker.format_version != FORMAT_VERSION:
+            raise HookInactiveError(
+                f"the server writes dump format {marker.format_version}, "
+                f"this hsq reads {FORMAT_VERSION}"
+            )
+        return marker
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _ready_obj(raw: object, keys: set[str], what: str) -> dict[str, object]:
+    if not isinstance(raw, dict):
+        raise HookInactiveError(f"{READY_FILE}: {what} is not an object")
+    if set(raw) != keys:
+        raise HookInactiveError(f"{READY_FILE}: {what} keys {sorted(raw)}, expected {sorted(keys)}")
+    return raw
+
+
+def _ready_str(obj: Mapping[str, object], key: str) -> str:
+    v = obj[key]
+    if not isinstance(v, str) or not v or len(v) > _READY_MAX_STR:
+        raise HookInactiveError(f"{READY_FILE}: {key} must be a non-empty string")
+    return v
+
+
+def _ready_int(obj: Mapping[str, object], key: str) -> int:
+    v = obj[key]
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
+        raise HookInactiveError(f"{READY_FILE}: {key} must be an integer >= 0")
+    return v
+
+
+def _ready_float(obj: Mapping[str, object], key: str) -> float:
+    v = obj[key]
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise HookInactiveError(f"{READY_FILE}: {key} must be a finite number")
+    return float(v)
+
+
+def write_ready(dump_dir: Path, marker: ReadyMarker, *, fsync: bool = True) -> Path:
+    """Write the marker atomically (temp file, fsync, rename): a reader sees all or none."""
+    final = dump_dir / READY_FILE
+    tmp = dump_dir / f".{READY_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, marker.to_json().encode())
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    if fsync:
+        _fsync_path(dump_dir)
+    return final
+
+
+def read_ready(dump_dir: Path) -> ReadyMarker | None:
+    """The server's marker; None while there is none. HookInactiveError if unusable."""
+    try:
+        with open(dump_dir / READY_FILE, "rb") as f:
+            data = f.read(READY_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise HookInactiveError(f"cannot read {dump_dir / READY_FILE}: {exc}") from exc
+    return ReadyMarker.from_json(data)

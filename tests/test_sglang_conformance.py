@@ -115,3 +115,47 @@ def test_the_checker_reports_what_is_missing() -> None:
         assert "parameters" in (tree.problem(renamed) or "")
         assert tree.problem(Symbol(compat.RUN_BATCH.module, "Scheduler.no_such", "attr"))
         assert tree.problem(compat.RUN_BATCH) is None
+
+
+def _call_args(read: SourceReader, sym: Symbol, callee: str) -> list[list[str]]:
+    """Each call to ``callee`` (a name or attribute) in a function: its arguments, as
+    source, positional first then ``key=value``."""
+    tree = SourceTree(read)
+    mod = tree.module(sym)
+    assert mod is not None, sym.module
+    *owner, name = sym.qualname.split(".")
+    scope: ast.AST = mod[0]
+    if owner:
+        scope = next(
+            n for n in ast.walk(mod[0]) if isinstance(n, ast.ClassDef) and n.name == owner[0]
+        )
+    fn = next(n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef) and n.name == name)
+    out = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id == callee) or (
+                isinstance(f, ast.Attribute) and f.attr == callee
+            ):
+                out.append(
+                    [ast.unparse(a) for a in node.args]
+                    + [f"{k.arg}={ast.unparse(k.value)}" for k in node.keywords]
+                )
+    return out
+
+
+def test_kimi_calls_the_language_model_with_input_ids_none(
+    version: str, source: SourceReader
+) -> None:
+    """Issue 18's root cause, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
+    model with input_ids=None -> DeepseekV2 passes that None and the ForwardBatch to the
+    logits processor in positions 0 and 3, where plugin.around_logits reads them."""
+    kimi = Symbol("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration.forward")
+    assert _call_args(source, kimi, "general_mm_embed_routine")
+    routine = Symbol("sglang.srt.managers.mm_utils", "general_mm_embed_routine")
+    calls = _call_args(source, routine, "language_model")
+    assert calls and all("input_ids=None" in c for c in calls)
+    ds = Symbol("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM.forward")
+    assert ["input_ids", "hidden_states", "self.lm_head", "forward_batch", "aux_hidden_states"] in (
+        _call_args(source, ds, "logits_processor")
+    )

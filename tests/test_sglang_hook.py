@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from hsq.protocol import Dump, Expected, fingerprint, read_dump, scan
+from hsq.protocol import Dump, Expected, fingerprint, read_dump, read_meta, scan
 from sglang_server.sglang_hook import plugin
 from sglang_server.sglang_hook.cli import check_launch_args, check_server_info, launch_command
 from sglang_server.sglang_hook.compat import PINNED_VERSIONS
@@ -34,7 +35,7 @@ from sglang_server.sglang_hook.layers import (
 )
 from sglang_server.sglang_hook.plan import RidFilter, build_plan
 from sglang_server.sglang_hook.sink import DumpContext, DumpSink, HostCopier
-from sglang_server.sglang_hook.tap import DumpHook
+from sglang_server.sglang_hook.tap import DumpHook, batch_input_ids
 
 H = 8
 LAYERS = [3, 6, 9]
@@ -95,9 +96,15 @@ class Server:
         ids, aux, last = [], [], []
         for r, p, e in batch:
             s = self.states.get(r.rid) or states_for(len(r.origin_input_ids), seed=99)
-            ids.append(torch.tensor(s.ids[p : p + e], dtype=torch.int64))
-            aux.append(s.aux[p : p + e])
-            last.append(s.last[p : p + e])
+            # Rows past the prompt (a decode row of a mixed batch) are not prompt states.
+            tail = max(0, p + e - len(s.ids))
+            ids.append(torch.tensor(s.ids[p : p + e] + [7] * tail, dtype=torch.int64))
+            aux.append(
+                torch.cat(
+                    [s.aux[p : p + e], torch.ones(tail, len(LAYERS) * H, dtype=torch.bfloat16)]
+                )
+            )
+            last.append(torch.cat([s.last[p : p + e], torch.ones(tail, H, dtype=torch.bfloat16)]))
         input_ids = torch.cat([*ids, torch.zeros(pad, dtype=torch.int64)])
         hidden = torch.cat([*last, torch.zeros(pad, H, dtype=torch.bfloat16)])
         packed_aux = torch.cat([*aux, torch.zeros(pad, len(LAYERS) * H, dtype=torch.bfloat16)])
@@ -537,3 +544,126 @@ def test_spawn_reruns_a_dash_m_module_in_children(tmp_path: Path) -> None:
         timeout=60,
     )
     assert out.read_text().split() == ["__main__", "__mp_main__"]
+
+
+# ---------------------------------------------------------------------------- concurrency
+
+
+def rids_dumped(dump_dir: Path) -> Counter[str]:
+    return Counter(read_meta(p).rid for p in scan(dump_dir).complete)
+
+
+def test_k_concurrent_requests_in_one_batch_give_one_dump_per_rid(server: Server) -> None:
+    """Issue 12: K requests in flight land in one prefill batch; each gets its own dump."""
+    reqs = [server.add(f"hsq-k{i}", n) for i, n in enumerate([1, 7, 64, 3, 128, 2, 31, 16])]
+    assert server.forward([(r, 0, len(r.origin_input_ids)) for r in reqs])
+    dumps = server.dumps()  # each read back and compared with its own states
+    assert rids_dumped(server.dump_dir) == Counter({r.rid: 1 for r in reqs})
+    assert sorted(dumps) == sorted(r.rid for r in reqs)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-aux", "aux-list"])
+def test_chunked_request_while_others_run_gives_one_dump_per_rid(
+    server: Server, packed: bool
+) -> None:
+    """A long request split by chunked prefill (chunk 8) shares each forward with other
+    requests that start, finish, or decode meanwhile, as SGLang's mixed batches do."""
+    long = server.add("hsq-long", 20)
+    a, b, c, d = (server.add(f"hsq-{x}", n) for x, n in zip("abcd", [5, 3, 6, 4], strict=True))
+    # forward 1: a whole, the first 3 of long (chunk budget 8)
+    assert server.forward([(a, 0, 5), (long, 0, 3)], packed=packed)
+    # forward 2: a decodes (one row past its prompt), long continues, b whole
+    assert server.forward([(a, 5, 1), (long, 3, 5), (b, 0, 3)], packed=packed)
+    # forward 3: long continues alone with c's first half
+    assert server.forward([(long, 8, 8), (c, 0, 3)], packed=packed)
+    server.hook.flush()
+    assert "hsq-long" not in rids_dumped(server.dump_dir)  # not before its last chunk
+    # forward 4: c finishes, long finishes, d whole, b decodes
+    assert server.forward([(c, 3, 3), (long, 16, 4), (b, 3, 1), (d, 0, 4)], packed=packed)
+    dumps = server.dumps()
+    assert rids_dumped(server.dump_dir) == Counter(
+        {"hsq-long": 1, "hsq-a": 1, "hsq-b": 1, "hsq-c": 1, "hsq-d": 1}
+    )
+    assert dumps["hsq-long"].meta.num_tokens == 20 and dumps["hsq-c"].meta.num_tokens == 6
+
+
+# ---------------------------------------------------------------------------- Kimi-K2.5
+
+
+def kimi_logits_call(
+    server: Server, batch: list[tuple[Req, int, int]], *, metadata_ids: bool = True
+) -> list[tuple[Any, ...]]:
+    """Run one prefill batch through the glue with the logits call exactly as
+    DeepseekV2ForCausalLM.forward makes it under KimiK25ForConditionalGeneration:
+    ``self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch,
+    aux_hidden_states)`` with input_ids None (general_mm_embed_routine passes
+    ``input_ids=None``), the ForwardBatch holding the ids, and one packed aux tensor."""
+    ids, hidden, aux = [], [], []
+    for r, p, e in batch:
+        s = server.states[r.rid]
+        ids.append(torch.tensor(s.ids[p : p + e], dtype=torch.int64))
+        hidden.append(s.last[p : p + e])
+        aux.append(s.aux[p : p + e])
+    forward_batch = SimpleNamespace(
+        input_ids=torch.cat(ids) if metadata_ids else None,
+        forward_mode=SimpleNamespace(name="EXTEND"),
+    )
+    seen: list[tuple[Any, ...]] = []
+
+    def logits_forward(proc: object, *args: Any, **kwargs: Any) -> str:
+        seen.append(args)
+        return "logits"
+
+    def run_batch(sched: object, b: object) -> object:
+        lm_head = object()
+        return plugin.around_logits(
+            logits_forward, None, None, torch.cat(hidden), lm_head, forward_batch, torch.cat(aux)
+        )
+
+    batch_obj = SimpleNamespace(
+        reqs=[r for r, _, _ in batch],
+        prefix_lens=[p for _, p, _ in batch],
+        extend_lens=[e for _, _, e in batch],
+        forward_mode=SimpleNamespace(name="EXTEND"),
+    )
+    old = plugin._hook
+    plugin._hook = server.hook
+    try:
+        assert plugin.around_run_batch(run_batch, None, batch_obj) == "logits"
+    finally:
+        plugin._hook = old
+    return seen
+
+
+def test_kimi_call_shape_input_ids_none_takes_ids_from_the_forward_batch(server: Server) -> None:
+    a, b = server.add("hsq-kimi-a", 9), server.add("hsq-kimi-b", 4)
+    seen = kimi_logits_call(server, [(a, 0, 9), (b, 0, 4)])
+    assert seen[0][0] is None  # the original logits call still gets input_ids=None
+    dumps = server.dumps()  # fingerprints are checked against the prompts' ids
+    assert sorted(dumps) == ["hsq-kimi-a", "hsq-kimi-b"]
+    assert server.hook.skipped_batches == 0
+
+
+def test_kimi_call_shape_chunked(server: Server) -> None:
+    long = server.add("hsq-kimi-long", 12)
+    kimi_logits_call(server, [(long, 0, 8)])
+    kimi_logits_call(server, [(long, 8, 4)])
+    assert list(server.dumps()) == ["hsq-kimi-long"]
+
+
+def test_no_input_ids_anywhere_is_not_captured(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="hsq.sglang_hook")
+    a = server.add("hsq-a", 3)
+    kimi_logits_call(server, [(a, 0, 3)], metadata_ids=False)
+    assert server.dumps() == {} and server.hook.skipped_batches == 1
+    assert "no input ids" in caplog.text
+
+
+def test_batch_input_ids_prefers_the_call_argument() -> None:
+    ids, other = torch.tensor([1, 2]), torch.tensor([3, 4])
+    assert batch_input_ids(ids, SimpleNamespace(input_ids=other)) is ids
+    assert batch_input_ids(None, SimpleNamespace(input_ids=other)) is other
+    assert batch_input_ids(None, SimpleNamespace()) is None
+    assert batch_input_ids(None, SimpleNamespace(input_ids=[3, 4])) is None  # not a tensor

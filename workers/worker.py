@@ -55,6 +55,7 @@ from workers.lock import DumpDirLock
 from workers.metrics import WorkerMetrics
 from workers.persist import ChunkTracker, Persister, StagedSample
 from workers.rate import RateWindow
+from workers.readiness import require_hook
 from workers.settings import WorkerSettings
 
 log = structlog.get_logger("hsq.worker")
@@ -169,6 +170,7 @@ class Worker:
         if self.s.metrics_port is not None:
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
         self.expected_model, self.expected_layers = self.cfg.model_id, self.cfg.layer_ids
+        require_hook(d, self.client.healthy, self.cfg, self._stop)  # no hook: refuse
         self.store.register(self.id, self._info())
         log.info(
             "worker_started",

@@ -13,6 +13,7 @@ and connections stay open (HTTP/1.1 keep-alive) for the worker's httpx client.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -25,7 +26,7 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError
-from hsq.protocol import DTYPES
+from hsq.protocol import DTYPES, ReadyMarker, write_ready
 from sglang_server.reference.dumper import DumpWriter
 from sglang_server.reference.engine import Engine, InjectedServerError, RequestError
 from sglang_server.reference.faults import FaultPlan, FaultRule
@@ -53,6 +54,8 @@ class ReferenceSettings:
     writer_depth: int = 2
     fsync: bool = True
     threads: int | None = None
+    ready_marker: bool = True
+    """Write hsq-ready.json at start-up; off only to test workers against a hookless server."""
 
     def validate(self) -> None:
         for name in (self.dtype, self.dump_dtype):
@@ -253,10 +256,27 @@ def build_engine(settings: ReferenceSettings) -> Engine:
     )
 
 
+def ready_marker(engine: Engine) -> ReadyMarker:
+    import hsq
+
+    m = engine.model
+    return ReadyMarker(
+        layer_ids=tuple(m.layer_ids),
+        model=m.identity,
+        server="hsq-reference",
+        server_version=hsq.__version__,
+        hook_version=hsq.__version__,
+        pid=os.getpid(),
+        created_unix=time.time(),
+    )
+
+
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
     engine = build_engine(settings)
     engine.warmup(settings.warmup)
+    if settings.ready_marker:  # before /health answers: a worker checks it at start-up
+        write_ready(settings.dump_dir, ready_marker(engine), fsync=settings.fsync)
     server = _Server((settings.host, settings.port), _Handler)
     server.app = ReferenceApp(engine, settings)
 

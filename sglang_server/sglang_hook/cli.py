@@ -20,7 +20,23 @@ _UNSUPPORTED_FLAGS = (
     "--enable-dp-attention",
     "--enable-layernorm-sp",
     "--enable-return-hidden-states",
+    "--enable-two-batch-overlap",
+    "--enable-prefill-cp",
 )
+# Flags with a value: only these values are supported (the plugin checks the resolved
+# settings again, whatever form the flag took).
+_VALUED_FLAGS: dict[str, tuple[str, ...]] = {
+    "--dp-size": ("1",),
+    "--dp": ("1",),
+    "--pp-size": ("1",),
+    "--pp": ("1",),
+    "--attn-dp-size": ("1",),
+    "--attention-data-parallel-size": ("1",),
+    "--attn-cp-size": ("1",),
+    "--attention-context-parallel-size": ("1",),
+    "--moe-a2a-backend": ("none",),
+    "--cuda-graph-backend-prefill": ("disabled",),
+}
 
 
 def launch_command(
@@ -80,53 +96,132 @@ def launch_command(
 def check_launch_args(argv: Sequence[str]) -> list[str]:
     """Problems in SGLang launch arguments (the launcher refuses to start on any)."""
     problems = [f"{f} is not supported by the dump hook" for f in _UNSUPPORTED_FLAGS if f in argv]
-    for flag in ("--dp-size", "--dp", "--pp-size", "--pp"):
-        if flag in argv:
-            i = list(argv).index(flag)
-            if i + 1 < len(argv) and argv[i + 1] != "1":
-                problems.append(f"{flag} {argv[i + 1]}: one scheduler must own the dump dir")
+    args = list(argv)
+    for flag, ok in _VALUED_FLAGS.items():
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 < len(args) and args[i + 1] not in ok:
+                problems.append(f"{flag} {args[i + 1]} is not supported by the dump hook")
     return problems
+
+
+def _count(v: Any) -> int:
+    # Untrusted (/server_info JSON): a non-integer counts as 1, never raises.
+    return v if isinstance(v, int) and not isinstance(v, bool) else 1
+
+
+_PREFILL_CP_FLAGS = (
+    "enable_prefill_cp",
+    "enable_prefill_context_parallel",
+    "enable_dsa_prefill_context_parallel",
+    "enable_nsa_prefill_context_parallel",
+)
+SERVER_ARG_KEYS = (
+    "disable_radix_cache",
+    "dp_size",
+    "attn_dp_size",
+    "enable_dp_attention",
+    "pp_size",
+    "tp_size",
+    "attn_cp_size",
+    *_PREFILL_CP_FLAGS,
+    "enable_two_batch_overlap",
+    "moe_a2a_backend",
+    "moe_dense_tp_size",
+    "enable_layernorm_sp",
+    "cuda_graph_backend_prefill",
+    "disable_prefill_cuda_graph",
+    "disable_piecewise_cuda_graph",
+    "speculative_algorithm",
+    "enable_return_hidden_states",
+)
+"""The server settings ``refusals`` reads (from ServerArgs in the plugin, /server_info here)."""
+
+
+def refusals(v: Mapping[str, Any]) -> list[str]:
+    """Settings under which the hook would dump wrong rows, nothing, or crash the server.
+
+    One list for both places that check: the plugin refuses to start on any of them,
+    whatever launched SGLang, and `hsq launch-sglang` checks /server_info against it.
+    A key that is absent (an older SGLang without that feature) is not a problem.
+    """
+    return _layout_refusals(v) + _feature_refusals(v)
+
+
+def _layout_refusals(v: Mapping[str, Any]) -> list[str]:
+    # Layouts where attention-TP rank 0 does not hold every row of the batch plan.
+    out: list[str] = []
+    if _count(v.get("dp_size")) > 1:
+        out.append("--dp-size > 1: one scheduler must own the dump dir")
+    if _count(v.get("attn_dp_size")) > 1 or v.get("enable_dp_attention"):
+        out.append("DP attention (attn_dp_size > 1): its padded rows are not the batch plan's")
+    if _count(v.get("pp_size")) > 1:
+        out.append("pipeline parallelism is not supported (aux capture is per stage)")
+    if _count(v.get("attn_cp_size")) > 1 or any(v.get(k) for k in _PREFILL_CP_FLAGS):
+        out.append("prefill context parallelism: 0.5.15 gathers only the final state")
+    if v.get("moe_a2a_backend") not in (None, "none"):
+        out.append(
+            f"--moe-a2a-backend {v.get('moe_a2a_backend')}: attention-TP sequence sharding, "
+            "rank 0 sees only its share of the rows"
+        )
+    if v.get("moe_dense_tp_size") not in (None, v.get("tp_size")):
+        out.append(
+            f"--moe-dense-tp-size {v.get('moe_dense_tp_size')}: attention-TP sequence "
+            "sharding, rank 0 sees only its share of the rows"
+        )
+    if v.get("enable_layernorm_sp"):
+        out.append("--enable-layernorm-sp: the rows differ from the batch plan")
+    return out
+
+
+def _feature_refusals(v: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    if v.get("disable_radix_cache") is not True:
+        out.append(
+            "radix cache is on: a cached prefix is not recomputed, so its states are never "
+            "dumped (launch with --disable-radix-cache)"
+        )
+    if v.get("enable_two_batch_overlap"):
+        out.append(
+            "--enable-two-batch-overlap: each micro-batch captures part of the layers; "
+            "AuxHiddenStatePacker.finalize() crashes the server on 0.5.23 DeepSeek"
+        )
+    if v.get("cuda_graph_backend_prefill") not in (None, "disabled"):
+        out.append(
+            f"--cuda-graph-backend-prefill {v.get('cuda_graph_backend_prefill')}: overrides "
+            "--disable-prefill-cuda-graph (which /server_info still shows), and aux capture "
+            "under prefill graphs was never verified"
+        )
+    for key in ("disable_prefill_cuda_graph", "disable_piecewise_cuda_graph"):
+        if v.get(key) is False:
+            out.append(
+                f"{key} is false: prefill CUDA graphs are on, unverified with aux "
+                "capture (launch with --" + key.replace("_", "-") + ")"
+            )
+    if v.get("speculative_algorithm"):
+        out.append(
+            f"speculative decoding ({v['speculative_algorithm']}) is on: a draft model "
+            "also runs the logits processor"
+        )
+    if v.get("enable_return_hidden_states"):
+        out.append(
+            "--enable-return-hidden-states is on: not needed, and a request asking "
+            "for it costs a .tolist() on the scheduler thread"
+        )
+    return out
 
 
 def check_server_info(info: Mapping[str, Any]) -> list[str]:
     """Problems in a dumping server's /server_info (empty: good to go)."""
-    problems: list[str] = []
-    if info.get("disable_radix_cache") is not True:
-        problems.append(
-            "radix cache is on: a cached prefix is not recomputed, so its states are never "
-            "dumped (launch with --disable-radix-cache)"
-        )
+    problems = refusals(info)
     chunk = info.get("chunked_prefill_size")
-    if not isinstance(chunk, int):
+    if not isinstance(chunk, int) or isinstance(chunk, bool):
         problems.append(f"chunked_prefill_size is {chunk!r}, expected an integer (-1 = off)")
     elif 0 < chunk < 1024:
         problems.append(
             f"chunked_prefill_size {chunk}: long prompts split into many chunks, each a "
             "separate forward and D2H copy; use >= 1024 or -1"
         )
-    if int(info.get("dp_size") or 1) > 1 or info.get("enable_dp_attention"):
-        problems.append(
-            "data parallelism: one scheduler per dump dir is supported, and DP "
-            "attention pads rows the plan does not know"
-        )
-    if int(info.get("pp_size") or 1) > 1:
-        problems.append("pipeline parallelism is not supported (aux capture is per stage)")
-    if info.get("enable_return_hidden_states"):
-        problems.append(
-            "--enable-return-hidden-states is on: not needed, and a request asking "
-            "for it costs a .tolist() on the scheduler thread"
-        )
-    if info.get("speculative_algorithm"):
-        problems.append(
-            f"speculative decoding ({info['speculative_algorithm']}) is on: a "
-            "draft model also runs the logits processor"
-        )
-    for key in ("disable_prefill_cuda_graph", "disable_piecewise_cuda_graph"):
-        if info.get(key) is False:
-            problems.append(
-                f"{key} is false: prefill CUDA graphs are on, unverified with aux "
-                "capture (launch with --" + key.replace("_", "-") + ")"
-            )
     version = info.get("version")
     if version is not None and str(version) not in PINNED_VERSIONS:
         problems.append(f"sglang {version} is not a pinned version {list(PINNED_VERSIONS)}")

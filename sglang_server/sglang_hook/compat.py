@@ -219,6 +219,24 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     _field("enable_return_hidden_states", ("exec_", "ExecFeatures")),
     _field("disable_prefill_cuda_graph", ("exec_", "ExecGraph"), since=PREFILL_GRAPH_FLAG_SINCE),
     _field("disable_piecewise_cuda_graph", None, *PIECEWISE_GRAPH_FLAG_RANGE),
+    # Settings the plugin refuses at start-up (cli.refusals), read from ServerArgs.
+    _one("server args of the runner", Symbol(_RUNNER, "ModelRunner.server_args", "attr")),
+    _one(
+        "resolved server args (0.5.2x resolves lazily)",
+        Symbol("sglang.srt.server_args", "ServerArgs.resolved_dict", params=("self",)),
+        (0, 5, 23),
+    ),
+    _field("enable_two_batch_overlap", ("exec_", "ExecOverlap")),
+    _field("moe_a2a_backend", ("exec_", "ExecMoe")),
+    _field("moe_dense_tp_size", ("parallel", "Parallel")),
+    _field("attn_cp_size", ("parallel", "Parallel")),
+    _field("speculative_algorithm", ("spec", "Spec")),
+    _field("cuda_graph_backend_prefill", ("exec_", "ExecGraph"), since=(0, 5, 15)),
+    _field("enable_prefill_cp", ("parallel", "Parallel"), since=(0, 5, 15)),
+    _field("enable_layernorm_sp", ("parallel", "Parallel"), since=(0, 5, 23)),
+    _field("attn_dp_size", ("parallel", "Parallel"), since=(0, 5, 23)),
+    # Kimi-K2.5: the language model gets input_ids=None; the ids come from the batch.
+    _one("token ids of the batch", Symbol(_FBI, "ForwardBatch.input_ids", "attr")),
 )
 
 

@@ -1,8 +1,9 @@
 """`hsq launch-sglang`: start a dumping SGLang server as a child and check it once it is up.
 
 The command comes from cli.launch_command (pure); this module is the I/O around it: find
-the installed SGLang version, start the process, poll /health, read /server_info and stop
-the server if its settings would produce wrong dumps.
+the installed SGLang version, start the process, poll /health, read /server_info and the
+hook's readiness marker, and stop the server if its settings would produce wrong dumps or
+its hook is not active.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from hsq.errors import ConfigError
+from hsq.errors import ConfigError, HookInactiveError
+from hsq.protocol import READY_FILE, read_ready
 from sglang_server.sglang_hook.cli import check_server_info, launch_command
 
 EXIT_BAD_SERVER = 2
@@ -85,11 +87,26 @@ def run_checked(
         return EXIT_BAD_SERVER
     info = httpx.get(base + "/server_info", timeout=30).json()
     problems = check_server_info(info)
-    if problems:
+    try:
+        marker = read_ready(dump_dir)
+    except HookInactiveError as exc:
+        marker = None
+        problems.append(str(exc))
+    else:
+        if marker is None:
+            problems.append(
+                f"no {READY_FILE} in {dump_dir}: the dump hook is not active in this server "
+                "(plugin not installed, or it failed: see the server log)"
+            )
+    if problems or marker is None:
         for p in problems:
             echo(f"error: {p}")
         proc.terminate()
         proc.wait(120)
         return EXIT_BAD_SERVER
-    echo(f"sglang {version} serving at {base}, dumping to {dump_dir}; /server_info checked")
+    echo(
+        f"sglang {version} serving at {base}, dumping to {dump_dir}; /server_info and the "
+        f"hook checked: model {marker.model.model_id}, layers "
+        f"{','.join(map(str, marker.layer_ids))} (pin them: hsq enqueue --layers ...)"
+    )
     return proc.wait()

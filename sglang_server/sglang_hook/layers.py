@@ -61,6 +61,11 @@ def effective_layer_ids(
     the ids as given; before 0.5.13 always +1. ``None``: the default, unchanged. The
     result is sorted because models capture while walking the layers in order, so that is
     the order of the packed aux tensor.
+
+    Only ``0 <= id < num_layers``, each once: SGLang captures at the entry of layers in
+    ``range(start_layer, end_layer)``, so id L never fires and a duplicate fires once;
+    either leaves the aux list short (0.5.23 DeepSeek/Kimi: finalize() raises "captured
+    2 of 3" and takes the server down at its first forward; Llama: every batch lost).
     """
     if ids is None:
         out = default_layer_ids(num_layers)
@@ -68,11 +73,21 @@ def effective_layer_ids(
         out = list(ids)
     else:
         out = [i + 1 for i in ids]
-    out = sorted(set(out))
-    bad = [i for i in out if not 0 <= i <= num_layers]
-    if bad or not out:
-        raise ValueError(f"layer ids {out} out of range for a model of {num_layers} layers")
-    return out
+    check_effective(out, num_layers)
+    return sorted(out)
+
+
+def check_effective(ids: Sequence[int], num_layers: int) -> None:
+    """ValueError unless every id is in [0, num_layers) and none repeats."""
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad or not ids:
+        raise ValueError(
+            f"layer ids {list(ids)} out of range for a model of {num_layers} layers "
+            f"(allowed: 0..{num_layers - 1}; {num_layers} is never captured)"
+        )
+    dups = sorted({i for i in ids if list(ids).count(i) > 1})
+    if dups:
+        raise ValueError(f"layer ids {list(ids)} capture {dups} twice; SGLang would come up short")
 
 
 def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
@@ -85,6 +100,8 @@ def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"layer ids must be integers, got {text!r}") from None
     if any(i < 0 for i in ids):
         raise ValueError(f"layer ids must be >= 0, got {text!r}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layer ids must not repeat, got {text!r}")
     return ids
 
 

@@ -1,7 +1,9 @@
 """The SGLang glue: three hooks that feed DumpHook. Only this module touches SGLang.
 
-- AFTER ``ModelRunner.load_model``: turn aux capture on (before attention backends and
-  CUDA graphs are set up), read back the layers the model will capture, build DumpHook.
+- AROUND ``ModelRunner.load_model``: before the weights load, refuse settings and layer
+  ids that break capture; after, turn aux capture on (before attention backends and
+  CUDA graphs are set up), check the layers the model will capture, build DumpHook and
+  write the readiness marker (hsq.protocol.ReadyMarker) that workers wait for.
 - AROUND ``Scheduler.run_batch``: snapshot the batch plan of a prefill batch.
 - AROUND ``LogitsProcessor.forward``: the one point where every token's final (post-norm)
   and aux states are visible for every model; hand them to DumpHook.
@@ -19,16 +21,26 @@ import logging
 import os
 import pkgutil
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import hsq
+from hsq.errors import ConfigError
+from hsq.protocol import READY_FILE, ReadyMarker, write_ready
 from sglang_server.sglang_hook import compat
-from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.cli import SERVER_ARG_KEYS, refusals
+from sglang_server.sglang_hook.config import ENV_LAYER_IDS, HookConfig
 from sglang_server.sglang_hook.identity import model_identity
-from sglang_server.sglang_hook.layers import effective_layer_ids, family, find_capture_list
+from sglang_server.sglang_hook.layers import (
+    check_effective,
+    effective_layer_ids,
+    family,
+    find_capture_list,
+)
 from sglang_server.sglang_hook.plan import BatchPlan
 from sglang_server.sglang_hook.sink import DumpContext
-from sglang_server.sglang_hook.tap import DumpHook
+from sglang_server.sglang_hook.tap import DumpHook, batch_input_ids
 
 log = logging.getLogger("hsq.sglang_hook")
 _MARK = "__hsq_dump_hook__"
@@ -65,11 +77,65 @@ def _attn_tp_rank() -> int:
 # ---------------------------------------------------------------------------- hooks
 
 
-def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    global _hook
+def server_arg_values(server_args: Any) -> dict[str, Any]:
+    """The resolved settings, as /server_info reports them (0.5.2x resolves lazily: the
+    raw attributes may not be what runs), else the plain attributes ``refusals`` reads."""
+    resolved = getattr(server_args, "resolved_dict", None)
+    if callable(resolved):
+        try:
+            return dict(resolved())
+        except Exception:  # fall back to the raw fields rather than skip the check
+            log.warning("hs_dump: ServerArgs.resolved_dict() failed; reading raw fields")
+    return {k: getattr(server_args, k) for k in SERVER_ARG_KEYS if hasattr(server_args, k)}
+
+
+def _text_config(runner: Any) -> tuple[Any, str, int]:
+    """(model config, architecture, num layers), known before the weights load."""
+    mc = runner.model_config
+    text = getattr(mc, "hf_text_config", None) or mc.hf_config
+    archs = getattr(mc.hf_config, "architectures", None) or ["unknown"]
+    return mc, str(archs[0]), int(text.num_hidden_layers)
+
+
+def preflight(runner: Any, cfg: HookConfig, version: str) -> list[int] | None:
+    """Refuse before the weights load: unsupported settings or layer ids (ConfigError,
+    which SGLang's scheduler logs before it takes the server down). Returns the layers
+    the model is predicted to capture, None for an architecture without a known rule."""
+    problems = refusals(server_arg_values(runner.server_args))
+    _, arch, num_layers = _text_config(runner)
+    fam = family(arch)
+    predicted = None
+    if fam is not None:
+        rule = compat.deepseek_first_id_rule(version)
+        try:
+            predicted = effective_layer_ids(
+                fam, num_layers, cfg.layer_ids, deepseek_first_id_rule=rule
+            )
+        except ValueError as exc:
+            problems.append(f"{ENV_LAYER_IDS}: {exc}")
+    if problems:
+        raise ConfigError("hs_dump: refusing to start: " + "; ".join(problems))
+    return predicted
+
+
+def around_load_model(orig: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     cfg = _config()
     if cfg is None or getattr(runner, "is_draft_worker", False):
-        return None
+        return orig(runner, *args, **kwargs)
+    version = _sglang_version()
+    predicted = preflight(runner, cfg, version)
+    if _attn_tp_rank() == 0:
+        # A marker left by an earlier server must not vouch for this one while it loads.
+        (cfg.dump_dir / READY_FILE).unlink(missing_ok=True)
+    result = orig(runner, *args, **kwargs)
+    _install(runner, cfg, predicted, version)
+    return result
+
+
+def _install(runner: Any, cfg: HookConfig, predicted: list[int] | None, version: str) -> None:
+    """After the load: turn aux capture on, check what the model captures, build the
+    DumpHook and announce it with the readiness marker."""
+    global _hook
     model = runner.model
     ids = list(cfg.layer_ids) if cfg.layer_ids is not None else None
     # SGLang's own per-model id rule; wrappers without it (Kimi-K2.5 before 0.5.2x)
@@ -78,41 +144,46 @@ def after_load_model(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Non
         getattr(model, "language_model", None), "set_eagle3_layers_to_capture", None
     )
     if setter is None:
-        raise RuntimeError(f"hs_dump: {type(model).__name__} has no EAGLE-3 aux capture")
+        raise ConfigError(f"hs_dump: {type(model).__name__} has no EAGLE-3 aux capture")
     setter(ids)
     captured = find_capture_list(model)
     if captured is None:
-        raise RuntimeError(
+        raise ConfigError(
             f"hs_dump: {type(model).__name__} set no layers_to_capture; this model (or a "
             "non-last pipeline stage) cannot be dumped"
         )
-    mc = runner.model_config
+    mc, arch, num_layers = _text_config(runner)
     text = getattr(mc, "hf_text_config", None) or mc.hf_config
-    archs = getattr(mc.hf_config, "architectures", None) or [type(model).__name__]
     ident = model_identity(
-        str(mc.model_path),
-        str(archs[0]),
-        int(text.num_hidden_layers),
-        int(text.hidden_size),
-        mc.hf_config.to_dict(),
+        str(mc.model_path), arch, num_layers, int(text.hidden_size), mc.hf_config.to_dict()
     )
-    effective = sorted(set(captured))
-    fam = family(ident.architecture)
-    if fam is None:
-        log.warning(
-            "hs_dump: %s has no known layer-id rule; recording the model's own list",
-            ident.architecture,
+    try:
+        check_effective(captured, num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"hs_dump: the model captures {captured}: {exc}") from exc
+    effective = sorted(captured)
+    if predicted is None:
+        log.warning("hs_dump: %s has no known layer-id rule; recording the model's list", arch)
+    elif predicted != effective:
+        raise ConfigError(
+            f"hs_dump: expected layers {predicted} for {arch} on sglang {version}, the model "
+            f"captures {effective}: refusing to dump under a rule hsq does not know"
         )
-    else:
-        rule = compat.deepseek_first_id_rule(_sglang_version())
-        predicted = effective_layer_ids(fam, ident.num_layers, ids, deepseek_first_id_rule=rule)
-        if predicted != effective:
-            log.error("hs_dump: expected layers %s, model captures %s", predicted, effective)
     _hook = DumpHook(cfg, DumpContext(ident, effective), attn_tp_rank=_attn_tp_rank())
+    if _hook.is_writer:
+        marker = ReadyMarker(
+            layer_ids=tuple(effective),
+            model=ident,
+            server="sglang",
+            server_version=version,
+            hook_version=hsq.__version__,
+            pid=os.getpid(),
+            created_unix=time.time(),
+        )
+        write_ready(cfg.dump_dir, marker, fsync=cfg.fsync)
     log.info(
         "hs_dump: %s layers %s -> %s (writer=%s)", ident.model_id, ids, effective, _hook.is_writer
     )
-    return None
 
 
 def _is_prefill(mode: Any) -> bool:
@@ -147,17 +218,18 @@ def around_logits(orig: Callable[..., Any], proc: Any, *args: Any, **kwargs: Any
     if plan is not None and hook is not None:
         _plan.value = None  # the batch's first logits call is the target model's
         try:
-            input_ids = args[0] if len(args) > 0 else kwargs["input_ids"]
+            input_ids = args[0] if len(args) > 0 else kwargs.get("input_ids")
             hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
+            meta = args[3] if len(args) > 3 else kwargs.get("logits_metadata")
             aux = args[4] if len(args) > 4 else kwargs.get("aux_hidden_states")
-            hook.capture(plan, input_ids, hidden, aux)
+            hook.capture(plan, batch_input_ids(input_ids, meta), hidden, aux)
         except Exception:
             log.exception("hs_dump: capture failed")
     return orig(proc, *args, **kwargs)
 
 
 HOOKS: tuple[tuple[compat.Symbol, Callable[..., Any], str], ...] = (
-    (compat.LOAD_MODEL, after_load_model, "AFTER"),
+    (compat.LOAD_MODEL, around_load_model, "AROUND"),
     (compat.RUN_BATCH, around_run_batch, "AROUND"),
     (compat.LOGITS_FORWARD, around_logits, "AROUND"),
 )
@@ -173,8 +245,16 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
 
 
 def register() -> None:
-    """Entry point (group sglang.srt.plugins): hand the hooks to SGLang's HookRegistry."""
-    cfg = _config()  # a typo'd SGLANG_HS_* fails here, at startup
+    """Entry point (group sglang.srt.plugins): hand the hooks to SGLang's HookRegistry.
+
+    SGLang's load_plugins() catches every Exception a plugin raises and only logs it, so a
+    bad setting would leave a server that serves and never dumps. SystemExit is not an
+    Exception: it stops the launcher (and any scheduler) with the message.
+    """
+    try:
+        cfg = _config()  # a typo'd SGLANG_HS_* or bad layer ids fail here, at startup
+    except ValueError as exc:
+        raise SystemExit(f"hs_dump: refusing to start: {exc}") from exc
     if cfg is None:
         log.info("hs_dump: SGLANG_HS_DUMP_DIR unset, hidden-state dumping is off")
         return

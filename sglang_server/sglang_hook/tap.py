@@ -31,6 +31,21 @@ def aux_parts(aux: AuxStates) -> list[torch.Tensor]:
     return list(aux)
 
 
+def batch_input_ids(input_ids: torch.Tensor | None, logits_metadata: object) -> torch.Tensor | None:
+    """The forward's token ids, also when the logits processor gets ``input_ids=None``.
+
+    Multimodal wrappers (Kimi-K2.5, through mm_utils.general_mm_embed_routine) call the
+    language model with ``input_ids=None`` and embeddings, text-only batches included;
+    DeepseekV2ForCausalLM passes that None on. Its ``logits_metadata`` argument is then
+    the ForwardBatch, whose ``input_ids`` hold the batch's rows (image tokens as pad
+    values: their fingerprint cannot match, and the worker reports stale_dump).
+    """
+    if input_ids is not None:
+        return input_ids
+    ids = getattr(logits_metadata, "input_ids", None)
+    return ids if isinstance(ids, torch.Tensor) else None
+
+
 class DumpHook:
     """Plans prefill batches and captures their states; only attention-TP rank 0 writes.
 
@@ -81,7 +96,7 @@ class DumpHook:
     def capture(
         self,
         plan: BatchPlan,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         hidden: torch.Tensor,
         aux: AuxStates,
     ) -> bool:
@@ -93,8 +108,12 @@ class DumpHook:
         """
         if self.sink is None or self._copier is None:
             return False
-        problem = self._mismatch(plan, input_ids, hidden, aux)
-        if problem:
+        problem = (
+            "no input ids (neither the logits call nor its ForwardBatch has them)"
+            if input_ids is None
+            else self._mismatch(plan, input_ids, hidden, aux)
+        )
+        if problem or input_ids is None:
             self.skipped_batches += 1
             log.error("hs_dump: batch not captured: %s", problem)
             return False

@@ -1,0 +1,109 @@
+"""Start-up check: the server's dump hook is active, and captures what the run pins.
+
+A server whose hook never loaded (SGLang swallows plugin errors, a server started
+without SGLANG_HS_DUMP_DIR) answers every request and writes no dump: each sample would
+time out with no_dump, one after another. The hook writes a readiness marker into the
+dump dir once the model is loaded (hsq.protocol.ReadyMarker); the worker refuses to start
+without it, so the mistake costs one clear error instead of a run of retries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from hsq.errors import HookInactiveError
+from hsq.protocol import READY_FILE, ReadyMarker, read_ready
+from hsq.runconfig import RunConfig
+
+log = structlog.get_logger("hsq.readiness")
+DEFAULT_WAIT_S = 1800.0
+"""How long a worker waits for a server that is still starting (a large checkpoint loads
+for many minutes). A server that answers /health without a marker is refused at once."""
+
+
+def check_marker(
+    marker: ReadyMarker,
+    *,
+    layer_ids: Sequence[int] | None = None,
+    model_id: str | None = None,
+) -> None:
+    """HookInactiveError when the marker contradicts what the run pins."""
+    if layer_ids is not None and list(marker.layer_ids) != list(layer_ids):
+        raise HookInactiveError(
+            f"the server captures layers {list(marker.layer_ids)}, the run pins "
+            f"{list(layer_ids)} (hsq enqueue --layers): relaunch the server with layer "
+            "ids that map to the pinned list (docs/sglang.md, Layer ids)"
+        )
+    if model_id is not None and marker.model.model_id != model_id:
+        raise HookInactiveError(
+            f"the server runs model {marker.model.model_id}, the run pins {model_id}"
+        )
+
+
+def await_hook(
+    dump_dir: Path,
+    healthy: Callable[[], bool],
+    *,
+    layer_ids: Sequence[int] | None = None,
+    model_id: str | None = None,
+    timeout_s: float = DEFAULT_WAIT_S,
+    stop: threading.Event | None = None,
+    poll_s: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+) -> ReadyMarker | None:
+    """The server's marker, checked; waits while the server is still starting.
+
+    The marker is written before the server reports healthy (the reference server before
+    it listens; SGLang's hook after the model loads, before warm-up), so a healthy server
+    without one has no active hook. Returns None only when ``stop`` is set while waiting.
+    """
+    deadline = clock() + timeout_s
+    logged = False
+    while True:
+        marker = read_ready(dump_dir)
+        if marker is not None:
+            check_marker(marker, layer_ids=layer_ids, model_id=model_id)
+            log.info(
+                "hook_ready",
+                server=marker.server,
+                server_version=marker.server_version,
+                hook_version=marker.hook_version,
+                model_id=marker.model.model_id,
+                layer_ids=list(marker.layer_ids),
+            )
+            return marker
+        if healthy():
+            # Once more: the server may have written it between the two looks.
+            if read_ready(dump_dir) is None:
+                raise HookInactiveError(
+                    f"the server is up but {dump_dir / READY_FILE} does not exist: its dump "
+                    "hook is not active (SGLANG_HS_DUMP_DIR unset or different from "
+                    "--dump-dir, plugin not installed or it failed at load; see the "
+                    "server log and docs/sglang.md)"
+                )
+            continue
+        if clock() >= deadline:
+            raise HookInactiveError(
+                f"no dump hook marker in {dump_dir} after {timeout_s:.0f}s and the server "
+                "is not healthy: is it starting, and does it dump to this directory?"
+            )
+        if not logged:
+            log.info("waiting_for_hook", dump_dir=str(dump_dir), timeout_s=timeout_s)
+            logged = True
+        if stop is not None:
+            if stop.wait(poll_s):
+                return None
+        else:
+            time.sleep(poll_s)
+
+
+def require_hook(
+    dump_dir: Path, healthy: Callable[[], bool], cfg: RunConfig, stop: threading.Event
+) -> ReadyMarker | None:
+    """The worker's start-up call: await_hook against the layers and model the run pins."""
+    return await_hook(dump_dir, healthy, layer_ids=cfg.layer_ids, model_id=cfg.model_id, stop=stop)
