@@ -8,11 +8,13 @@ back through hsq.protocol.read_dump and compared with the synthetic states.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,13 +23,31 @@ from typing import Any
 import pytest
 import torch
 
-from hsq.protocol import Dump, Expected, fingerprint, read_dump, read_meta, scan
+from hsq.errors import ConfigError
+from hsq.protocol import (
+    READY_FILE,
+    Dump,
+    Expected,
+    ReadyMarker,
+    fingerprint,
+    read_dump,
+    read_meta,
+    read_ready,
+    scan,
+    write_ready,
+)
 from sglang_server.sglang_hook import plugin
-from sglang_server.sglang_hook.cli import check_launch_args, check_server_info, launch_command
+from sglang_server.sglang_hook.cli import (
+    check_launch_args,
+    check_server_info,
+    launch_command,
+    refusals,
+)
 from sglang_server.sglang_hook.compat import PINNED_VERSIONS
 from sglang_server.sglang_hook.config import HookConfig
 from sglang_server.sglang_hook.identity import model_identity
 from sglang_server.sglang_hook.layers import (
+    check_effective,
     default_layer_ids,
     effective_layer_ids,
     find_capture_list,
@@ -667,3 +687,290 @@ def test_batch_input_ids_prefers_the_call_argument() -> None:
     assert batch_input_ids(None, SimpleNamespace(input_ids=other)) is other
     assert batch_input_ids(None, SimpleNamespace()) is None
     assert batch_input_ids(None, SimpleNamespace(input_ids=[3, 4])) is None  # not a tensor
+
+
+# ---------------------------------------------------------------------------- refusals
+
+GOOD_ARGS: dict[str, Any] = {
+    "disable_radix_cache": True,
+    "dp_size": 1,
+    "attn_dp_size": 1,
+    "enable_dp_attention": False,
+    "pp_size": 1,
+    "tp_size": 8,
+    "attn_cp_size": 1,
+    "enable_prefill_cp": False,
+    "enable_two_batch_overlap": False,
+    "moe_a2a_backend": "none",
+    "moe_dense_tp_size": None,
+    "enable_layernorm_sp": False,
+    "cuda_graph_backend_prefill": None,
+    "disable_prefill_cuda_graph": True,
+    "speculative_algorithm": None,
+    "enable_return_hidden_states": False,
+}
+REFUSED: list[tuple[str, Any, str]] = [
+    ("enable_two_batch_overlap", True, "two-batch-overlap"),
+    ("moe_a2a_backend", "deepep", "moe-a2a-backend deepep"),
+    ("moe_dense_tp_size", 1, "moe-dense-tp-size 1"),
+    ("cuda_graph_backend_prefill", "breakable", "cuda-graph-backend-prefill breakable"),
+    ("cuda_graph_backend_prefill", "full", "overrides --disable-prefill-cuda-graph"),
+    ("enable_prefill_cp", True, "prefill context parallelism"),
+    ("enable_prefill_context_parallel", True, "prefill context parallelism"),
+    ("attn_cp_size", 2, "prefill context parallelism"),
+    ("attn_dp_size", 8, "DP attention"),
+    ("enable_dp_attention", True, "DP attention"),
+    ("dp_size", 2, "--dp-size"),
+    ("pp_size", 2, "pipeline"),
+    ("enable_layernorm_sp", True, "layernorm-sp"),
+    ("disable_radix_cache", False, "radix cache"),
+    ("disable_prefill_cuda_graph", False, "prefill CUDA graphs are on"),
+    ("disable_piecewise_cuda_graph", False, "prefill CUDA graphs are on"),
+    ("speculative_algorithm", "EAGLE3", "speculative decoding"),
+    ("enable_return_hidden_states", True, "return-hidden-states"),
+]
+
+
+def test_good_settings_are_not_refused() -> None:
+    assert refusals(GOOD_ARGS) == []
+    assert refusals({**GOOD_ARGS, "moe_dense_tp_size": 8}) == []  # = tp_size: no sharding
+    assert refusals({**GOOD_ARGS, "cuda_graph_backend_prefill": "disabled"}) == []
+    # Untrusted /server_info values never raise.
+    assert refusals({**GOOD_ARGS, "dp_size": "two", "pp_size": None}) == []
+
+
+@pytest.mark.parametrize(("key", "value", "says"), REFUSED, ids=[f"{k}={v}" for k, v, _ in REFUSED])
+def test_each_refusal_in_the_plugin_and_server_info(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, value: Any, says: str
+) -> None:
+    bad = {**GOOD_ARGS, key: value}
+    problems = refusals(bad)
+    assert len(problems) == 1 and says in problems[0]
+    info = {**bad, "chunked_prefill_size": 8192, "version": PINNED_VERSIONS[0]}
+    assert check_server_info(info) == problems  # what `hsq launch-sglang` checks
+    # The plugin refuses before the weights load, whatever launched the server.
+    runner = FakeRunner.kimi(tmp_path, server_args=SimpleNamespace(**bad))
+    use_plugin(monkeypatch, tmp_path)
+    with pytest.raises(ConfigError, match="refusing to start") as err:
+        plugin.around_load_model(runner.load, runner)
+    assert says in str(err.value)
+    assert runner.loads == 0
+
+
+def test_the_plugin_reads_resolved_settings_when_sglang_has_them(tmp_path: Path) -> None:
+    """0.5.2x resolves lazily: the raw attribute may say off while the resolved value is
+    on (and the other way round); the plugin reads what /server_info reports."""
+
+    class Args:
+        enable_two_batch_overlap = False
+
+        def resolved_dict(self) -> dict[str, Any]:
+            return {**GOOD_ARGS, "enable_two_batch_overlap": True}
+
+    values = plugin.server_arg_values(Args())
+    assert values["enable_two_batch_overlap"] is True
+    raw = plugin.server_arg_values(SimpleNamespace(**GOOD_ARGS, unrelated=1))
+    assert raw == GOOD_ARGS
+
+
+def test_launch_args_refusals() -> None:
+    for argv in (
+        ["--enable-two-batch-overlap"],
+        ["--moe-a2a-backend", "deepep"],
+        ["--cuda-graph-backend-prefill", "breakable"],
+        ["--attn-dp-size", "4"],
+        ["--enable-prefill-cp"],
+    ):
+        assert check_launch_args(argv), argv
+    assert not check_launch_args(["--moe-a2a-backend", "none", "--dp-size", "1"])
+    assert not check_launch_args(["--cuda-graph-backend-prefill", "disabled"])
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"SGLANG_HS_LAYER_IDS": "2,2,58"}, "must not repeat"),
+        ({"SGLANG_HS_LAYER_IDS": "2,x"}, "integers"),
+        ({"SGLANG_HS_LAYERS": "2"}, "unknown settings"),
+        ({"SGLANG_HS_QUEUE_ITEMS": "0"}, "positive"),
+    ],
+)
+def test_register_turns_bad_settings_into_system_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
+) -> None:
+    """SGLang's load_plugins() catches Exception from a plugin and only logs it; a
+    SystemExit is not an Exception, so the server stops with the message."""
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(tmp_path))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match=says) as err:
+        plugin.register()
+    assert not isinstance(err.value, Exception)
+
+
+# ---------------------------------------------------------------------------- load + marker
+
+
+@dataclass
+class FakeRunner:
+    """A ModelRunner as the load-model hook sees it; ``model`` follows SGLang's DeepSeek
+    (or Llama) layer rule when the hook calls set_eagle3_layers_to_capture."""
+
+    model: Any
+    model_config: Any
+    server_args: Any
+    is_draft_worker: bool = False
+    loads: int = 0
+    marker_at_load: bool | None = None
+    dump_dir: Path | None = None
+
+    @classmethod
+    def kimi(
+        cls,
+        tmp_path: Path,
+        *,
+        server_args: Any = None,
+        rule: Callable[..., list[int]] | None = None,
+    ) -> FakeRunner:
+        inner = SimpleNamespace(layers_to_capture=[])
+
+        def set_ids(ids: list[int] | None) -> None:
+            # DeepseekV2ForCausalLM.set_eagle3_layers_to_capture, sglang >= 0.5.13
+            if rule is not None:
+                inner.layers_to_capture = rule(ids)
+            elif ids is None:
+                inner.layers_to_capture = [2, 61 // 2, 61 - 3]
+            else:
+                inner.layers_to_capture = [i + 1 for i in ids] if ids[0] == 1 else list(ids)
+
+        lm = SimpleNamespace(model=inner, set_eagle3_layers_to_capture=set_ids)
+        hf = SimpleNamespace(
+            architectures=["KimiK25ForConditionalGeneration"], to_dict=lambda: {"kimi": 1}
+        )
+        mc = SimpleNamespace(
+            model_path="/models/Kimi-K2.5/",
+            hf_config=hf,
+            hf_text_config=SimpleNamespace(num_hidden_layers=61, hidden_size=H),
+        )
+        args = server_args or SimpleNamespace(**GOOD_ARGS)
+        return cls(SimpleNamespace(language_model=lm), mc, args, dump_dir=tmp_path / "dumps")
+
+    def load(self, runner: FakeRunner) -> str:
+        assert runner is self
+        self.loads += 1
+        assert self.dump_dir is not None
+        self.marker_at_load = (self.dump_dir / READY_FILE).exists()
+        return "loaded"
+
+
+def use_plugin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, rank: int = 0, layer_ids: str | None = None
+) -> Path:
+    dump_dir = tmp_path / "dumps"
+    monkeypatch.setenv("SGLANG_HS_DUMP_DIR", str(dump_dir))
+    if layer_ids is not None:
+        monkeypatch.setenv("SGLANG_HS_LAYER_IDS", layer_ids)
+    monkeypatch.setattr(plugin, "_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(plugin, "_attn_tp_rank", lambda: rank)
+    monkeypatch.setattr(plugin, "_hook", None)
+    return dump_dir
+
+
+@pytest.mark.parametrize(
+    ("ids", "want"),
+    [(None, (2, 30, 58)), ("3,31,59", (3, 31, 59)), ("1,29,57", (2, 30, 58))],
+    ids=["unset", "3,31,59", "1,29,57"],
+)
+def test_kimi_load_writes_the_readiness_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: str | None, want: tuple[int, ...]
+) -> None:
+    """docs/sglang.md's Kimi-K2.5 worked example (61 layers), through the load hook."""
+    dump_dir = use_plugin(monkeypatch, tmp_path, layer_ids=ids)
+    dump_dir.mkdir()
+    write_ready(dump_dir, ReadyMarker((9,), IDENT, "sglang", "0.5.15", "0", 1, 0.0))  # stale
+    runner = FakeRunner.kimi(tmp_path)
+    try:
+        assert plugin.around_load_model(runner.load, runner) == "loaded"
+        assert runner.loads == 1 and runner.marker_at_load is False  # stale one removed first
+        marker = read_ready(dump_dir)
+        assert marker is not None and marker.layer_ids == want
+        assert marker.server == "sglang" and marker.server_version == "0.5.23"
+        assert marker.model.architecture == "KimiK25ForConditionalGeneration"
+        assert marker.model.num_layers == 61 and marker.pid == os.getpid()
+        assert plugin._hook is not None and plugin._hook.ctx.layer_ids == list(want)
+    finally:
+        if plugin._hook is not None:
+            plugin._hook.close()
+
+
+@pytest.mark.parametrize("ids", ["3,31,61", "2,30,70"], ids=["id-L", "past-L"])
+def test_layer_id_at_or_past_l_is_refused_before_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ids: str
+) -> None:
+    use_plugin(monkeypatch, tmp_path, layer_ids=ids)
+    runner = FakeRunner.kimi(tmp_path)
+    with pytest.raises(ConfigError, match=r"out of range.*61 is never captured"):
+        plugin.around_load_model(runner.load, runner)
+    assert runner.loads == 0
+
+
+def test_predicted_and_effective_layers_differ_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A known family whose model applies another rule (a changed SGLang) is refused."""
+    use_plugin(monkeypatch, tmp_path, layer_ids="3,31,59")
+    runner = FakeRunner.kimi(tmp_path, rule=lambda ids: [i + 1 for i in ids])
+    with pytest.raises(ConfigError, match=r"expected layers \[3, 31, 59\].*\[4, 32, 60\]"):
+        plugin.around_load_model(runner.load, runner)
+    assert not (tmp_path / "dumps" / READY_FILE).exists()
+
+
+def test_model_capturing_a_layer_twice_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_plugin(monkeypatch, tmp_path)
+    runner = FakeRunner.kimi(tmp_path, rule=lambda ids: [2, 30, 30])
+    with pytest.raises(ConfigError, match="twice"):
+        plugin.around_load_model(runner.load, runner)
+
+
+def test_non_writer_rank_writes_no_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dump_dir = use_plugin(monkeypatch, tmp_path, rank=1)
+    runner = FakeRunner.kimi(tmp_path)
+    plugin.around_load_model(runner.load, runner)
+    assert not (dump_dir / READY_FILE).exists()
+
+
+def test_hook_off_or_draft_runner_just_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SGLANG_HS_DUMP_DIR", raising=False)
+    runner = FakeRunner.kimi(tmp_path, server_args=SimpleNamespace(disable_radix_cache=False))
+    assert plugin.around_load_model(runner.load, runner) == "loaded"
+    use_plugin(monkeypatch, tmp_path)
+    runner.is_draft_worker = True
+    assert plugin.around_load_model(runner.load, runner) == "loaded"
+    assert runner.loads == 2 and not (tmp_path / "dumps").exists()
+
+
+@pytest.mark.parametrize(
+    ("fam", "n", "ids"),
+    [
+        ("deepseek", 61, [3, 31, 61]),  # id L: SGLang never captures it
+        ("llama", 32, [2, 15, 31]),  # 31 + 1 = L
+        ("llama", 4, None),  # default [2, 2, 1] collides
+    ],
+)
+def test_layer_ids_at_l_or_colliding_are_refused(fam: Any, n: int, ids: list[int] | None) -> None:
+    with pytest.raises(ValueError):
+        effective_layer_ids(fam, n, ids)
+
+
+def test_duplicate_layer_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        parse_layer_ids("2,30,30")
+    with pytest.raises(ValueError, match="twice"):
+        effective_layer_ids("deepseek", 61, [2, 30, 30])
+    with pytest.raises(ValueError, match="twice"):
+        check_effective([5, 5], 61)
+    check_effective([0, 60], 61)
