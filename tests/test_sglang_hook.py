@@ -46,6 +46,7 @@ from sglang_server.sglang_hook.cli import (
 from sglang_server.sglang_hook.compat import PINNED_VERSIONS
 from sglang_server.sglang_hook.config import HookConfig
 from sglang_server.sglang_hook.identity import model_identity
+from sglang_server.sglang_hook.launcher import check_running
 from sglang_server.sglang_hook.layers import (
     check_effective,
     default_layer_ids,
@@ -974,3 +975,19 @@ def test_duplicate_layer_ids_are_refused() -> None:
     with pytest.raises(ValueError, match="twice"):
         check_effective([5, 5], 61)
     check_effective([0, 60], 61)
+
+
+def test_launch_sglang_checks_the_marker(tmp_path: Path) -> None:
+    """`hsq launch-sglang`'s check of a healthy server: /server_info and the marker."""
+    info = {**GOOD_ARGS, "chunked_prefill_size": 8192, "version": PINNED_VERSIONS[0]}
+    problems, marker = check_running(info, tmp_path)
+    assert marker is None and len(problems) == 1 and "hook is not active" in problems[0]
+    write_ready(tmp_path, ReadyMarker((2, 30, 58), IDENT, "sglang", "0.5.23", "0.1.0", 7, 1.0))
+    problems, marker = check_running(info, tmp_path)
+    assert problems == [] and marker is not None and marker.layer_ids == (2, 30, 58)
+    problems, _ = check_running({**info, "enable_two_batch_overlap": True}, tmp_path)
+    assert len(problems) == 1
+    (tmp_path / READY_FILE).write_text("{}")
+    problems, marker = check_running(info, tmp_path)
+    assert marker is None and "keys" in problems[0]
+    assert check_running([], tmp_path)[0][0] == "/server_info is not an object"

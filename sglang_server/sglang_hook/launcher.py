@@ -15,11 +15,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from hsq.errors import ConfigError, HookInactiveError
-from hsq.protocol import READY_FILE, read_ready
+from hsq.protocol import READY_FILE, ReadyMarker, read_ready
 from sglang_server.sglang_hook.cli import check_server_info, launch_command
 
 EXIT_BAD_SERVER = 2
@@ -33,6 +34,25 @@ def installed_sglang_version() -> str:
             "sglang is not installed here; pass --sglang-version with "
             "--print-only to only print the command"
         ) from exc
+
+
+def check_running(info: Any, dump_dir: Path) -> tuple[list[str], ReadyMarker | None]:
+    """Problems of a healthy server (its /server_info, its hook's readiness marker), and
+    the marker when there is one."""
+    problems = (
+        check_server_info(info) if isinstance(info, dict) else ["/server_info is not an object"]
+    )
+    try:
+        marker = read_ready(dump_dir)
+    except HookInactiveError as exc:
+        return [*problems, str(exc)], None
+    if marker is None:
+        problems.append(
+            f"no {READY_FILE} in {dump_dir}: the dump hook is not active in this server "
+            "(plugin not installed, SGLANG_HS_DUMP_DIR not reaching it, or it failed: see "
+            "the server log)"
+        )
+    return problems, marker
 
 
 def run_checked(
@@ -86,18 +106,7 @@ def run_checked(
         echo(f"error: SGLang did not become healthy (exit {proc.poll()})")
         return EXIT_BAD_SERVER
     info = httpx.get(base + "/server_info", timeout=30).json()
-    problems = check_server_info(info)
-    try:
-        marker = read_ready(dump_dir)
-    except HookInactiveError as exc:
-        marker = None
-        problems.append(str(exc))
-    else:
-        if marker is None:
-            problems.append(
-                f"no {READY_FILE} in {dump_dir}: the dump hook is not active in this server "
-                "(plugin not installed, or it failed: see the server log)"
-            )
+    problems, marker = check_running(info, dump_dir)
     if problems or marker is None:
         for p in problems:
             echo(f"error: {p}")
