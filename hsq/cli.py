@@ -617,11 +617,13 @@ def launch_sglang(
     print_only: bool,
     start_timeout: float,
 ) -> None:
-    """Start a stock SGLang server that dumps hidden states, then check its /server_info.
+    """Start a stock SGLang server that dumps hidden states, then check that it does.
 
     Sets the required flags (--disable-radix-cache, prefill CUDA graphs off) and the hook's
-    environment; extra arguments go to SGLang unchanged. Exits 2 if the running server's
-    settings would produce wrong dumps (docs/sglang.md).
+    environment; extra arguments go to SGLang unchanged. Once healthy, checks /server_info
+    and the hook's readiness marker in the dump dir, and prints the effective layers to
+    pin with `hsq enqueue --layers`. Exits 2 if the server's settings would produce wrong
+    dumps or its hook is not active (docs/sglang.md).
 
     \b
     Example:
