@@ -991,3 +991,29 @@ def test_launch_sglang_checks_the_marker(tmp_path: Path) -> None:
     problems, marker = check_running(info, tmp_path)
     assert marker is None and "keys" in problems[0]
     assert check_running([], tmp_path)[0][0] == "/server_info is not an object"
+
+
+def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
+    """The < 0.5.11 path: install_patches() stops on the same settings as register()."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_server.sglang_hook.launch",
+            "--model-path",
+            "m",
+            "--disable-radix-cache",
+        ],
+        capture_output=True,
+        text=True,
+        env={
+            "SGLANG_HS_DUMP_DIR": str(tmp_path),
+            "SGLANG_HS_LAYER_IDS": "2,2",
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        },
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "hs_dump: refusing to start: layer ids must not repeat" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -244,6 +244,13 @@ def _resolve(target: str) -> tuple[Any, str, Any]:
     return owner, attr, getattr(owner, attr)
 
 
+def _config_or_exit() -> HookConfig | None:
+    try:
+        return _config()
+    except ValueError as exc:
+        raise SystemExit(f"hs_dump: refusing to start: {exc}") from exc
+
+
 def register() -> None:
     """Entry point (group sglang.srt.plugins): hand the hooks to SGLang's HookRegistry.
 
@@ -251,10 +258,7 @@ def register() -> None:
     bad setting would leave a server that serves and never dumps. SystemExit is not an
     Exception: it stops the launcher (and any scheduler) with the message.
     """
-    try:
-        cfg = _config()  # a typo'd SGLANG_HS_* or bad layer ids fail here, at startup
-    except ValueError as exc:
-        raise SystemExit(f"hs_dump: refusing to start: {exc}") from exc
+    cfg = _config_or_exit()  # a typo'd SGLANG_HS_* or bad layer ids stop here, at startup
     if cfg is None:
         log.info("hs_dump: SGLANG_HS_DUMP_DIR unset, hidden-state dumping is off")
         return
@@ -294,7 +298,7 @@ def install_patches() -> bool:
 
     Returns whether the hooks are in place.
     """
-    if _config() is None:
+    if _config_or_exit() is None:
         log.warning("hs_dump: SGLANG_HS_DUMP_DIR unset, hidden-state dumping is off")
         return False
     for sym, fn, kind in HOOKS:
