@@ -159,3 +159,30 @@ def test_kimi_calls_the_language_model_with_input_ids_none(
     assert ["input_ids", "hidden_states", "self.lm_head", "forward_batch", "aux_hidden_states"] in (
         _call_args(source, ds, "logits_processor")
     )
+
+
+def _handlers(read: SourceReader, sym: Symbol) -> tuple[list[str], str]:
+    """The exception types a function's handlers catch, and its source."""
+    mod = SourceTree(read).module(sym)
+    assert mod is not None, sym.module
+    fn = next(
+        n for n in ast.walk(mod[0]) if isinstance(n, ast.FunctionDef) and n.name == sym.qualname
+    )
+    types = [
+        ast.unparse(h.type) if h.type else ""
+        for h in ast.walk(fn)
+        if isinstance(h, ast.ExceptHandler)
+    ]
+    return types, ast.unparse(fn)
+
+
+def test_start_up_errors_stop_the_server(version: str, source: SourceReader) -> None:
+    """Why the hook fails the way it does (docs/sglang.md, Start-up errors):
+    load_plugins() swallows Exception from a plugin but not SystemExit, so register()
+    raises SystemExit; run_scheduler_process() catches an Exception from building the
+    Scheduler (our load hook's ConfigError) and SIGQUITs the server."""
+    if compat.plugin_supported(version):
+        caught, _ = _handlers(source, Symbol("sglang.srt.plugins", "load_plugins"))
+        assert caught and set(caught) == {"Exception"}
+    caught, body = _handlers(source, Symbol(compat.RUN_BATCH.module, "run_scheduler_process"))
+    assert "Exception" in caught and "SIGQUIT" in body
