@@ -154,6 +154,8 @@ def layout_problems(
         is_fp8 = info.dtype == FP8_CODE
         if is_fp8 != (store_dtype == FP8):
             problems.append(f"{name} is {info.dtype} in a {store_dtype} file")
+        if want_groups is not None and (len(info.shape) != 2 or info.shape[1] % want_groups):
+            problems.append(f"{name} shape {info.shape} does not split into {want_groups} rows")
         sc = tensors.get(scale_name(name))
         if store_dtype == BF16:
             if sc is not None:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hsq import quant, stfile
 from hsq.dataset import Sample
-from hsq.errors import NonFiniteDumpError
+from hsq.errors import ConfigError, NonFiniteDumpError
 from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
 from hsq.procs import ReferenceServer
 from hsq.protocol import (
@@ -28,6 +28,7 @@ from hsq.protocol import (
     open_dump_tensors,
     write_dump,
 )
+from hsq.runconfig import RunConfig
 from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, start_worker, store
@@ -216,6 +217,22 @@ def test_verify_catches_a_corrupted_scale_tensor(
     assert problems and expect in " ".join(problems), problems
 
 
+def test_files_and_entries_from_before_fp8_still_read_as_bf16(tmp_path: Path) -> None:
+    path, entry, src = written(tmp_path, "bf16")
+    with safe_open(str(path), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != quant.META_KEY}
+    save_file(load_file(str(path)), str(path), metadata=meta)  # as hsq wrote it before
+    raw = json.loads(entry.to_json())
+    del raw["store_dtype"]
+    old = ManifestEntry.from_json(json.dumps(raw))
+    old = ManifestEntry(**{**old.__dict__, "bytes": path.stat().st_size})
+    old = ManifestEntry(**{**old.__dict__, "checksum": file_checksum(path)})
+    assert old.store_dtype == "bf16"
+    assert check_output(path, "s1", old, deep=True, store_dtype="bf16") == []
+    t = quant.logical_tensors(load_file(str(path)), meta)
+    assert torch.equal(t[AUX_TENSOR], src[AUX_TENSOR])
+
+
 def test_a_file_in_another_format_than_the_runs_is_refused(tmp_path: Path) -> None:
     path, entry, _ = written(tmp_path, "fp8-e4m3")
     problems = check_output(path, "s1", entry, store_dtype="bf16")
@@ -283,6 +300,7 @@ def test_fp8_run_end_to_end_with_real_processes(
 
     # Re-enqueueing without the flag keeps the run's format; another format is refused.
     enqueue(ds, "f8", out, redis_url)
+    assert st.require_config().store_dtype == "fp8-e4m3"
     proc = hsq(
         "enqueue",
         str(ds),
@@ -319,3 +337,15 @@ def test_fp8_run_end_to_end_with_real_processes(
     proc = hsq("verify", "--run", "f8", "--redis", redis_url, "--deep")
     assert proc.returncode == 1
     assert f"corrupt  {sid}: stored as bf16, the run stores fp8-e4m3" in proc.stdout
+
+
+def test_run_config_store_dtype_defaults_to_bf16_and_is_checked() -> None:
+    old = {b"run": b'"r"', b"dataset": b'"/d"', b"out": b'"/o"'}  # recorded before fp8
+    assert RunConfig.from_redis(old).store_dtype == "bf16"
+    fp8 = RunConfig("r", "/d", "/o", store_dtype="fp8-e4m3")
+    assert RunConfig.from_redis({k.encode(): v.encode() for k, v in fp8.to_redis().items()}) == fp8
+    assert RunConfig.from_redis(old).conflicts(fp8) == [
+        "store_dtype: recorded 'bf16', given 'fp8-e4m3'"
+    ]
+    with pytest.raises(ConfigError):
+        RunConfig("r", "/d", "/o", store_dtype="fp16").validate()
