@@ -188,6 +188,13 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
     help="expected model id (name@digest); default: pinned by the first valid dump",
 )
 @click.option("--max-tokens", default=None, type=int, help="reject longer samples up front")
+@click.option(
+    "--store-dtype",
+    type=click.Choice(["bf16", "fp8-e4m3"]),
+    default=None,
+    help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
+    "bytes); a run keeps one [default: bf16, or what an existing run recorded]",
+)
 @click.option("--strict", is_flag=True, help="refuse the whole dataset if any line is bad")
 @click.option("--no-progress", is_flag=True)
 def enqueue(
@@ -200,6 +207,7 @@ def enqueue(
     layers: str | None,
     model_id: str | None,
     max_tokens: int | None,
+    store_dtype: str | None,
     strict: bool,
     no_progress: bool,
 ) -> None:
@@ -215,6 +223,10 @@ def enqueue(
     from producer.enqueue import enqueue_run
 
     layer_ids = _layers(layers)
+    store = RunStore(connect(redis_url), run)
+    if store_dtype is None:  # a second enqueue need not repeat it; a different one is refused
+        existing = store.load_config()
+        store_dtype = existing.store_dtype if existing is not None else "bf16"
     cfg = RunConfig(
         run=run,
         dataset=str(dataset.resolve()),
@@ -224,8 +236,8 @@ def enqueue(
         layer_ids=list(layer_ids) if layer_ids else None,
         model_id=model_id,
         max_tokens=max_tokens,
+        store_dtype=store_dtype,
     )
-    store = RunStore(connect(redis_url), run)
     report = enqueue_run(store, cfg, strict=strict, progress=not no_progress)
     for line in report.lines_out():
         click.echo(line)

@@ -184,11 +184,13 @@ def verify(
 ) -> VerifyResult:
     res = VerifyResult()
     known: set[str] = set()
+    cfg = store.load_config()
+    run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
     for raw_id, raw_entry in store.r.hscan_iter(store.k.done, count=1000):
         sid = raw_id.decode()
         entry = ManifestEntry.from_json(raw_entry)
         known.add(entry.path)
-        problems = check_output(out_root / entry.path, sid, entry, deep=deep)
+        problems = check_output(out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype)
         res.checked += 1
         if problems == ["missing"]:
             res.missing.append(sid)

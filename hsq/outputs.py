@@ -3,8 +3,9 @@
     <out>/<run>/<shard>/<sample_id>.safetensors     shard = first 2 hex of sha256(id)
 
 Tensors: input_ids int64 [T], loss_mask int64 [T], aux_hidden_states [T, k*H],
-last_hidden_state [T, H] (post-norm). Metadata: format, sample_id, run, layer_ids,
-layer_convention, model_id, num_tokens, input_fingerprint.
+last_hidden_state [T, H] (post-norm); with the run's store dtype fp8-e4m3 the two states are
+float8_e4m3fn plus float32 `*_scale` tensors (hsq/quant.py). Metadata: format, sample_id,
+run, layer_ids, layer_convention, model_id, num_tokens, input_fingerprint, store_dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class ManifestEntry:
     worker: str
     time: float
     attempt: int
+    store_dtype: str = "bf16"
+    """Entries written before FP8 existed have none: bf16."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -68,14 +71,20 @@ def _int64_bytes(values: list[int]) -> bytes:
 
 
 def write_output(
-    path: Path, sample: Sample, meta: DumpMeta, dump: DumpTensors, run: str
+    path: Path,
+    sample: Sample,
+    meta: DumpMeta,
+    dump: DumpTensors,
+    run: str,
+    store_dtype: str = "bf16",
 ) -> tuple[int, str]:
     """Write a sample's training file durably from a validated dump; (bytes, checksum).
 
-    The hidden states are copied file to file in the kernel (copy_file_range), never
+    bf16: the hidden states are copied file to file in the kernel (copy_file_range), never
     through Python objects; the crc32 is computed from the dump's mapping on the way.
+    fp8-e4m3: they are quantized here (torch kernels, GIL released) and written from memory.
     """
-    from hsq import stfile
+    from hsq import quant, stfile
     from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION
 
     n = len(sample.input_ids)
@@ -90,7 +99,10 @@ def write_output(
         "model_id": meta.model.model_id,
         "num_tokens": str(n),
         "input_fingerprint": meta.input_fingerprint,
+        quant.META_KEY: quant.check_store_dtype(store_dtype),
     }
+    if store_dtype == quant.FP8:
+        return _write_fp8(path, sample, mask, meta, dump, metadata)
     header = stfile.build_header(
         [
             ("input_ids", "I64", [n], 8 * n),
@@ -107,6 +119,46 @@ def write_output(
         (dump.fd, last.start, last.nbytes),
     ]
     nbytes, crc = _durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
+    return nbytes, f"crc32:{crc:08x}"
+
+
+def _write_fp8(
+    path: Path,
+    sample: Sample,
+    mask: list[int],
+    meta: DumpMeta,
+    dump: DumpTensors,
+    metadata: dict[str, str],
+) -> tuple[int, str]:
+    import torch
+
+    from hsq import quant, stfile
+    from hsq.protocol import AUX_TENSOR, LAST_TENSOR
+
+    n = len(sample.input_ids)
+    entries: list[tuple[str, str, list[int], int]] = [
+        ("input_ids", "I64", [n], 8 * n),
+        ("loss_mask", "I64", [n], 8 * n),
+    ]
+    sources: list[memoryview | bytes | tuple[int, int, int]] = [
+        _int64_bytes(sample.input_ids),
+        _int64_bytes(mask),
+    ]
+    for name, groups in ((AUX_TENSOR, len(meta.layer_ids)), (LAST_TENSOR, 1)):
+        info = dump.header.tensors[name]
+        dtype = stfile.torch_dtype(info.dtype)
+        x = torch.frombuffer(
+            dump.mm, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.start
+        ).view(info.shape)
+        q, scale = quant.quantize(x, groups)
+        sname = quant.scale_name(name)
+        entries += [
+            (name, quant.FP8_CODE, list(q.shape), q.numel()),
+            (sname, "F32", list(scale.shape), 4 * scale.numel()),
+        ]
+        sources += [stfile.tensor_bytes(q), stfile.tensor_bytes(scale)]
+    header = stfile.build_header(entries, metadata)
+    nbytes, crc = _durably(path, lambda fd: stfile.write(fd, header, sources))
     return nbytes, f"crc32:{crc:08x}"
 
 
@@ -157,9 +209,19 @@ def read_header(path: Path) -> Any:
 
 
 def check_output(
-    path: Path, sample_id: str, entry: ManifestEntry, *, deep: bool = False
+    path: Path,
+    sample_id: str,
+    entry: ManifestEntry,
+    *,
+    deep: bool = False,
+    store_dtype: str | None = None,
 ) -> list[str]:
-    """Problems with one output file (empty list: fine). Deep reads every byte."""
+    """Problems with one output file (empty list: fine). Deep reads every byte.
+
+    `store_dtype` is the run's storage format: a file in another format is a problem (a
+    run holds one format, so readers never meet a mix)."""
+    from hsq import quant
+
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -180,17 +242,26 @@ def check_output(
             if info is None or not info.shape or info.shape[0] != n:
                 shape = None if info is None else info.shape
                 problems.append(f"{name} shape {shape} does not start with {n}")
-    except (OSError, ValueError) as exc:
+        fmt = quant.store_dtype_of(meta)
+        if store_dtype is not None and fmt != store_dtype:
+            problems.append(f"stored as {fmt}, the run stores {store_dtype}")
+        if entry.store_dtype != fmt:
+            problems.append(f"stored as {fmt}, manifest says {entry.store_dtype}")
+        layer_ids = json.loads(meta.get("layer_ids", "null"))
+        groups = len(layer_ids) if isinstance(layer_ids, list) and layer_ids else None
+        problems += quant.layout_problems(fmt, header.tensors, n, groups)
+    except (OSError, ValueError, OutputError) as exc:
         return [*problems, f"unreadable header: {exc}"]
     if deep and not problems:
-        problems += _deep_check(path, entry)
+        problems += _deep_check(path, entry, fmt)
     return problems
 
 
-def _deep_check(path: Path, entry: ManifestEntry) -> list[str]:
+def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
     import torch
     from safetensors.torch import load_file
 
+    from hsq import quant
     from hsq.protocol import fingerprint
 
     if file_checksum(path) != entry.checksum:
@@ -201,7 +272,12 @@ def _deep_check(path: Path, entry: ManifestEntry) -> list[str]:
         return [f"unreadable tensors: {exc}"]
     problems = []
     for name in ("aux_hidden_states", "last_hidden_state"):
-        if not bool(torch.isfinite(tensors[name]).all()):
+        if fmt == quant.FP8:
+            sname = quant.scale_name(name)
+            problems += [
+                f"{name}: {p}" for p in quant.quantized_problems(tensors[name], tensors[sname])
+            ]
+        elif not bool(torch.isfinite(tensors[name]).all()):
             problems.append(f"{name} holds NaN or Inf")
     header_fp = read_header(path).metadata.get("input_fingerprint")
     if header_fp != fingerprint(tensors["input_ids"]):

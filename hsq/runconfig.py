@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hsq.errors import ConfigError
+from hsq.quant import BF16, check_store_dtype
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
@@ -28,12 +29,16 @@ class RunConfig:
     """Expected model identity; None: pinned by the first valid dump."""
     max_tokens: int | None = None
     created: float = field(default_factory=time.time)
+    store_dtype: str = BF16
+    """How outputs store hidden states: bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded
+    before the field existed read as bf16, which is what they stored."""
 
     def validate(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError("--max-attempts must be >= 1")
         if not 1 <= self.chunk_size <= 4096:
             raise ConfigError("--chunk-size must be within [1, 4096]")
+        check_store_dtype(self.store_dtype)
 
     def to_redis(self) -> dict[str, str]:
         # Unset fields are left out, so workers can pin them atomically with HSETNX.
@@ -51,7 +56,7 @@ class RunConfig:
 
     def conflicts(self, other: RunConfig) -> list[str]:
         """Settings a second `enqueue` may not change for an existing run."""
-        names = ("dataset", "out", "layer_ids", "model_id")
+        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype")
         return [
             f"{n}: recorded {getattr(self, n)!r}, given {getattr(other, n)!r}"
             for n in names

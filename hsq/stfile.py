@@ -34,6 +34,7 @@ _CODE_NAMES = {
     "int16": "I16",
     "int8": "I8",
     "uint8": "U8",
+    "float8_e4m3fn": "F8_E4M3",
 }
 
 
@@ -42,9 +43,36 @@ def dtype_code(dtype: torch.dtype) -> str:
     return _CODE_NAMES[str(dtype).removeprefix("torch.")]
 
 
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+def torch_dtype(code: str) -> torch.dtype:
+    """The torch dtype for a safetensors dtype code (inverse of dtype_code)."""
+    import torch
+
+    for name, c in _CODE_NAMES.items():
+        if c == code:
+            dtype: torch.dtype = getattr(torch, name)
+            return dtype
+    raise FormatError(f"unsupported dtype {code!r}")
+
+
+ITEMSIZE = {
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "F8_E4M3": 1,
+}
 # Exponent bits all set means Inf or NaN; checked on an integer view of the raw bytes.
-_NONFINITE = {"BF16": ("int16", 0x7F80), "F16": ("int16", 0x7C00), "F32": ("int32", 0x7F800000)}
+# float8_e4m3fn has no Inf, and NaN only as S.1111.111.
+_NONFINITE = {
+    "BF16": ("int16", 0x7F80),
+    "F16": ("int16", 0x7C00),
+    "F32": ("int32", 0x7F800000),
+    "F8_E4M3": ("uint8", 0x7F),
+}
 MAX_HEADER = 100 * 2**20
 
 

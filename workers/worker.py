@@ -365,7 +365,9 @@ class Worker:
             rel = output_relpath(sid)
             try:
                 out = self.out_root / rel
-                nbytes, crc = write_output(out, item.sample, item.meta, tensors, self.s.run)
+                nbytes, crc = write_output(
+                    out, item.sample, item.meta, tensors, self.s.run, self.cfg.store_dtype
+                )
             finally:
                 tensors.close()
             entry = ManifestEntry(
@@ -376,6 +378,7 @@ class Worker:
                 worker=self.id,
                 time=time.time(),
                 attempt=item.attempt,
+                store_dtype=self.cfg.store_dtype,
             )
             newly = self.store.mark_done(sid, entry)
             self.metrics.observe("persist", time.perf_counter() - t1)

@@ -1,0 +1,351 @@
+"""FP8 storage: quantization, both formats end to end on disk, verify, and a real fp8 run."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hsq import quant, stfile
+from hsq.dataset import Sample
+from hsq.errors import ConfigError, NonFiniteDumpError
+from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
+from hsq.procs import ReferenceServer
+from hsq.protocol import (
+    AUX_TENSOR,
+    LAST_TENSOR,
+    DumpMeta,
+    ModelIdentity,
+    expected_shapes,
+    fingerprint,
+    open_dump_tensors,
+    write_dump,
+)
+from hsq.runconfig import RunConfig
+from hsq.synthetic import write_synthetic
+from sglang_server.reference.model import load_model
+from tests.helpers import enqueue, hsq, start_worker, store
+
+Factory = Callable[..., ReferenceServer]
+IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
+LAYERS = [2, 4, 5]
+H = 16
+
+
+def states(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    aux = (torch.randn(n, len(LAYERS) * H, generator=gen) * 3).to(torch.bfloat16)
+    last = torch.randn(n, H, generator=gen).to(torch.bfloat16)
+    aux[1] = 0  # a whole zero token
+    aux[2, H : 2 * H] = 0  # one zero layer row
+    last[3] = 0
+    return {AUX_TENSOR: aux, LAST_TENSOR: last}
+
+
+def written(
+    tmp: Path, store_dtype: str, n: int = 9
+) -> tuple[Path, ManifestEntry, dict[str, torch.Tensor]]:
+    """A dump written as the server does, persisted as the worker does."""
+    dumps = tmp / "dumps"
+    dumps.mkdir(exist_ok=True)
+    ids = list(range(100, 100 + n))
+    tensors = states(n)
+    meta = DumpMeta(
+        "r", n, fingerprint(ids), LAYERS, H, "bfloat16", IDENT, expected_shapes(n, 3, H), 0
+    )
+    dump_path = write_dump(dumps, len(list(dumps.iterdir())), meta, tensors)
+    dump = open_dump_tensors(dump_path, meta)
+    path = tmp / store_dtype / "s1.safetensors"
+    try:
+        nbytes, crc = write_output(path, Sample("s1", ids, None), meta, dump, "run", store_dtype)
+    finally:
+        dump.close()
+    entry = ManifestEntry(path.name, n, nbytes, crc, "w", 0.0, 1, store_dtype)
+    return path, entry, tensors
+
+
+# ------------------------------------------------------------------------ quantization
+
+
+def test_quantize_bounds_the_error_and_keeps_zero_rows_exact() -> None:
+    x = states(64)[AUX_TENSOR]
+    q, scale = quant.quantize(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 3)
+    y = quant.dequantize(q, scale)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(y[1], x[1]) and torch.equal(y[2, H : 2 * H], x[2, H : 2 * H])
+    assert float(scale[1].abs().max()) == 0.0
+    err = (y.float() - x.float()).reshape(64, 3, H).norm(dim=-1)
+    ref = x.float().reshape(64, 3, H).norm(dim=-1)
+    rel = err[ref > 0] / ref[ref > 0]
+    assert float(rel.max()) < 0.06  # e4m3 has 3 mantissa bits: at most 2^-4 relative per value
+    assert quant.quantized_problems(q, scale) == []
+    # Each row's absmax lands on 448, so the largest magnitude is kept exactly.
+    nz = ref > 0
+    xmax = x.float().reshape(64, 3, H).abs().amax(-1)
+    ymax = y.float().reshape(64, 3, H).abs().amax(-1)
+    assert torch.equal(xmax[nz], ymax[nz])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_refused_before_quantizing(bad: float) -> None:
+    x = states(8)[LAST_TENSOR]
+    x[5, 3] = bad
+    with pytest.raises(NonFiniteDumpError):
+        quant.quantize(x, 1)
+
+
+def test_logical_tensors_dequantize_by_default_and_hand_back_raw_when_asked() -> None:
+    x = states(8)
+    q, s = quant.quantize(x[AUX_TENSOR], 3)
+    ql, sl = quant.quantize(x[LAST_TENSOR], 1)
+    stored = {
+        "input_ids": torch.arange(8),
+        AUX_TENSOR: q,
+        "aux_hidden_states_scale": s,
+        LAST_TENSOR: ql,
+        "last_hidden_state_scale": sl,
+    }
+    meta = {quant.META_KEY: quant.FP8}
+    out = quant.logical_tensors(stored, meta)
+    assert set(out) == {"input_ids", AUX_TENSOR, LAST_TENSOR}
+    assert out[AUX_TENSOR].dtype == torch.bfloat16
+    assert torch.equal(out[AUX_TENSOR], quant.dequantize(q, s))
+    assert quant.logical_tensors(stored, meta, raw=True) == stored
+    f32 = quant.logical_tensors(stored, meta, dtype=torch.float32)
+    assert f32[LAST_TENSOR].dtype == torch.float32
+    old = {AUX_TENSOR: x[AUX_TENSOR], LAST_TENSOR: x[LAST_TENSOR]}  # a file from before fp8
+    assert quant.logical_tensors(old, {}) == old
+
+
+# ------------------------------------------------------------------------ files on disk
+
+
+@pytest.mark.parametrize("store_dtype", ["bf16", "fp8-e4m3"])
+def test_round_trip_through_a_file(tmp_path: Path, store_dtype: str) -> None:
+    path, entry, src = written(tmp_path, store_dtype)
+    assert entry.checksum == file_checksum(path) and entry.bytes == path.stat().st_size
+    stored = load_file(str(path))  # safetensors' own loader opens both formats
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert meta[quant.META_KEY] == store_dtype
+    assert stored["input_ids"].tolist() == list(range(100, 109))
+    t = quant.logical_tensors(stored, meta)
+    assert set(t) == {"input_ids", "loss_mask", AUX_TENSOR, LAST_TENSOR}
+    if store_dtype == "bf16":
+        assert torch.equal(t[AUX_TENSOR], src[AUX_TENSOR])
+        assert torch.equal(t[LAST_TENSOR], src[LAST_TENSOR])
+    else:
+        assert stored[AUX_TENSOR].dtype == torch.float8_e4m3fn
+        assert stored["aux_hidden_states_scale"].shape == (9, 3)
+        assert stored["last_hidden_state_scale"].shape == (9, 1)
+        q, s = quant.quantize(src[AUX_TENSOR], 3)
+        assert torch.equal(stored[AUX_TENSOR].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(t[AUX_TENSOR], quant.dequantize(q, s))
+        assert torch.equal(t[LAST_TENSOR][3], src[LAST_TENSOR][3])  # the zero row
+    assert check_output(path, "s1", entry, deep=True, store_dtype=store_dtype) == []
+
+
+def test_fp8_file_is_about_half_the_bytes(tmp_path: Path) -> None:
+    bf16, _, _ = written(tmp_path, "bf16", n=64)
+    fp8, _, _ = written(tmp_path, "fp8-e4m3", n=64)
+    sizes = {}
+    for path in (bf16, fp8):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            h = stfile.read_header(fd)
+        finally:
+            os.close(fd)
+        sizes[path] = {n: t.nbytes for n, t in h.tensors.items()}
+    n, values = 64, 64 * 4 * H  # 3 aux layers + the last state
+    assert sum(sizes[bf16].values()) == 2 * 8 * n + 2 * values
+    # One byte a value instead of two, plus 4 bytes of scale per token per layer.
+    assert sum(sizes[fp8].values()) == 2 * 8 * n + values + 4 * 4 * n
+
+
+def _rewrite_scale(
+    path: Path, entry: ManifestEntry, fn: Callable[[torch.Tensor], None]
+) -> ManifestEntry:
+    """Damage the scale tensor in place and record the damaged file's checksum, as if the
+    writer had produced it: only the content checks can catch it then."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        info = stfile.read_header(fd).tensors["aux_hidden_states_scale"]
+        raw = bytearray(os.pread(fd, info.nbytes, info.start))
+        scale = torch.frombuffer(raw, dtype=torch.float32)
+        fn(scale)
+        os.pwrite(fd, bytes(raw), info.start)
+    finally:
+        os.close(fd)
+    return ManifestEntry(**{**entry.__dict__, "checksum": file_checksum(path)})
+
+
+@pytest.mark.parametrize(
+    ("damage", "expect"),
+    [
+        (lambda s: s.__setitem__(4, float("nan")), "NaN or Inf"),
+        (lambda s: s.__setitem__(0, -s[0]), "negative"),
+        (lambda s: s.__setitem__(0, 0.0), "zero scale"),
+        (lambda s: s.__setitem__(3, 1.0), "448"),  # token 1 is all zero: its scales are 0
+    ],
+)
+def test_verify_catches_a_corrupted_scale_tensor(
+    tmp_path: Path, damage: Callable[[torch.Tensor], None], expect: str
+) -> None:
+    path, entry, _ = written(tmp_path, "fp8-e4m3")
+    # Any flipped byte fails the checksum first.
+    data = bytearray(path.read_bytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        info = stfile.read_header(fd).tensors["aux_hidden_states_scale"]
+    finally:
+        os.close(fd)
+    data[info.start + 1] ^= 0x40
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(bytes(data))
+    assert check_output(copy, "s1", entry, deep=True) == ["checksum mismatch"]
+    # A scale the writer got wrong (checksum of the bad file recorded) fails the content checks.
+    bad = _rewrite_scale(path, entry, damage)
+    problems = check_output(path, "s1", bad, deep=True, store_dtype="fp8-e4m3")
+    assert problems and expect in " ".join(problems), problems
+
+
+def test_files_and_entries_from_before_fp8_still_read_as_bf16(tmp_path: Path) -> None:
+    path, entry, src = written(tmp_path, "bf16")
+    with safe_open(str(path), "pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != quant.META_KEY}
+    save_file(load_file(str(path)), str(path), metadata=meta)  # as hsq wrote it before
+    raw = json.loads(entry.to_json())
+    del raw["store_dtype"]
+    old = ManifestEntry.from_json(json.dumps(raw))
+    old = ManifestEntry(**{**old.__dict__, "bytes": path.stat().st_size})
+    old = ManifestEntry(**{**old.__dict__, "checksum": file_checksum(path)})
+    assert old.store_dtype == "bf16"
+    assert check_output(path, "s1", old, deep=True, store_dtype="bf16") == []
+    t = quant.logical_tensors(load_file(str(path)), meta)
+    assert torch.equal(t[AUX_TENSOR], src[AUX_TENSOR])
+
+
+def test_a_file_in_another_format_than_the_runs_is_refused(tmp_path: Path) -> None:
+    path, entry, _ = written(tmp_path, "fp8-e4m3")
+    problems = check_output(path, "s1", entry, store_dtype="bf16")
+    assert problems == ["stored as fp8-e4m3, the run stores bf16"]
+    bf, bentry, _ = written(tmp_path, "bf16")
+    assert "stored as bf16, the run stores fp8-e4m3" in check_output(
+        bf, "s1", bentry, store_dtype="fp8-e4m3"
+    )
+    # A manifest entry that disagrees with the file is caught too.
+    wrong = ManifestEntry(**{**entry.__dict__, "store_dtype": "bf16"})
+    assert check_output(path, "s1", wrong) == ["stored as fp8-e4m3, manifest says bf16"]
+
+
+# ------------------------------------------------------------------------ a real run
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: Factory) -> ReferenceServer:
+    return server_factory("--warmup", "2", name="fp8srv").wait_ready()
+
+
+def test_fp8_run_end_to_end_with_real_processes(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    httpx.delete(server.url + "/admin/faults").raise_for_status()
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, 12, seed=5, min_len=4, max_len=300)
+    out = tmp_path / "out"
+    enqueue(ds, "f8", out, redis_url, "--store-dtype", "fp8-e4m3", "--chunk-size", "4")
+    st = store(redis_url, "f8")
+    assert st.require_config().store_dtype == "fp8-e4m3"
+    w = start_worker(tmp_path, "f8", server, redis_url, "--burst")
+    assert w.proc.wait(120) == 0, w.log_tail()
+    assert st.count(st.k.done) == 12 and st.count(st.k.dead) == 0
+
+    torch.set_num_threads(2)
+    model = load_model(
+        "tiny", device="cpu", dtype=torch.float32, dump_dtype=torch.bfloat16, layers=None
+    )
+    samples = [json.loads(line) for line in ds.read_text().splitlines()]
+    for sample in samples:
+        entry = st.get_manifest(sample["id"])
+        assert entry is not None and entry.store_dtype == "fp8-e4m3"
+        path = out / "f8" / entry.path
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        assert meta[quant.META_KEY] == "fp8-e4m3"
+        direct = model.forward(sample["input_ids"])
+        q, s = quant.quantize(direct.aux, 3)
+        # The worker's bytes are exactly the quantization of the model's states ...
+        assert torch.equal(stored[AUX_TENSOR].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(stored["aux_hidden_states_scale"], s)
+        # ... and read back transparently as bf16 close to them.
+        t = quant.logical_tensors(stored, meta)
+        cos = torch.nn.functional.cosine_similarity(
+            t[LAST_TENSOR].float(), direct.last.float(), dim=-1
+        )
+        assert float(cos.min()) > 0.99
+        assert t["input_ids"].tolist() == sample["input_ids"]
+
+    assert (
+        "ok 12" in hsq("verify", "--run", "f8", "--redis", redis_url, "--deep", check=True).stdout
+    )
+
+    # Re-enqueueing without the flag keeps the run's format; another format is refused.
+    enqueue(ds, "f8", out, redis_url)
+    assert st.require_config().store_dtype == "fp8-e4m3"
+    proc = hsq(
+        "enqueue",
+        str(ds),
+        "--run",
+        "f8",
+        "--out",
+        str(out),
+        "--redis",
+        redis_url,
+        "--store-dtype",
+        "bf16",
+        "--no-progress",
+    )
+    assert proc.returncode == 2 and "store_dtype" in proc.stderr
+
+    # One file replaced by a bf16 copy (as if copied from another run): a mixed run fails verify.
+    sid = samples[0]["id"]
+    entry = st.get_manifest(sid)
+    assert entry is not None
+    path = out / "f8" / entry.path
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        logical = quant.logical_tensors({k: f.get_tensor(k) for k in f.keys()}, meta)  # noqa: SIM118
+    save_file(logical, str(path), metadata={**meta, quant.META_KEY: "bf16"})
+    mixed = ManifestEntry(
+        **{
+            **entry.__dict__,
+            "bytes": path.stat().st_size,
+            "checksum": file_checksum(path),
+            "store_dtype": "bf16",
+        }
+    )
+    st.r.hset(st.k.done, sid, mixed.to_json())
+    proc = hsq("verify", "--run", "f8", "--redis", redis_url, "--deep")
+    assert proc.returncode == 1
+    assert f"corrupt  {sid}: stored as bf16, the run stores fp8-e4m3" in proc.stdout
+
+
+def test_run_config_store_dtype_defaults_to_bf16_and_is_checked() -> None:
+    old = {b"run": b'"r"', b"dataset": b'"/d"', b"out": b'"/o"'}  # recorded before fp8
+    assert RunConfig.from_redis(old).store_dtype == "bf16"
+    fp8 = RunConfig("r", "/d", "/o", store_dtype="fp8-e4m3")
+    assert RunConfig.from_redis({k.encode(): v.encode() for k, v in fp8.to_redis().items()}) == fp8
+    assert RunConfig.from_redis(old).conflicts(fp8) == [
+        "store_dtype: recorded 'bf16', given 'fp8-e4m3'"
+    ]
+    with pytest.raises(ConfigError):
+        RunConfig("r", "/d", "/o", store_dtype="fp16").validate()
