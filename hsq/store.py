@@ -809,11 +809,15 @@ class RunStore:
         The config goes first: from then on every fenced write of a worker is refused."""
         k = self.k
         n = int(self.r.delete(k.config))
+        # wip lists by SCAN too: a worker that never registered (or was reaped) holds jobs.
+        wips = {_s(key) for key in self.r.scan_iter(match=k.wip("*"), count=1000)}
+        wips |= {k.wip(w) for w in self.worker_ids()}
         jobs = [j for ids in self.outstanding_job_ids().values() for j in ids]
-        keys = [*k.all_static()]
-        for wid in self.worker_ids():
-            keys += [k.worker(wid), k.wip(wid)]
-        keys += [rq_job_key(j) for j in jobs]
+        for wip in wips:
+            jobs += [_s(j) for j in self.r.lrange(wip, 0, -1)]
+        keys = [*k.all_static(), *wips]
+        keys += [_s(key) for key in self.r.scan_iter(match=k.worker("*"), count=1000)]
+        keys += [rq_job_key(j) for j in set(jobs)]
         for i in range(0, len(keys), 1000):
             n += int(self.r.delete(*keys[i : i + 1000]))
         self.r.srem(RUNS, self.run)
