@@ -162,6 +162,11 @@ return 0
 """
 
 
+class _Unavailable(StoreUnavailableError, redis.exceptions.ConnectionError):
+    """A StoreUnavailableError that is also redis's ConnectionError: code that still catches
+    redis's type (workers/ before its rewrite) keeps working. Drop once nothing does."""
+
+
 @contextlib.contextmanager
 def _redis_errors() -> Iterator[None]:
     try:
@@ -169,7 +174,7 @@ def _redis_errors() -> Iterator[None]:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise StoreUnavailableError(f"Redis unavailable: {exc}") from exc
+        raise _Unavailable(f"Redis unavailable: {exc}") from exc
     except redis.exceptions.NoPermissionError as exc:
         raise StoreError(f"the Redis user lacks a permission hsq needs: {exc}") from exc
     except redis.exceptions.RedisError as exc:
@@ -228,7 +233,7 @@ def connect(url: str) -> redis.Redis:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials in the URL: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+        raise _Unavailable(f"cannot reach Redis at {redact(url)}: {exc}") from exc
     except redis.exceptions.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)}: {exc}") from exc
     except (ValueError, TypeError) as exc:
