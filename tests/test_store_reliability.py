@@ -251,3 +251,34 @@ def test_unknown_run_names_and_ids_with_a_trailing_newline_are_refused(redis_url
         RunKeys("run\n")
     with pytest.raises(ConfigError):
         RunStore(connect(redis_url), "run\n")
+
+
+def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis_url: str) -> None:
+    """Minor: the exporter bound 0.0.0.0 by default; now 127.0.0.1 unless --metrics-host."""
+    import httpx
+    import psutil
+
+    from hsq.procs import ManagedProcess, free_port, hsq_command
+    from tests.helpers import wait_until
+
+    port = free_port()
+    proc = ManagedProcess(
+        hsq_command("exporter", "--redis", redis_url, "--port", str(port)), tmp_path / "e.log"
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/metrics").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=60)
+        listening = {
+            c.laddr.ip
+            for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
+        assert listening == {"127.0.0.1"}
+    finally:
+        proc.stop()
