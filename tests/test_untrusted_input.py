@@ -7,11 +7,11 @@ import json
 import os
 import re
 import struct
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 
 from hsq import stfile
 from hsq.dataset import read_sample, scan_dataset
