@@ -295,6 +295,13 @@ def recover(
     store = RunStore(connect(redis_url), run)
     known = store.load_config()
     if known is not None:
+        given = [
+            f"{name}: recorded {rec}, given {arg}"
+            for name, rec, arg in (("dataset", known.dataset, dataset), ("out", known.out, out))
+            if arg is not None and Path(rec) != arg.resolve()
+        ]
+        if given:
+            raise ConfigError(f"run {run!r} exists with other settings: " + "; ".join(given))
         cfg = known
     elif dataset is None or out is None:
         raise ConfigError(f"run {run!r} is not in Redis: give DATASET and --out to recover it")

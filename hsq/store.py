@@ -514,7 +514,12 @@ class RunStore:
 
     def get_manifest(self, sample_id: str) -> ManifestEntry | None:
         raw = self.r.hget(self.k.done, sample_id)
-        return ManifestEntry.from_json(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            return ManifestEntry.from_json(raw)
+        except (ValueError, TypeError):  # Redis is untrusted: a damaged entry is no entry
+            return None
 
     def to_dead(
         self, sample_id: str, reason: str, message: str, attempts: int, worker: str | None

@@ -192,7 +192,11 @@ def _recover_outputs(
     for sid, entry in tqdm(valid, unit="file", desc="recovering", disable=not progress):
         if sid in already:
             continue
-        sample = read_sample(dataset, sid, entry)
+        try:
+            sample = read_sample(dataset, sid, entry)
+        except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
+            report.rejected_files[sid] = str(exc)
+            continue
         manifest, why = adopt_output(out_root, sample, cfg.run)
         if manifest is None:
             if why != "missing":

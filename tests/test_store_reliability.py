@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from hsq.ops import RunStatus, run_figures, run_status
 from hsq.outputs import ManifestEntry
 from hsq.procs import RedisServer
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect
+from hsq.store import RunStore, connect, list_runs
 from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, store
 
@@ -282,3 +283,69 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
         assert listening == {"127.0.0.1"}
     finally:
         proc.stop()
+
+
+def test_two_enqueues_started_together_queue_each_sample_once(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """D9 with real processes: two `hsq enqueue`s of one run started at the same moment
+    with different --out. Old code: both succeeded, every sample was queued twice and one
+    --out was silently ignored. Now exactly one succeeds; the other exits 2 and says why."""
+    import subprocess
+    import sys
+
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 20000, seed=9, min_len=4, max_len=8)
+
+    def start(out: str) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-m", "hsq", "enqueue", str(ds), "--run", "race"]
+        argv += ["--out", str(tmp_path / out), "--redis", redis_url, "--no-progress"]
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [start("a"), start("b")]
+    results = []
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        results.append((p.returncode, err))
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for rc, err in results if rc == 2)
+    assert "another `hsq enqueue`" in loser or "exists with other settings" in loser, loser
+    st = store(redis_url, "race")
+    cfg = st.require_config()
+    winner = "a" if results[0][0] == 0 else "b"
+    assert cfg.out == str(tmp_path / winner)
+    status = run_status(st)
+    assert (status.queued, status.missing) == (20000, 0)
+    assert st.queue_lengths()["main"] == 20000 // cfg.chunk_size
+
+
+def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
+    tmp_path: Path, redis_url: str, server_factory: Any
+) -> None:
+    """D1 with real processes: `hsq purge` while a worker is extracting. Old code: the
+    worker's next done mark recreated the purged done hash. Now its writes are refused
+    (RunChangedError) and, once it is stopped, no key of the run exists."""
+    import httpx
+
+    from tests.helpers import start_worker, wait_until
+
+    server = server_factory(name="purgesrv").wait_ready()
+    rules = [{"mode": "slow", "seconds": 0.2, "prob": 1.0}]
+    httpx.post(server.url + "/admin/faults", json={"rules": rules}).raise_for_status()
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 40, seed=12, min_len=4, max_len=16)
+    enqueue(ds, "purged", tmp_path / "out", redis_url, "--chunk-size", "4")
+    st = store(redis_url, "purged")
+    w = start_worker(tmp_path, "purged", server, redis_url, name="pw")
+    try:
+        wait_until(lambda: st.count(st.k.done) >= 2, timeout=120)
+        assert hsq("purge", "--run", "purged", "--yes", "--redis", redis_url).returncode == 0
+        # The worker holds a chunk and keeps extracting it; wait until it was refused.
+        wait_until(lambda: "was purged or re-created" in w.log_path.read_text(), timeout=120)
+    finally:
+        w.stop()
+        httpx.delete(server.url + "/admin/faults").raise_for_status()
+    assert st.r.keys("hsq:run:purged:*") == []
+    assert st.r.keys("rq:queue:hsq-purged*") == []
+    assert "purged" not in list_runs(st.r)
