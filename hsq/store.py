@@ -151,6 +151,11 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
+_ADOPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSETNX', KEYS[1], 'generation', ARGV[1]) end
+return 1
+"""
+
 # Releases a lock only if we still hold it.
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -333,6 +338,7 @@ class RunStore:
         self._pin = reg(_PIN)
         self._heartbeat = reg(_HEARTBEAT)
         self._create = reg(_CREATE)
+        self._adopt = reg(_ADOPT)
         self._unlock = reg(_UNLOCK)
         self._extend = reg(_EXTEND)
         self._queues = {
@@ -347,6 +353,10 @@ class RunStore:
         if not raw:
             return None
         cfg = RunConfig.from_redis(raw)  # type: ignore[arg-type]
+        if cfg.generation is None:
+            # A run created before generations existed gets one now (once, atomically).
+            self._adopt(keys=[self.k.config], args=[json.dumps(secrets.token_hex(8))])
+            return self.load_config()
         self._generation = json.dumps(cfg.generation)
         return cfg
 

@@ -349,3 +349,16 @@ def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
     assert st.r.keys("hsq:run:purged:*") == []
     assert st.r.keys("rq:queue:hsq-purged*") == []
     assert "purged" not in list_runs(st.r)
+
+
+def test_a_run_created_before_generations_gets_one_and_keeps_working(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Upgrade path of the D1 fence: a config without `generation` (written by older hsq)
+    is given one on first read, so its workers' writes are not refused forever."""
+    st = fresh_run(redis_url, "legacy", tmp_path)
+    st.r.hdel(st.k.config, "generation")
+    old = RunStore(connect(redis_url), "legacy")
+    other = RunStore(connect(redis_url), "legacy")
+    assert old.require_config().generation == other.require_config().generation is not None
+    assert old.mark_done("a", manifest("a"))
