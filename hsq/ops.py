@@ -338,10 +338,10 @@ def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
         if sid in res.corrupt:
             (out_root / output_relpath(sid)).unlink(missing_ok=True)
         store.undo_done(sid, entry)
-    rq_result = RequeueResult()
-    requeue(store, bad, rq_result, dry_run=False)
-    res.requeued = rq_result.enqueued
-    return rq_result.enqueued
+    outcome = RequeueResult()
+    requeue(store, bad, outcome, dry_run=False)
+    res.requeued = outcome.enqueued
+    return outcome.enqueued
 
 
 def purge(store: RunStore) -> int:
