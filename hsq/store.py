@@ -137,7 +137,7 @@ _HEARTBEAT = (
     _FENCE
     + """
 redis.call('SADD', KEYS[2], ARGV[2])
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+if #ARGV >= 5 then redis.call('HSET', KEYS[3], unpack(ARGV, 4)) end
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[3]))
 return 1
 """
