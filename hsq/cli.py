@@ -5,6 +5,7 @@ Exit codes: 0 ok, 1 problems found, 2 usage or configuration error, 3 Redis unre
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -148,14 +149,39 @@ def serve_reference(
     serve(settings)
 
 
+def _tls_env(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # connect() reads these, here and in the processes this one starts.
+    if value:
+        from hsq.store import TLS_ENV
+
+        os.environ[TLS_ENV[str(param.name)]] = value
+
+
 def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    tls = [
+        ("--redis-ca", "ssl_ca_certs", "HSQ_REDIS_CA", "CA bundle that signed the Redis server"),
+        ("--redis-cert", "ssl_certfile", "HSQ_REDIS_CERT", "client certificate (mutual TLS)"),
+        ("--redis-key", "ssl_keyfile", "HSQ_REDIS_KEY", "client certificate's private key"),
+    ]
+    for flag, name, env, text in tls:
+        f = click.option(
+            flag,
+            name,
+            envvar=env,
+            default=None,
+            expose_value=False,
+            callback=_tls_env,
+            type=click.Path(exists=True, dir_okay=False),
+            help=f"rediss:// only: {text}; env {env} or URL query `{name}=`",
+        )(f)
     return click.option(
         "--redis",
         "redis_url",
         envvar="REDIS_URL",
         default="redis://127.0.0.1:6379/0",
         show_default=True,
-        help="Redis URL, auth included (redis://:PASSWORD@host:port/db); env REDIS_URL",
+        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for "
+        "TLS); env REDIS_URL",
     )(f)
 
 
@@ -243,6 +269,81 @@ def enqueue(
         click.echo(line)
     for p in report.problems[:10]:
         click.echo(f"  invalid: {p}", err=True)
+
+
+@cli.command("recover")
+@click.argument(
+    "dataset", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option("--run", required=True, envvar="HSQ_RUN", help="run name ([A-Za-z0-9_-])")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]",
+)
+@_redis_option
+@click.option("--chunk-size", default=16, show_default=True, type=int)
+@click.option(
+    "--store-dtype",
+    type=click.Choice(["bf16", "fp8-e4m3"]),
+    default=None,
+    help="the run's storage format when Redis no longer knows it [default: read from the "
+    "first output file found, else bf16]",
+)
+@click.option("--no-progress", is_flag=True)
+def recover(
+    dataset: Path | None,
+    run: str,
+    out: Path | None,
+    redis_url: str,
+    chunk_size: int,
+    store_dtype: str | None,
+    no_progress: bool,
+) -> None:
+    """Rebuild a run's Redis state from its output files (after a Redis loss).
+
+    Every file under OUT/RUN/ is checked against its DATASET line (header, every tensor,
+    token ids, finite values); valid ones are marked done with their checksum, the rest of
+    the dataset is enqueued. Safe to run on a live run: it only adds what is missing.
+
+    \b
+    Example (Redis was wiped):
+      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+    """
+    from hsq.runconfig import RunConfig
+    from hsq.store import RunStore, connect
+    from producer.enqueue import recover_run
+
+    store = RunStore(connect(redis_url), run)
+    known = store.load_config()
+    if known is not None:
+        given = [
+            f"{name}: recorded {rec}, given {arg}"
+            for name, rec, arg in (("dataset", known.dataset, dataset), ("out", known.out, out))
+            if arg is not None and Path(rec) != arg.resolve()
+        ]
+        if given:
+            raise ConfigError(f"run {run!r} exists with other settings: " + "; ".join(given))
+        cfg = known
+    elif dataset is None or out is None:
+        raise ConfigError(f"run {run!r} is not in Redis: give DATASET and --out to recover it")
+    else:
+        from hsq.ops import detect_store_dtype
+
+        root = out.resolve()
+        cfg = RunConfig(
+            run=run,
+            dataset=str(dataset.resolve()),
+            out=str(root),
+            chunk_size=chunk_size,
+            store_dtype=store_dtype or detect_store_dtype(root / run) or "bf16",
+        )
+    report = recover_run(store, cfg, progress=not no_progress)
+    for line in report.lines_out() + report.recover_lines():
+        click.echo(line)
+    for sid, why in list(report.rejected_files.items())[:10]:
+        click.echo(f"  rejected file of {sid}: {why}", err=True)
 
 
 @cli.command("worker")
@@ -395,19 +496,17 @@ def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval
     tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
     dead_by_reason, workers (docs/operations.md).
     """
-    from hsq.ops import dumps_json, list_runs, run_status, status_text
-    from hsq.store import connect
+    from hsq.ops import dumps_json, run_status, status_text
+    from hsq.store import RunStore, connect, list_runs
 
     client = connect(redis_url)
     runs = [run] if run else list_runs(client)
     if run:
         _store(redis_url, run)
     while True:
-        from hsq.store import RunStore
-
         reports = [run_status(RunStore(client, r)) for r in runs]
         if as_json:
-            out = "\n".join(dumps_json(r) for r in reports)
+            out = "\n".join(dumps_json(r.to_dict()) for r in reports)
         else:
             out = "\n".join("\n".join(status_text(r)) for r in reports) or "no runs"
         if watch:
@@ -512,7 +611,7 @@ def verify(
         res = do_verify(st, root, deep=deep, on_progress=bar.update)
     click.echo(
         f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
-        f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}"
+        f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}, refused {len(res.refused)}"
     )
     for sid in res.missing[:20]:
         click.echo(f"  missing  {sid}")
@@ -520,6 +619,8 @@ def verify(
         click.echo(f"  corrupt  {sid}: {'; '.join(problems)}")
     for rel in res.orphans[:20]:
         click.echo(f"  orphan   {rel}")
+    for sid, why in list(res.refused.items())[:20]:
+        click.echo(f"  refused  {sid}: manifest entry not trusted ({why}); left alone")
     if do_requeue and (res.missing or res.corrupt):
         n = repair(st, root, res)
         click.echo(f"requeued {n} samples")
@@ -536,18 +637,16 @@ def runs(redis_url: str) -> None:
     Example:
       hsq runs --redis redis://:pw@head:6379/0
     """
-    from hsq.ops import list_runs
-    from hsq.store import RunStore, connect
+    from hsq.ops import run_figures
+    from hsq.store import RunStore, connect, list_runs
 
     client = connect(redis_url)
     names = list_runs(client)
     if not names:
         click.echo("no runs")
     for name in names:
-        st = RunStore(client, name)
-        click.echo(
-            f"{name}  done {st.count(st.k.done)}/{st.count(st.k.index)}  dead {st.count(st.k.dead)}"
-        )
+        fig = run_figures(RunStore(client, name))
+        click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")
 
 
 @cli.command("purge")
@@ -576,13 +675,21 @@ def purge(run: str, redis_url: str, yes: bool) -> None:
 @cli.command("exporter")
 @_redis_option
 @click.option("--port", default=9640, show_default=True, type=int, envvar="HSQ_EXPORTER_PORT")
-@click.option("--host", default="0.0.0.0", show_default=True, envvar="HSQ_EXPORTER_HOST")
+@click.option(
+    "--metrics-host",
+    "--host",
+    "host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="HSQ_EXPORTER_HOST",
+    help="address to bind; 0.0.0.0 to let Prometheus on another host scrape it",
+)
 def exporter(redis_url: str, port: int, host: str) -> None:
     """Serve queue-level Prometheus metrics for every run in a Redis.
 
     \b
     Example:
-      hsq exporter --redis redis://:pw@head:6379/0 --port 9640
+      hsq exporter --redis redis://:pw@head:6379/0 --port 9640 --metrics-host 0.0.0.0
     """
     from hsq.exporter import run_exporter
 
@@ -664,8 +771,6 @@ def launch_sglang(
 
 
 def main() -> None:
-    import redis
-
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
@@ -679,9 +784,6 @@ def main() -> None:
         sys.exit(EXIT_USAGE)
     except StoreError as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_REDIS)
-    except redis.exceptions.RedisError as exc:
-        click.echo(f"error: Redis: {exc}", err=True)
         sys.exit(EXIT_REDIS)
     except HsqError as exc:
         click.echo(f"error: {exc}", err=True)

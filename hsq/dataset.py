@@ -1,10 +1,10 @@
 """JSONL datasets: validation, an offset index, and O(1) reads of one sample by offset.
 
 One sample a line: {"id": str|int, "input_ids": [int, ...], "loss_mask": [0|1, ...]}.
-The producer scans the file once and stores `id -> offset:length:crc32` in Redis; a worker
-seeks to the offset, reads the line and checks its CRC, so a dataset edited after enqueue
-is detected instead of silently read. The file must be readable at the same path on every
-worker node (a shared filesystem); Redis holds about 40 bytes per sample, not the tokens.
+The producer scans the file once and stores `id -> offset:length:crc32:num_tokens` in
+Redis; a worker seeks to the offset, reads the line and checks its CRC, so a dataset edited
+after enqueue is detected instead of silently read. The file must be readable at the same
+path on every worker node (a shared filesystem); Redis holds about 40 bytes per sample.
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hsq.errors import DatasetError
 
 # Sample ids become file names: keep them to a conservative, portable alphabet.
-SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SAFE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_TOKEN_ID = 2**31 - 1
+# Longest dataset line accepted (documented in docs/operations.md). Parsing a line of JSON
+# ints costs ~17x its size in memory (a 42 MB line: 713 MB RSS), so 16 MiB bounds a producer
+# or worker at ~300 MB per line; at ~7 bytes per token that is still ~1M tokens with a mask.
+MAX_LINE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def check_sample_id(raw: Any) -> str:
     if isinstance(raw, bool) or not isinstance(raw, (str, int)):
         raise DatasetError("`id` must be a string or an integer", "bad_id")
     sid = str(raw)
-    if not SAFE_ID_RE.match(sid):
+    if not SAFE_ID_RE.fullmatch(sid):  # fullmatch: `$` would let a trailing "\n" through
         raise DatasetError(
             f"id {sid[:80]!r} is unsafe as a file name (allowed: {SAFE_ID_RE.pattern})",
             "unsafe_id",
@@ -102,8 +106,14 @@ def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedL
     seen: dict[str, int] = {}
     offset = 0
     with open(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            start, offset = offset, offset + len(line)
+        for line_no, (line, size) in enumerate(_bounded_lines(f), start=1):
+            start, offset = offset, offset + size
+            if line is None:
+                err = DatasetError(
+                    f"line of {size} bytes, longer than the limit of {MAX_LINE_BYTES}", "too_long"
+                )
+                yield ScannedLine(line_no, None, None, err)
+                continue
             body = line.rstrip(b"\r\n")
             if not body.strip():
                 continue
@@ -123,6 +133,20 @@ def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedL
             yield ScannedLine(line_no, entry, sample.id, None)
 
 
+def _bounded_lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its size in bytes); None instead of a line longer than MAX_LINE_BYTES, which is
+    skipped in pieces without ever being held in memory."""
+    while line := f.readline(MAX_LINE_BYTES + 1):
+        if line.endswith(b"\n") or len(line) <= MAX_LINE_BYTES:
+            yield line, len(line)
+            continue
+        size = len(line)
+        while line and not line.endswith(b"\n"):
+            line = f.readline(2**20)
+            size += len(line)
+        yield None, size
+
+
 def _best_effort_id(body: bytes) -> str | None:
     try:
         obj = json.loads(body)
@@ -137,8 +161,12 @@ def read_sample(path: Path, sample_id: str, entry: IndexEntry) -> Sample:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise DatasetError(f"cannot open dataset {path}: {exc}", "dataset_unreadable") from exc
+    if not 0 <= entry.length <= MAX_LINE_BYTES or entry.offset < 0:
+        raise DatasetError(f"index entry of {sample_id!r} is implausible", "dataset_changed")
     try:
         body = os.pread(fd, entry.length, entry.offset)
+    except OSError as exc:  # EIO and friends: the file, not the sample, is at fault
+        raise DatasetError(f"cannot read dataset {path}: {exc}", "dataset_unreadable") from exc
     finally:
         os.close(fd)
     if len(body) != entry.length or zlib.crc32(body) != entry.crc:

@@ -14,21 +14,14 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import click
-import redis
 from tqdm import tqdm
 
 from hsq.ops import verify
 from hsq.procs import RedisServer, ReferenceServer, worker_process
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect
+from hsq.store import RunStore, connect, redis_calls
 from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
-
-
-def redis_calls(client: redis.Redis) -> int:
-    """Commands Redis executed so far (INFO commandstats, all commands)."""
-    stats = client.info("commandstats")
-    return sum(int(v["calls"]) for v in stats.values())
 
 
 def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> int:
@@ -74,12 +67,8 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
             total=report.valid, unit="sample", desc="extracting", file=sys.stderr, mininterval=0.5
         ) as bar:
             while worker.alive():
-                p = store.r.pipeline(transaction=False)
-                p.hlen(store.k.done)
-                p.hlen(store.k.dead)
-                done, dead = p.execute()
                 polls += 1
-                bar.update(int(done) + int(dead) - bar.n)
+                bar.update(store.count(store.k.done) + store.count(store.k.dead) - bar.n)
                 time.sleep(0.5)
             done = store.count(store.k.done)
             bar.update(done - bar.n)
@@ -87,7 +76,7 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
         # Subtract the demo's own polling (2 per poll) and the INFO call itself.
         calls = redis_calls(store.r) - calls0 - 2 * polls - 1
         rc = worker.proc.returncode
-        stats = {k.decode(): int(v) for k, v in store.r.hgetall(store.k.stats).items()}  # type: ignore[union-attr]
+        stats = store.stats()
         dead_entries = store.dead_entries()
         echo("verifying    every output (checksum, shapes, finite values) ...")
         v = verify(store, out.resolve() / run, deep=True)

@@ -8,27 +8,27 @@ run, queue, state; never a sample id.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
 
-import redis
 import structlog
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hsq.keys import RUNS, RunKeys, rq_queue_key
+from hsq.errors import ConfigError, StoreError
+from hsq.ops import run_figures
+from hsq.store import Client, RunStore, connect, list_runs
 
 log = structlog.get_logger("hsq.exporter")
 
 
 class RedisCollector(Collector):
-    def __init__(self, client: redis.Redis) -> None:
-        self.r = client
+    def __init__(self, client: Client) -> None:
+        self.client = client
         self.errors = 0
 
     def collect(self) -> Iterator[Metric]:
@@ -37,7 +37,7 @@ class RedisCollector(Collector):
         try:
             families = list(self._runs())
             up.add_metric([], 1)
-        except redis.exceptions.RedisError as exc:
+        except StoreError as exc:
             self.errors += 1
             log.warning("scrape_failed", error=str(exc))
             families = []
@@ -52,7 +52,7 @@ class RedisCollector(Collector):
         yield dur
 
     def _runs(self) -> Iterator[Metric]:
-        runs = sorted(r.decode() for r in self.r.smembers(RUNS))  # type: ignore[union-attr]
+        runs = list_runs(self.client)
         jobs = GaugeMetricFamily(
             "hsq_queue_jobs", "Jobs waiting in a queue", labels=["run", "queue"]
         )
@@ -79,46 +79,30 @@ class RedisCollector(Collector):
             labels=["run"],
         )
         for run in runs:
-            k = RunKeys(run)
-            p = self.r.pipeline(transaction=False)
-            p.llen(rq_queue_key(k.main_queue))
-            p.llen(rq_queue_key(k.retry_queue))
-            p.hlen(k.index)
-            p.hlen(k.done)
-            p.hlen(k.dead)
-            p.hgetall(k.stats)
-            p.smembers(k.workers)
-            p.hget(k.config, "out")
-            main, retry, index, done, dead, stats, wids, out = p.execute()
-            st = {a.decode(): int(b) for a, b in stats.items()}
-            jobs.add_metric([run, "main"], main)
-            jobs.add_metric([run, "retry"], retry)
-            # Invalid dataset lines are dead-letter entries and part of `total`, as in status.
-            total = index + st.get("invalid_lines", 0)
-            samples.add_metric([run, "total"], total)
-            samples.add_metric([run, "done"], done)
-            samples.add_metric([run, "dead"], dead)
-            samples.add_metric([run, "remaining"], max(total - done - dead, 0))
-            tokens.add_metric([run, "total"], st.get("total_tokens", 0))
-            tokens.add_metric([run, "done"], st.get("tokens", 0))
-            written.add_metric([run], st.get("bytes", 0))
-            p = self.r.pipeline(transaction=False)
-            for w in wids:
-                p.exists(k.worker(w.decode()))
-                p.llen(k.wip(w.decode()))
-            res = p.execute()
-            workers.add_metric([run], sum(res[0::2]))
-            held.add_metric([run], sum(res[1::2]))
-            if out:
+            try:
+                fig = run_figures(RunStore(self.client, run))
+            except ConfigError:
+                continue  # a run name that is not ours (Redis is untrusted)
+            # The same figures `hsq status` prints (hsq.ops.run_figures).
+            jobs.add_metric([run, "main"], fig.queued_jobs)
+            jobs.add_metric([run, "retry"], fig.retry_jobs)
+            samples.add_metric([run, "total"], fig.total)
+            samples.add_metric([run, "done"], fig.done)
+            samples.add_metric([run, "dead"], fig.dead)
+            samples.add_metric([run, "remaining"], fig.remaining)
+            tokens.add_metric([run, "total"], fig.tokens_total)
+            tokens.add_metric([run, "done"], fig.tokens_done)
+            written.add_metric([run], fig.bytes_done)
+            workers.add_metric([run], fig.live_workers)
+            held.add_metric([run], fig.held_jobs)
+            if fig.out:
                 # Skipped where the output filesystem is not mounted on the exporter's host.
                 with contextlib.suppress(OSError):
-                    free.add_metric([run], shutil.disk_usage(json.loads(out)).free)
+                    free.add_metric([run], shutil.disk_usage(fig.out).free)
         yield from (jobs, samples, tokens, written, workers, held, free)
 
 
 def run_exporter(redis_url: str, host: str, port: int) -> None:
-    from hsq.store import connect
-
     client = connect(redis_url)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(client))

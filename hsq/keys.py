@@ -4,7 +4,10 @@ Per run R (a name matching RUN_NAME_RE):
 
     hsq:runs                      SET   names of all runs
     hsq:run:R:config              HASH  the run's config (dataset, out, layers, model, ...)
-    hsq:run:R:index               HASH  sample id -> "offset:length:crc32" into the dataset
+                                        and its `generation`: a random token made when the
+                                        run is created; every write of a worker is fenced on it
+    hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
+    hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
     hsq:run:R:done                HASH  sample id -> manifest entry (JSON); THE truth of "done"
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
     hsq:run:R:stats               HASH  tokens / bytes done, counters
@@ -25,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUNS = "hsq:runs"
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_JOB_PREFIX = "rq:job:"
@@ -44,7 +47,7 @@ class RunKeys:
     run: str
 
     def __post_init__(self) -> None:
-        if not RUN_NAME_RE.match(self.run):
+        if not RUN_NAME_RE.fullmatch(self.run):
             raise ValueError(
                 f"run name {self.run!r} must match {RUN_NAME_RE.pattern} (letters, digits, _ -)"
             )
@@ -81,6 +84,10 @@ class RunKeys:
     def workers(self) -> str:
         return self._p + "workers"
 
+    @property
+    def enqueue_lock(self) -> str:
+        return self._p + "enqueue-lock"
+
     def worker(self, worker_id: str) -> str:
         return self._p + "worker:" + worker_id
 
@@ -106,6 +113,7 @@ class RunKeys:
             self.stats,
             self.crashes,
             self.workers,
+            self.enqueue_lock,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

@@ -1,9 +1,11 @@
-"""Operating a run: status, requeue, verify and repair, purge. The CLI only formats these.
+"""Operating a run: status, requeue, verify and repair, purge, recover. The CLI only formats.
 
 Status partitions the dataset: every sample is counted in exactly one of done, dead,
-in_progress, retry, queued or missing (in that order of precedence), so the numbers always
-add up to `total`, even while workers run. `missing` is what a lost queue entry or a wiped
-queue leaves behind; `requeue --missing` puts it back.
+in_progress, retry, queued or missing, so the numbers add up to `total` even while workers
+run (done and dead entries always belong to the dataset: `enqueue` prunes the others).
+`missing` is what a lost queue entry or a wiped queue leaves behind; `requeue --missing`
+puts it back. The headline figures (total, done, dead, tokens, bytes) come from
+`run_figures`, the same function the exporter uses.
 """
 
 from __future__ import annotations
@@ -13,16 +15,97 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsq.dataset import IndexEntry
-from hsq.keys import RUNS, RunKeys, rq_job_key
-from hsq.outputs import SUFFIX, ManifestEntry, check_output
+from hsq.dataset import IndexEntry, Sample
+from hsq.errors import DatasetError, HsqError
+from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, output_relpath
 from hsq.store import RunStore, chunked
 
-STATUS_KEYS = ("run", "total", "done", "queued", "in_progress", "retry", "dead", "workers")
+MAX_MANIFEST_ENTRY = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """A run's O(1) figures: what `hsq status` headlines and the exporter serves."""
+
+    run: str
+    total: int
+    done: int
+    dead: int
+    remaining: int
+    invalid_lines: int
+    tokens_total: int
+    tokens_done: int
+    bytes_done: int
+    queued_jobs: int
+    retry_jobs: int
+    held_jobs: int
+    live_workers: int
+    out: str | None
+
+
+def run_figures(store: RunStore) -> RunFigures:
+    snap = store.snapshot()
+    # Invalid dataset lines are dead-letter entries (`line:N`) and part of `total`.
+    total = snap.index + snap.dead_lines
+    return RunFigures(
+        run=store.run,
+        total=total,
+        done=snap.done,
+        dead=snap.dead,
+        remaining=max(total - snap.done - snap.dead, 0),
+        invalid_lines=snap.dead_lines,
+        tokens_total=snap.stats.get("total_tokens", 0),
+        tokens_done=snap.stats.get("tokens", 0),
+        bytes_done=snap.stats.get("bytes", 0),
+        queued_jobs=snap.main_jobs,
+        retry_jobs=snap.retry_jobs,
+        held_jobs=snap.held_jobs,
+        live_workers=snap.live_workers,
+        out=snap.out,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    id: str
+    state: str | None
+    name: str | None = None
+    server: str | None = None
+    last_sample: str | None = None
+    done: int = 0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    host: str | None = None
+    heartbeat_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run: str
+    total: int
+    done: int
+    queued: int
+    in_progress: int
+    retry: int
+    dead: int
+    missing: int
+    invalid_lines: int
+    tokens_done: int
+    tokens_total: int
+    bytes_done: int
+    samples_per_s: float
+    tokens_per_s: float
+    eta_s: float | None
+    dead_by_reason: dict[str, int]
+    workers: list[WorkerStatus]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON of `hsq status --json` (docs/operations.md)."""
+        return asdict(self)
 
 
 def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set[str], set[str]]:
@@ -35,65 +118,63 @@ def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set
     return index, outstanding, done, dead_keys - dead_lines, dead_lines
 
 
-def run_status(store: RunStore, now: float | None = None) -> dict[str, Any]:
+def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
+    info = store.worker_info(wid)
+    if not info:
+        return WorkerStatus(id=wid, state="dead (heartbeat expired)")
+
+    def num(key: str) -> float:
+        try:
+            return float(info.get(key, 0))
+        except ValueError:
+            return 0.0
+
+    return WorkerStatus(
+        id=wid,
+        state=info.get("state"),
+        name=info.get("name"),
+        server=info.get("server"),
+        last_sample=info.get("last_sample") or None,
+        done=int(num("done")),
+        samples_per_s=num("samples_per_s"),
+        tokens_per_s=num("tokens_per_s"),
+        host=info.get("host"),
+        heartbeat_age_s=round(now - float(info.get("ts", now)), 1) if "ts" in info else None,
+    )
+
+
+def run_status(store: RunStore, now: float | None = None) -> RunStatus:
     now = time.time() if now is None else now
-    index, outstanding, done, dead, dead_lines = _partition(store)
-    counts = Counter[str]()
-    for sid in index:
-        if sid in done:
-            counts["done"] += 1
-        elif sid in dead:
-            counts["dead"] += 1
-        elif sid in outstanding:
-            place = outstanding[sid]
-            counts["in_progress" if place.startswith("wip:") else place] += 1
-        else:
-            counts["missing"] += 1
-    stats = store.stats()
-    workers: list[dict[str, Any]] = []
-    for wid in store.worker_ids():
-        info = store.worker_info(wid)
-        if not info:
-            workers.append({"id": wid, "state": "dead (heartbeat expired)"})
-            continue
-        workers.append(
-            {
-                "id": wid,
-                "name": info.get("name"),
-                "server": info.get("server"),
-                "state": info.get("state"),
-                "last_sample": info.get("last_sample") or None,
-                "done": int(info.get("done", 0)),
-                "samples_per_s": float(info.get("samples_per_s", 0)),
-                "tokens_per_s": float(info.get("tokens_per_s", 0)),
-                "host": info.get("host"),
-                "heartbeat_age_s": round(now - float(info.get("ts", now)), 1),
-            }
-        )
-    samples_s = sum(w.get("samples_per_s", 0.0) for w in workers)
-    tokens_s = sum(w.get("tokens_per_s", 0.0) for w in workers)
-    tokens_left = max(stats.get("total_tokens", 0) - stats.get("tokens", 0), 0)
+    index, outstanding, done, dead, _ = _partition(store)
+    fig = run_figures(store)
+    places = Counter[str]()
+    for sid in index - done - dead:
+        place = outstanding.get(sid, "missing")
+        places["in_progress" if place.startswith("wip:") else place] += 1
+    workers = [_worker_status(store, wid, now) for wid in store.worker_ids()]
+    samples_s = sum(w.samples_per_s for w in workers)
+    tokens_s = sum(w.tokens_per_s for w in workers)
+    tokens_left = max(fig.tokens_total - fig.tokens_done, 0)
     eta = tokens_left / tokens_s if tokens_s > 0 else None
-    dead_entries = store.dead_entries()
-    return {
-        "run": store.run,
-        "total": len(index) + len(dead_lines),
-        "done": counts["done"],
-        "queued": counts["main"],
-        "in_progress": counts["in_progress"],
-        "retry": counts["retry"],
-        "dead": counts["dead"] + len(dead_lines),
-        "missing": counts["missing"],
-        "invalid_lines": len(dead_lines),
-        "tokens_done": stats.get("tokens", 0),
-        "tokens_total": stats.get("total_tokens", 0),
-        "bytes_done": stats.get("bytes", 0),
-        "samples_per_s": round(samples_s, 3),
-        "tokens_per_s": round(tokens_s, 1),
-        "eta_s": None if eta is None else round(eta, 1),
-        "dead_by_reason": dict(Counter(e["reason"] for e in dead_entries.values())),
-        "workers": workers,
-    }
+    return RunStatus(
+        run=store.run,
+        total=fig.total,
+        done=fig.done,
+        queued=places["main"],
+        in_progress=places["in_progress"],
+        retry=places["retry"],
+        dead=fig.dead,
+        missing=places["missing"],
+        invalid_lines=fig.invalid_lines,
+        tokens_done=fig.tokens_done,
+        tokens_total=fig.tokens_total,
+        bytes_done=fig.bytes_done,
+        samples_per_s=round(samples_s, 3),
+        tokens_per_s=round(tokens_s, 1),
+        eta_s=None if eta is None else round(eta, 1),
+        dead_by_reason=dict(Counter(str(e["reason"]) for e in store.dead_entries().values())),
+        workers=workers,
+    )
 
 
 @dataclass
@@ -154,11 +235,7 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     # Enqueue first, then clear the dead-letter entry: a crash in between leaves a sample
     # both queued and dead (harmless), never neither.
     store.enqueue(chunked(todo, cfg.chunk_size))
-    p = store.r.pipeline(transaction=False)
-    for sid, _ in todo:
-        p.hdel(store.k.dead, sid)
-        p.hdel(store.k.crashes, sid)
-    p.execute()
+    store.clear_failures(sid for sid, _ in todo)
 
 
 @dataclass
@@ -168,11 +245,51 @@ class VerifyResult:
     missing: list[str] = field(default_factory=list)
     corrupt: dict[str, list[str]] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Manifest entries hsq will not act on (not ours, or a path outside the output dir)."""
     requeued: int = 0
+    entries: dict[str, ManifestEntry] = field(default_factory=dict)
+    """The checked entries of missing and corrupt samples (what repair acts on)."""
 
     @property
     def problems(self) -> int:
-        return len(self.missing) + len(self.corrupt) + len(self.orphans)
+        return len(self.missing) + len(self.corrupt) + len(self.orphans) + len(self.refused)
+
+
+def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestEntry:
+    """A manifest entry read from Redis, type-checked, its path the one hsq would write for
+    this id and resolving under out_root. Raises ValueError otherwise."""
+    if len(raw) > MAX_MANIFEST_ENTRY:
+        raise ValueError("manifest entry too large")
+    obj = json.loads(raw)
+    if not isinstance(obj, dict):
+        raise ValueError("manifest entry is not an object")
+    types = {"path": str, "num_tokens": int, "bytes": int, "checksum": str, "worker": str}
+    for name, kind in types.items():
+        if type(obj.get(name)) is not kind:
+            raise ValueError(f"manifest `{name}` is not a {kind.__name__}")
+    try:
+        expected = output_relpath(sample_id)
+    except DatasetError as exc:
+        raise ValueError(str(exc)) from exc
+    if obj["path"] != expected:
+        raise ValueError(f"manifest path {obj['path'][:200]!r} is not {expected!r}")
+    root = out_root.resolve()
+    if not (root / expected).resolve().is_relative_to(root):
+        raise ValueError(f"{expected!r} resolves outside {root}")
+    try:
+        return ManifestEntry(
+            path=obj["path"],
+            num_tokens=obj["num_tokens"],
+            bytes=obj["bytes"],
+            checksum=obj["checksum"],
+            worker=obj["worker"],
+            time=float(obj.get("time", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            store_dtype=str(obj.get("store_dtype", "bf16")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"manifest entry malformed: {exc}") from exc
 
 
 def verify(
@@ -186,20 +303,25 @@ def verify(
     known: set[str] = set()
     cfg = store.load_config()
     run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
-    for raw_id, raw_entry in store.r.hscan_iter(store.k.done, count=1000):
-        sid = raw_id.decode()
-        entry = ManifestEntry.from_json(raw_entry)
-        known.add(entry.path)
-        problems = check_output(out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype)
+    for sid, raw in store.iter_done():
         res.checked += 1
-        if problems == ["missing"]:
-            res.missing.append(sid)
-        elif problems:
-            res.corrupt[sid] = problems
-        else:
-            res.ok += 1
         if on_progress is not None:
             on_progress(1)
+        try:
+            entry = trusted_entry(sid, raw, out_root)
+        except ValueError as exc:
+            res.refused[sid] = str(exc)  # never acted on: an operator looks at it
+            continue
+        known.add(entry.path)
+        problems = check_output(out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype)
+        if problems == ["missing"]:
+            res.missing.append(sid)
+            res.entries[sid] = entry
+        elif problems:
+            res.corrupt[sid] = problems
+            res.entries[sid] = entry
+        else:
+            res.ok += 1
     if out_root.is_dir():
         for dirpath, _dirs, files in os.walk(out_root):
             for name in files:
@@ -211,65 +333,138 @@ def verify(
 
 
 def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
-    """Un-done missing and corrupt samples (removing a corrupt file) and requeue them."""
+    """Un-done missing and corrupt samples (removing a corrupt file) and requeue them. Acts
+    only on entries `verify` checked (trusted_entry): never on a path from Redis as such."""
     bad = res.missing + list(res.corrupt)
     for sid in bad:
-        entry = store.get_manifest(sid)
-        if entry is None:
-            continue
+        entry = res.entries[sid]
         if sid in res.corrupt:
-            (out_root / entry.path).unlink(missing_ok=True)
+            (out_root / output_relpath(sid)).unlink(missing_ok=True)
         store.undo_done(sid, entry)
-    rq = RequeueResult()
-    requeue(store, bad, rq, dry_run=False)
-    res.requeued = rq.enqueued
-    return rq.enqueued
-
-
-def list_runs(client: Any) -> list[str]:
-    return sorted(r.decode() for r in client.smembers(RUNS))
+    outcome = RequeueResult()
+    requeue(store, bad, outcome, dry_run=False)
+    res.requeued = outcome.enqueued
+    return outcome.enqueued
 
 
 def purge(store: RunStore) -> int:
     """Delete every Redis key of a run (outputs on disk stay). Returns keys deleted."""
-    k: RunKeys = store.k
-    jobs = [j for ids in store.outstanding_job_ids().values() for j in ids]
-    keys = [*k.all_static()]
-    for wid in store.worker_ids():
-        keys += [k.worker(wid), k.wip(wid)]
-    keys += [rq_job_key(j) for j in jobs]
-    n = 0
-    for i in range(0, len(keys), 1000):
-        n += int(store.r.delete(*keys[i : i + 1000]))
-    store.r.srem(RUNS, store.run)
-    return n
+    return store.purge()
 
 
-def status_text(st: dict[str, Any]) -> list[str]:
-    total = st["total"] or 1
-    pct = 100.0 * st["done"] / total
-    eta = "-" if st["eta_s"] is None else _dur(st["eta_s"])
+def detect_store_dtype(out_root: Path) -> str | None:
+    """The storage format of the first readable output file under out_root (a run holds one)."""
+    from hsq.outputs import read_header
+    from hsq.quant import store_dtype_of
+
+    if not out_root.is_dir():
+        return None
+    for dirpath, _dirs, files in os.walk(out_root):
+        for name in sorted(files):
+            if name.endswith(SUFFIX):
+                try:
+                    return store_dtype_of(read_header(Path(dirpath) / name).metadata)
+                except (OSError, ValueError, HsqError):
+                    continue
+    return None
+
+
+def adopt_output(
+    out_root: Path, sample: Sample, run: str, store_dtype: str | None = None
+) -> tuple[ManifestEntry | None, str]:
+    """Check an existing output file of `sample` as `recover` does: header, every tensor,
+    token ids against the dataset line (fingerprint and values), finite states; returns
+    (a manifest entry with the file's checksum, "") or (None, why not)."""
+    from hsq.outputs import read_header
+    from hsq.protocol import fingerprint
+
+    rel = output_relpath(sample.id)
+    path = out_root / rel
+    try:
+        size = path.stat().st_size
+        meta = read_header(path).metadata
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable header: {exc}"
+    n = len(sample.input_ids)
+    wanted = {
+        "sample_id": sample.id,
+        "run": run,
+        "num_tokens": str(n),
+        "input_fingerprint": fingerprint(sample.input_ids),
+    }
+    for key, want in wanted.items():
+        if meta.get(key) != want:
+            return None, f"{key} {str(meta.get(key))[:80]!r} is not {want[:80]!r}"
+    from hsq.quant import store_dtype_of
+
+    entry = ManifestEntry(
+        path=rel,
+        num_tokens=n,
+        bytes=size,
+        checksum=file_checksum(path),
+        worker="recover",
+        time=time.time(),
+        attempt=0,
+        store_dtype=store_dtype_of(meta),
+    )
+    if store_dtype is not None and entry.store_dtype != store_dtype:
+        return None, f"stored as {entry.store_dtype}, the run stores {store_dtype}"
+    problems = _tensor_problems(path, sample)
+    if not problems:  # both formats' tensor checks (fp8: scales, no NaN; bf16: finite)
+        problems = "; ".join(check_output(path, sample.id, entry, deep=True))
+    if problems:
+        return None, problems
+    return entry, ""
+
+
+def _tensor_problems(path: Path, sample: Sample) -> str:
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        t = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for damaged files
+        return f"unreadable tensors: {exc}"
+    n = len(sample.input_ids)
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+    if "input_ids" not in t or t["input_ids"].tolist() != sample.input_ids:
+        return "input_ids differ from the dataset line"
+    if "loss_mask" not in t or t["loss_mask"].tolist() != mask:
+        return "loss_mask differs from the dataset line"
+    for name in ("aux_hidden_states", "last_hidden_state"):
+        x = t.get(name)
+        if x is None or x.dim() != 2 or x.shape[0] != n:
+            return f"{name} missing or of the wrong shape"
+        if x.dtype != torch.float8_e4m3fn and not bool(torch.isfinite(x).all()):
+            return f"{name} holds NaN or Inf"
+    return ""
+
+
+def status_text(st: RunStatus) -> list[str]:
+    total = st.total or 1
+    pct = 100.0 * st.done / total
+    eta = "-" if st.eta_s is None else _dur(st.eta_s)
     lines = [
-        f"run {st['run']}: {st['done']}/{st['total']} done ({pct:.1f}%), "
-        f"{st['tokens_done']:,}/{st['tokens_total']:,} tokens, "
-        f"{st['bytes_done'] / 1e9:.2f} GB",
-        f"  queued {st['queued']}  in progress {st['in_progress']}  retry {st['retry']}  "
-        f"dead {st['dead']}  missing {st['missing']}",
-        f"  rate {st['samples_per_s']:.2f} samples/s, {st['tokens_per_s']:,.0f} tokens/s, "
-        f"ETA {eta}",
+        f"run {st.run}: {st.done}/{st.total} done ({pct:.1f}%), "
+        f"{st.tokens_done:,}/{st.tokens_total:,} tokens, "
+        f"{st.bytes_done / 1e9:.2f} GB",
+        f"  queued {st.queued}  in progress {st.in_progress}  retry {st.retry}  "
+        f"dead {st.dead}  missing {st.missing}",
+        f"  rate {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:,.0f} tokens/s, ETA {eta}",
     ]
-    if st["dead_by_reason"]:
-        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st["dead_by_reason"].items()))
+    if st.dead_by_reason:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
         lines.append(f"  dead letter by reason: {reasons}")
-    if st["missing"]:
+    if st.missing:
         lines.append("  missing samples are in no queue: `hsq requeue --missing` puts them back")
-    for w in st["workers"]:
+    for w in st.workers:
         lines.append(
-            f"  worker {w.get('name') or w['id']} [{w.get('state')}] server {w.get('server')} "
-            f"last {w.get('last_sample')} done {w.get('done', 0)} "
-            f"{w.get('tokens_per_s', 0):,.0f} tokens/s"
+            f"  worker {w.name or w.id} [{w.state}] server {w.server} "
+            f"last {w.last_sample} done {w.done} {w.tokens_per_s:,.0f} tokens/s"
         )
-    if not st["workers"]:
+    if not st.workers:
         lines.append("  no live workers")
     return lines
 

@@ -68,6 +68,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
+# meta.json is a few hundred bytes; anything near this limit is not a dump of ours.
+MAX_META_BYTES = 1 * 2**20
 _DUMP_RE = re.compile(r"^req_(\d+)$")
 _TMP_RE = re.compile(r"^req_(\d+)\.tmp$")
 
@@ -128,20 +130,84 @@ class DumpMeta:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> DumpMeta:
+    def from_json(cls, text: str | bytes) -> DumpMeta:
+        """Parse and type-check meta.json (written by a server: untrusted)."""
+        if len(text) > MAX_META_BYTES:
+            raise CorruptDumpError(f"meta.json is {len(text)} bytes, over {MAX_META_BYTES}")
         try:
             raw = json.loads(text)
-            if not isinstance(raw, dict):
-                raise TypeError("meta.json is not an object")
-            model = ModelIdentity(**raw.pop("model"))
-            meta = cls(model=model, **raw)
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CorruptDumpError("meta.json is malformed: not an object")
+        _check_fields("meta.json", raw, _META_TYPES, _META_OPTIONAL)
+        _check_fields("meta.json model", raw["model"], _MODEL_TYPES)
+        try:
+            meta = cls(**{**raw, "model": ModelIdentity(**raw["model"])})
+        except TypeError as exc:  # an unknown field
             raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
         if meta.format_version != FORMAT_VERSION:
             raise CorruptDumpError(
                 f"dump format_version {meta.format_version}, this hsq reads {FORMAT_VERSION}"
             )
         return meta
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_int_list(v: object) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _is_str(v: object) -> bool:
+    return isinstance(v, str) and len(v) <= 4096
+
+
+_META_TYPES: dict[str, Callable[[object], bool]] = {
+    "rid": _is_str,
+    "num_tokens": _is_int,
+    "input_fingerprint": _is_str,
+    "layer_ids": _is_int_list,
+    "hidden_size": _is_int,
+    "dtype": _is_str,
+    "model": lambda v: isinstance(v, dict),
+    "tensors": lambda v: (
+        isinstance(v, dict) and all(_is_str(k) and _is_int_list(x) for k, x in v.items())
+    ),
+    "request_index": _is_int,
+}
+_META_OPTIONAL: dict[str, Callable[[object], bool]] = {
+    "layer_convention": _is_str,
+    "format_version": _is_int,
+    "created_unix": lambda v: _is_int(v) or isinstance(v, float),
+}
+_MODEL_TYPES: dict[str, Callable[[object], bool]] = {
+    "name": _is_str,
+    "architecture": _is_str,
+    "num_layers": _is_int,
+    "hidden_size": _is_int,
+    "config_digest": _is_str,
+}
+
+
+def _check_fields(
+    what: str,
+    raw: object,
+    required: Mapping[str, Callable[[object], bool]],
+    optional: Mapping[str, Callable[[object], bool]] | None = None,
+) -> None:
+    if not isinstance(raw, dict):
+        raise CorruptDumpError(f"{what} is not an object")
+    for name, ok in required.items():
+        if name not in raw:
+            raise CorruptDumpError(f"{what}: `{name}` is missing")
+        if not ok(raw[name]):
+            raise CorruptDumpError(f"{what}: `{name}` has the wrong type: {raw[name]!r:.80}")
+    for name, ok in (optional or {}).items():
+        if name in raw and not ok(raw[name]):
+            raise CorruptDumpError(f"{what}: `{name}` has the wrong type: {raw[name]!r:.80}")
 
 
 def expected_shapes(num_tokens: int, num_layers: int, hidden_size: int) -> dict[str, list[int]]:
@@ -360,10 +426,11 @@ def read_meta(path: Path) -> DumpMeta:
     if not (path / DONE_FILE).exists():
         raise IncompleteDumpError(f"{path.name} has no `done` marker")
     try:
-        text = (path / META_FILE).read_text()
+        with open(path / META_FILE, "rb") as f:
+            data = f.read(MAX_META_BYTES + 1)  # bounded: never a server's whole file
     except OSError as exc:
         raise CorruptDumpError(f"{path.name}: cannot read meta.json: {exc}") from exc
-    return DumpMeta.from_json(text)
+    return DumpMeta.from_json(data)
 
 
 @dataclass
@@ -507,10 +574,6 @@ class ReadyMarker:
                 f"this hsq reads {FORMAT_VERSION}"
             )
         return marker
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _ready_obj(raw: object, keys: set[str], what: str) -> dict[str, object]:

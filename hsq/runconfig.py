@@ -32,6 +32,8 @@ class RunConfig:
     store_dtype: str = BF16
     """How outputs store hidden states: bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded
     before the field existed read as bf16, which is what they stored."""
+    generation: str | None = None
+    """Set by the store when the run is created; a purge and re-create changes it."""
 
     def validate(self) -> None:
         if self.max_attempts < 1:
@@ -48,11 +50,14 @@ class RunConfig:
     def from_redis(cls, raw: dict[bytes, bytes]) -> RunConfig:
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
-        for k, v in raw.items():
-            key = k.decode()
-            if key in known:
-                values[key] = json.loads(v)
-        return cls(**values)
+        try:
+            for k, v in raw.items():
+                key = k.decode()
+                if key in known:
+                    values[key] = json.loads(v)
+            return cls(**values)
+        except (ValueError, TypeError) as exc:  # Redis is untrusted too
+            raise ConfigError(f"the run's config in Redis is unreadable: {exc}") from exc
 
     def conflicts(self, other: RunConfig) -> list[str]:
         """Settings a second `enqueue` may not change for an existing run."""

@@ -141,21 +141,40 @@ def read_header(fd: int) -> Header:
         raise FormatError("header is not an object")
     base = 8 + n
     meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise FormatError("__metadata__ is not a map of strings")
+    specs = [(name, _tensor_spec(name, spec)) for name, spec in raw.items()]
     tensors: dict[str, TensorInfo] = {}
     end = 0
-    for name, spec in sorted(raw.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
-        try:
-            code, shape, (lo, hi) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            want = ITEMSIZE[code] * _prod(shape)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"tensor {name!r}: bad entry {spec!r}") from exc
-        if lo != end or hi - lo != want:
+    for name, (code, shape, lo, hi) in sorted(specs, key=lambda item: item[1][2]):
+        if lo != end or hi - lo != ITEMSIZE[code] * _prod(shape):
             raise FormatError(f"tensor {name!r}: offsets {lo}..{hi} do not fit {code}{shape}")
         end = hi
-        tensors[name] = TensorInfo(name, code, list(shape), base + lo, hi - lo)
+        tensors[name] = TensorInfo(name, code, shape, base + lo, hi - lo)
     if base + end != size:
         raise FormatError(f"file is {size} bytes, header describes {base + end}")
     return Header(tensors, meta, size)
+
+
+def _tensor_spec(name: str, spec: Any) -> tuple[str, list[int], int, int]:
+    """(dtype code, shape, start, end) of one header entry, every field type-checked: the
+    header comes from a file someone else wrote."""
+    try:
+        code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"tensor {name!r}: bad entry {spec!r:.200}") from exc
+    ints_ok = isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+    if not ints_ok or not all(_is_dim(v) for v in [*offsets, *shape]):
+        raise FormatError(f"tensor {name!r}: shape/offsets are not lists of integers")
+    if not isinstance(code, str) or code not in ITEMSIZE:
+        raise FormatError(f"tensor {name!r}: unknown dtype {code!r:.40}")
+    return code, list(shape), offsets[0], offsets[1]
+
+
+def _is_dim(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -1,24 +1,40 @@
-"""All of hsq's Redis traffic for one run. Keys come from hsq.keys, jobs are RQ jobs.
+"""All of hsq's Redis traffic. Keys come from hsq.keys, jobs are RQ jobs.
+
+Nothing else in hsq imports redis or rq (workers/ and the test harness aside). Every public
+method turns Redis errors into hsq errors: StoreUnavailableError (unreachable or timing out:
+transient) or StoreError; a write to a run that was purged or re-created since this store
+read its config raises RunChangedError.
 
 RQ provides the queue format (JSON-serialized jobs in `rq:queue:*` lists, visible to `rq info`)
-and enqueueing. hsq's worker dequeues on its own with the reliable-queue pattern (LMOVE into a
-per-worker wip list) because RQ's own worker brings back a SIGKILLed job only after
-timeout + 60 s + up to 600 s and spends about 52 Redis commands per job. A job is a chunk of
-sample ids, so queue overhead is paid once per chunk; each sample costs one script call when
-it is done.
+and enqueueing, through its public API only (Queue.prepare_data / enqueue_many, Job.fetch_many;
+docs/queue.md says why). hsq's worker dequeues on its own with the reliable-queue pattern
+(LMOVE into a per-worker wip list) because RQ's own worker brings back a SIGKILLed job only
+after timeout + 60 s + up to 600 s and spends about 52 Redis commands per job. A job is a
+chunk of sample ids, so queue overhead is paid once per chunk; each sample costs one script
+call when it is done.
+
+Fencing: a run's config holds a random `generation` made when the run is created. Every write
+a worker makes (done-mark, finish, give-back, retry enqueue, dead letter, model pin, worker
+heartbeat) is conditional on the generation this store read (Lua, or WATCH for RQ's enqueue),
+so a purge, a Redis wipe or a re-created run is never written into by a worker that holds the
+old one, and a purged done hash never comes back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import json
+import os
 import secrets
 import socket
+import threading
 import time
-import zlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, ParamSpec, TypeVar
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -28,54 +44,186 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from hsq.dataset import IndexEntry
-from hsq.errors import ConfigError, StoreError
+from hsq.errors import ConfigError, RunChangedError, StoreError, StoreUnavailableError
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
 from hsq.outputs import ManifestEntry
 from hsq.runconfig import RunConfig
 
 JOB_FUNC = "workers.jobs.extract_chunk"
 HEARTBEAT_TTL_S = 10
+ENQUEUE_LOCK_TTL_S = 60
+MAX_DEAD_ENTRY = 64 * 1024
 SampleRef = tuple[str, IndexEntry]
+Client = redis.Redis
+"""The client type, for modules that hold a connection without importing redis."""
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# TLS options for rediss:// URLs: a flag (CLI), an env var, or a URL query parameter.
+TLS_ENV = {
+    "ssl_ca_certs": "HSQ_REDIS_CA",
+    "ssl_certfile": "HSQ_REDIS_CERT",
+    "ssl_keyfile": "HSQ_REDIS_KEY",
+}
+
+# Every fenced script starts with this: KEYS[1] is the run's config, ARGV[1] the generation
+# the caller holds (as stored: JSON). -1 means the run is gone or was re-created.
+_FENCE = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return -1 end
+"""
 
 # Un-marks a sample (verify --requeue) and takes it out of the totals, exactly once.
-_UNDO_DONE = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
-  redis.call('HINCRBY', KEYS[2], 'bytes', -tonumber(ARGV[3]))
+_UNDO_DONE = (
+    _FENCE
+    + """
+if redis.call('HDEL', KEYS[2], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))
+  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))
   return 1
 end
 return 0
 """
+)
 
 # Ownership-checked job moves: act only if the job is still in this worker's wip list.
-_FINISH = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
-  redis.call('DEL', KEYS[2])
+_FINISH = (
+    _FENCE
+    + """
+if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
+  redis.call('DEL', KEYS[3])
   return 1
 end
 return 0
 """
-_GIVE_BACK = """
-if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
-  redis.call('LPUSH', KEYS[2], ARGV[1])
+)
+_GIVE_BACK = (
+    _FENCE
+    + """
+if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
+  redis.call('LPUSH', KEYS[3], ARGV[2])
   return 1
 end
+return 0
+"""
+)
+
+# Marks a sample done exactly once and keeps the run's totals in step with the done hash.
+_MARK_DONE = (
+    _FENCE
+    + """
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
+  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])
+  return 1
+end
+return 0
+"""
+)
+
+_HSET = _FENCE + "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) return 1"
+_HINCR = _FENCE + "return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)"
+
+# Model and layers of the first valid dump: HSETNX, only into the run we read.
+_PIN = (
+    _FENCE
+    + """
+redis.call('HSETNX', KEYS[1], 'model_id', ARGV[2])
+redis.call('HSETNX', KEYS[1], 'layer_ids', ARGV[3])
+return 1
+"""
+)
+
+_HEARTBEAT = (
+    _FENCE
+    + """
+redis.call('SADD', KEYS[2], ARGV[2])
+if #ARGV >= 5 then redis.call('HSET', KEYS[3], unpack(ARGV, 4)) end
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+return 1
+"""
+)
+
+# Creates a run's config if there is none (one enqueue wins); 0 if it exists.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
+_ADOPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSETNX', KEYS[1], 'generation', ARGV[1]) end
+return 1
+"""
+
+# Releases a lock only if we still hold it.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
 
-# Marks a sample done exactly once and keeps the run's totals in step with the done hash.
-_MARK_DONE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[3])
-  redis.call('HINCRBY', KEYS[2], 'bytes', ARGV[4])
-  return 1
-end
-return 0
-"""
+
+class _Unavailable(StoreUnavailableError, redis.exceptions.ConnectionError):
+    """A StoreUnavailableError that is also redis's ConnectionError: code that still catches
+    redis's type (workers/ before its rewrite) keeps working. Drop once nothing does."""
+
+
+@contextlib.contextmanager
+def _redis_errors() -> Iterator[None]:
+    try:
+        yield
+    except redis.exceptions.AuthenticationError as exc:
+        raise StoreError(f"Redis refused the credentials: {exc}") from exc
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise _Unavailable(f"Redis unavailable: {exc}") from exc
+    except redis.exceptions.NoPermissionError as exc:
+        raise StoreError(f"the Redis user lacks a permission hsq needs: {exc}") from exc
+    except redis.exceptions.RedisError as exc:
+        raise StoreError(f"Redis: {exc}") from exc
+
+
+def _translated(fn: Callable[P, R]) -> Callable[P, R]:
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            with _redis_errors():
+                yield from fn(*args, **kwargs)
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with _redis_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+T = TypeVar("T")
+
+
+def _translate_public(cls: type[T]) -> type[T]:
+    """Wrap every public method: callers see hsq errors only, never redis exceptions."""
+    for name, attr in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.isfunction(attr):
+            setattr(cls, name, _translated(attr))
+    return cls
 
 
 def connect(url: str) -> redis.Redis:
-    """A client from a URL (auth and db come from it); retries transient connection errors."""
+    """A client from a URL (auth, db and TLS files come from it, or from HSQ_REDIS_CA /
+    HSQ_REDIS_CERT / HSQ_REDIS_KEY for rediss://); retries transient connection errors."""
+    kwargs: dict[str, Any] = {}
+    if url.startswith("rediss://"):
+        query = dict(parse_qsl(urlsplit(url).query))
+        for opt, env in TLS_ENV.items():
+            if opt not in query and os.environ.get(env):
+                kwargs[opt] = os.environ[env]
     try:
         client = redis.Redis.from_url(
             url,
@@ -84,22 +232,50 @@ def connect(url: str) -> redis.Redis:
             health_check_interval=15,
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
             retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+            **kwargs,
         )
         client.ping()
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials in the URL: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise StoreError(f"cannot reach Redis at {_redact(url)}: {exc}") from exc
-    except ValueError as exc:
-        raise ConfigError(f"bad Redis URL {_redact(url)}: {exc}") from exc
+        raise _Unavailable(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+    except redis.exceptions.RedisError as exc:
+        raise StoreError(f"Redis at {redact(url)}: {exc}") from exc
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"bad Redis URL {redact(url)}: {exc}") from exc
     return client
 
 
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
+def redact(url: str) -> str:
+    """The URL without credentials: userinfo (up to the LAST @ before the host, since a
+    password may hold an @) and any password=... query parameter."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "&".join(
+        f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+_redact = redact  # the name older callers use
+
+
+def list_runs(client: redis.Redis) -> list[str]:
+    with _redis_errors():
+        return sorted(_s(r) for r in client.smembers(RUNS))
+
+
+def redis_calls(client: redis.Redis) -> int:
+    """Commands Redis executed so far (INFO commandstats, all commands)."""
+    with _redis_errors():
+        stats = client.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values())
 
 
 @dataclass(frozen=True)
@@ -113,7 +289,25 @@ class ChunkJob:
     reason: str | None
 
 
-def _job_kwargs(run: str, samples: Iterable[SampleRef], attempt: int, reason: str | None) -> dict:  # type: ignore[type-arg]
+@dataclass(frozen=True)
+class Snapshot:
+    """A run's O(1) counters, read in one round trip (status and the exporter)."""
+
+    index: int
+    done: int
+    dead: int
+    dead_lines: int
+    main_jobs: int
+    retry_jobs: int
+    held_jobs: int
+    live_workers: int
+    stats: dict[str, int]
+    out: str | None
+
+
+def _job_kwargs(
+    run: str, samples: Iterable[SampleRef], attempt: int, reason: str | None
+) -> dict[str, Any]:
     return {
         "run": run,
         "samples": [[sid, e.encode()] for sid, e in samples],
@@ -122,6 +316,7 @@ def _job_kwargs(run: str, samples: Iterable[SampleRef], attempt: int, reason: st
     }
 
 
+@_translate_public
 class RunStore:
     def __init__(self, client: redis.Redis, run: str) -> None:
         self.r = client
@@ -130,10 +325,22 @@ class RunStore:
             self.k = RunKeys(run)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        self._mark_done = client.register_script(_MARK_DONE)
-        self._undo_done = client.register_script(_UNDO_DONE)
-        self._finish = client.register_script(_FINISH)
-        self._give_back = client.register_script(_GIVE_BACK)
+        self._generation: str | None = None  # as stored (JSON), for the fence
+        self._held: set[str] = set()  # job ids claim() handed out and not yet finished
+        self._held_lock = threading.RLock()
+        reg = client.register_script
+        self._mark_done = reg(_MARK_DONE)
+        self._undo_done = reg(_UNDO_DONE)
+        self._finish = reg(_FINISH)
+        self._give_back = reg(_GIVE_BACK)
+        self._hset = reg(_HSET)
+        self._hincr = reg(_HINCR)
+        self._pin = reg(_PIN)
+        self._heartbeat = reg(_HEARTBEAT)
+        self._create = reg(_CREATE)
+        self._adopt = reg(_ADOPT)
+        self._unlock = reg(_UNLOCK)
+        self._extend = reg(_EXTEND)
         self._queues = {
             name: Queue(name, connection=client, serializer=JSONSerializer)
             for name in (self.k.main_queue, self.k.retry_queue)
@@ -141,8 +348,17 @@ class RunStore:
 
     # ------------------------------------------------------------------ config and index
     def load_config(self) -> RunConfig | None:
+        """The run's config (None if there is none); refreshes the generation we hold."""
         raw = self.r.hgetall(self.k.config)
-        return RunConfig.from_redis(raw) if raw else None  # type: ignore[arg-type]
+        if not raw:
+            return None
+        cfg = RunConfig.from_redis(raw)  # type: ignore[arg-type]
+        if cfg.generation is None:
+            # A run created before generations existed gets one now (once, atomically).
+            self._adopt(keys=[self.k.config], args=[json.dumps(secrets.token_hex(8))])
+            return self.load_config()
+        self._generation = json.dumps(cfg.generation)
+        return cfg
 
     def require_config(self) -> RunConfig:
         cfg = self.load_config()
@@ -150,19 +366,41 @@ class RunStore:
             raise ConfigError(f"run {self.run!r} does not exist (run `hsq enqueue` first)")
         return cfg
 
+    @property
+    def generation(self) -> str | None:
+        return None if self._generation is None else json.loads(self._generation)
+
+    def create_config(self, cfg: RunConfig) -> tuple[RunConfig, bool]:
+        """Record the run's config with a fresh generation unless one exists (atomic: of two
+        concurrent creators one wins). Returns (the recorded config, whether we created it)."""
+        fresh = replace(cfg, generation=secrets.token_hex(8))
+        flat = [x for kv in fresh.to_redis().items() for x in kv]
+        created = bool(self._create(keys=[self.k.config, RUNS], args=[self.run, *flat]))
+        return self.require_config(), created
+
     def save_config(self, cfg: RunConfig) -> None:
-        p = self.r.pipeline()
-        p.hset(self.k.config, mapping=cfg.to_redis())  # type: ignore[arg-type]
-        p.sadd(RUNS, self.run)
-        p.execute()
+        """Create the run's config (kept for callers of the old name)."""
+        self.create_config(cfg)
+
+    def _fence_args(self) -> str:
+        if self._generation is None:
+            self.require_config()
+        assert self._generation is not None
+        return self._generation
+
+    def _fenced(self, script: Any, keys: list[str], args: list[Any]) -> int:
+        res = int(script(keys=[self.k.config, *keys], args=[self._fence_args(), *args]))
+        if res == -1:
+            raise RunChangedError(
+                f"run {self.run!r} was purged or re-created (generation {self.generation} "
+                "is no longer current); re-read its config"
+            )
+        return res
 
     def pin_model(self, model_id: str, layer_ids: list[int]) -> tuple[str, list[int]]:
         """Record the model and layers of the first valid dump (atomic HSETNX); return the
         recorded ones, so a worker behind a different model sees the mismatch."""
-        p = self.r.pipeline()
-        p.hsetnx(self.k.config, "model_id", json.dumps(model_id))
-        p.hsetnx(self.k.config, "layer_ids", json.dumps(layer_ids))
-        p.execute()
+        self._fenced(self._pin, [], [json.dumps(model_id), json.dumps(layer_ids)])
         cfg = self.require_config()
         assert cfg.model_id is not None and cfg.layer_ids is not None
         return cfg.model_id, cfg.layer_ids
@@ -179,6 +417,14 @@ class RunStore:
         if buf:
             self.r.hset(self.k.index, mapping=buf)  # type: ignore[arg-type]
             n += len(buf)
+        return n
+
+    def delete_fields(self, key: str, fields: Iterable[str], batch: int = 5000) -> int:
+        """HDEL in batches (pruning the index and the dead letter)."""
+        items = list(fields)
+        n = 0
+        for i in range(0, len(items), batch):
+            n += int(self.r.hdel(key, *items[i : i + batch]))
         return n
 
     def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
@@ -198,15 +444,59 @@ class RunStore:
         if not ids:
             return {}
         vals = self.r.hmget(self.k.index, ids)
-        return {sid: IndexEntry.decode(v) for sid, v in zip(ids, vals, strict=True) if v}
+        out: dict[str, IndexEntry] = {}
+        for sid, v in zip(ids, vals, strict=True):
+            if v:
+                with contextlib.suppress(ValueError):  # a damaged entry counts as absent
+                    out[sid] = IndexEntry.decode(v)
+        return out
 
     def iter_hash_keys(self, key: str) -> Iterator[str]:
         # HSCAN NOVALUES needs Redis 7.4; values are small here.
         for field, _ in self.r.hscan_iter(key, count=10000):
             yield _s(field)
 
+    def iter_done(self) -> Iterator[tuple[str, bytes]]:
+        """(sample id, raw manifest entry) of every done sample; entries are untrusted."""
+        for field, value in self.r.hscan_iter(self.k.done, count=1000):
+            yield _s(field), value
+
     def count(self, key: str) -> int:
         return int(self.r.hlen(key))
+
+    def snapshot(self) -> Snapshot:
+        k = self.k
+        p = self.r.pipeline(transaction=False)
+        p.hlen(k.index)
+        p.hlen(k.done)
+        p.hlen(k.dead)
+        p.llen(rq_queue_key(k.main_queue))
+        p.llen(rq_queue_key(k.retry_queue))
+        p.hgetall(k.stats)
+        p.smembers(k.workers)
+        p.hget(k.config, "out")
+        index, done, dead, main, retry, stats, wids, out = p.execute()
+        st = {_s(a): int(b) for a, b in stats.items()}
+        p = self.r.pipeline(transaction=False)
+        for w in wids:
+            p.exists(k.worker(_s(w)))
+            p.llen(k.wip(_s(w)))
+        res = p.execute()
+        out_path = None
+        with contextlib.suppress(ValueError, TypeError):
+            out_path = json.loads(out) if out else None
+        return Snapshot(
+            index=int(index),
+            done=int(done),
+            dead=int(dead),
+            dead_lines=st.get("invalid_lines", 0),
+            main_jobs=int(main),
+            retry_jobs=int(retry),
+            held_jobs=sum(res[1::2]),
+            live_workers=sum(res[0::2]),
+            stats=st,
+            out=out_path if isinstance(out_path, str) else None,
+        )
 
     # ------------------------------------------------------------------ done and dead
     def done_among(self, ids: list[str]) -> set[str]:
@@ -217,21 +507,29 @@ class RunStore:
 
     def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         """True if this call made the sample done; False if it already was."""
-        res = self._mark_done(
-            keys=[self.k.done, self.k.stats],
-            args=[sample_id, entry.to_json(), entry.num_tokens, entry.bytes],
+        res = self._fenced(
+            self._mark_done,
+            [self.k.done, self.k.stats],
+            [sample_id, entry.to_json(), entry.num_tokens, entry.bytes],
         )
         return bool(res)
 
     def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
-        res = self._undo_done(
-            keys=[self.k.done, self.k.stats], args=[sample_id, entry.num_tokens, entry.bytes]
+        res = self._fenced(
+            self._undo_done,
+            [self.k.done, self.k.stats],
+            [sample_id, entry.num_tokens, entry.bytes],
         )
         return bool(res)
 
     def get_manifest(self, sample_id: str) -> ManifestEntry | None:
         raw = self.r.hget(self.k.done, sample_id)
-        return ManifestEntry.from_json(raw) if raw else None
+        if not raw:
+            return None
+        try:
+            return ManifestEntry.from_json(raw)
+        except (ValueError, TypeError):  # Redis is untrusted: a damaged entry is no entry
+            return None
 
     def to_dead(
         self, sample_id: str, reason: str, message: str, attempts: int, worker: str | None
@@ -243,13 +541,31 @@ class RunStore:
             "worker": worker,
             "time": time.time(),
         }
-        self.r.hset(self.k.dead, sample_id, json.dumps(entry))
+        self._fenced(self._hset, [self.k.dead], [sample_id, json.dumps(entry)])
 
     def dead_entries(self) -> dict[str, dict[str, Any]]:
-        return {_s(k): json.loads(v) for k, v in self.r.hgetall(self.k.dead).items()}
+        """The dead letter; an unreadable entry (Redis is untrusted) reads as reason `?`."""
+        out: dict[str, dict[str, Any]] = {}
+        for k, v in self.r.hgetall(self.k.dead).items():
+            entry: Any = None
+            if len(v) <= MAX_DEAD_ENTRY:
+                with contextlib.suppress(ValueError):
+                    entry = json.loads(v)
+            if not isinstance(entry, dict) or not isinstance(entry.get("reason"), str):
+                entry = {"reason": "?", "message": "unreadable dead-letter entry"}
+            out[_s(k)] = entry
+        return out
+
+    def clear_failures(self, ids: Iterable[str]) -> None:
+        """Take samples out of the dead letter and the crash counts (they were requeued)."""
+        p = self.r.pipeline(transaction=False)
+        for sid in ids:
+            p.hdel(self.k.dead, sid)
+            p.hdel(self.k.crashes, sid)
+        p.execute()
 
     def record_crash(self, sample_id: str) -> int:
-        return int(self.r.hincrby(self.k.crashes, sample_id, 1))
+        return self._fenced(self._hincr, [self.k.crashes], [sample_id])
 
     # ------------------------------------------------------------------ queues
     def enqueue(
@@ -261,7 +577,8 @@ class RunStore:
         reason: str | None = None,
         batch: int = 200,
     ) -> int:
-        """Enqueue chunk jobs (RQ, JSON serializer); returns the number of samples."""
+        """Enqueue chunk jobs (RQ, JSON serializer), fenced on the run's generation; returns
+        the number of samples."""
         q = self._queues[self.k.retry_queue if retry else self.k.main_queue]
         n = 0
         datas = []
@@ -279,50 +596,101 @@ class RunStore:
             )
             n += len(chunk)
             if len(datas) >= batch:
-                q.enqueue_many(datas)
+                self._enqueue_fenced(q, datas)
                 datas = []
         if datas:
-            q.enqueue_many(datas)
+            self._enqueue_fenced(q, datas)
         return n
 
+    def _enqueue_fenced(self, q: Queue, datas: list[Any]) -> None:
+        # RQ writes the job hash and the queue entry; WATCH makes that conditional on the
+        # config (and so the generation) staying as we read it. Another config change
+        # (a model pin) only makes us try again.
+        gen = self._fence_args()
+        for _ in range(100):
+            with self.r.pipeline() as pipe:
+                try:
+                    pipe.watch(self.k.config)  # type: ignore[no-untyped-call]
+                    if pipe.hget(self.k.config, "generation") != gen.encode():
+                        raise RunChangedError(
+                            f"run {self.run!r} was purged or re-created; nothing enqueued"
+                        )
+                    pipe.multi()
+                    q.enqueue_many(datas, pipeline=pipe)
+                    pipe.execute()
+                    return
+                except redis.exceptions.WatchError:
+                    continue
+        raise StoreError("the run's config kept changing while enqueueing; try again")
+
     def claim(self, worker_id: str, timeout: float) -> ChunkJob | None:
-        """Move one job into this worker's wip list: retries first, then the main queue."""
+        """Move one job into this worker's wip list: retries first, then the main queue.
+
+        A job already in our wip list that this store did not hand out is returned first:
+        that is what a lost BLMOVE reply leaves behind (redis-py retries the command, and
+        the first move's job sits in wip unknown to us)."""
         wip = self.k.wip(worker_id)
+        stray = self._stray(wip)
+        if stray is not None:
+            return stray
         job_id = self.r.lmove(rq_queue_key(self.k.retry_queue), wip, "LEFT", "RIGHT")
-        origin = self.k.retry_queue
         if job_id is None:
-            origin = self.k.main_queue
             # BLMOVE: the job is never only in flight; a crash leaves it in our wip list.
             job_id = self.r.blmove(
-                rq_queue_key(origin), wip, max(1, round(timeout)), "LEFT", "RIGHT"
+                rq_queue_key(self.k.main_queue), wip, max(1, round(timeout)), "LEFT", "RIGHT"
             )
         if job_id is None:
             return None
-        jid = _s(job_id)
-        try:
-            job = Job.fetch(jid, connection=self.r, serializer=JSONSerializer)
-        except Exception as exc:  # rq raises NoSuchJobError or a deserialization error
+        return self._load_job(wip, _s(job_id))
+
+    def _stray(self, wip: str) -> ChunkJob | None:
+        held = [_s(j) for j in self.r.lrange(wip, 0, -1)]
+        with self._held_lock:
+            strays = [j for j in held if j not in self._held]
+        return self._load_job(wip, strays[0]) if strays else None
+
+    def _load_job(self, wip: str, jid: str) -> ChunkJob:
+        with self._held_lock:
+            self._held.add(jid)
+        job = Job.fetch_many([jid], connection=self.r, serializer=JSONSerializer)[0]
+        parsed = None if job is None else _parse_job(job, (self.k.main_queue, self.k.retry_queue))
+        if parsed is None:
             # A job hash lost or unreadable: drop the id; `requeue --missing` finds its samples.
             self.r.lrem(wip, 1, jid)
+            self._forget(jid)
             raise StoreError(
-                f"job {jid} unreadable ({exc}); its samples are found by `hsq requeue --missing`"
-            ) from exc
-        kw = job.kwargs
-        samples = [(str(sid), IndexEntry.decode(e)) for sid, e in kw["samples"]]
-        return ChunkJob(jid, origin, samples, int(kw.get("attempt", 0)), kw.get("reason"))
+                f"job {jid} unreadable; its samples are found by `hsq requeue --missing`"
+            )
+        return parsed
+
+    def _forget(self, job_id: str) -> None:
+        with self._held_lock:
+            self._held.discard(job_id)
 
     def finish(self, worker_id: str, job: ChunkJob) -> bool:
         """Drop a finished job. Only while we still hold it: a reaper may have handed it to
         another worker while we were cut off, and its hash must then stay."""
-        res = self._finish(keys=[self.k.wip(worker_id), rq_job_key(job.job_id)], args=[job.job_id])
+        with self._held_lock:
+            try:
+                res = self._fenced(
+                    self._finish, [self.k.wip(worker_id), rq_job_key(job.job_id)], [job.job_id]
+                )
+            finally:
+                self._held.discard(job.job_id)
         return bool(res)
 
     def give_back(self, worker_id: str, job: ChunkJob) -> bool:
         """Put a job back at the front of its queue, untouched (not the sample's fault);
         only while we still hold it, so a reaped job is never queued twice."""
-        res = self._give_back(
-            keys=[self.k.wip(worker_id), rq_queue_key(job.origin)], args=[job.job_id]
-        )
+        with self._held_lock:
+            try:
+                res = self._fenced(
+                    self._give_back,
+                    [self.k.wip(worker_id), rq_queue_key(job.origin)],
+                    [job.job_id],
+                )
+            finally:
+                self._held.discard(job.job_id)
         return bool(res)
 
     def queue_lengths(self) -> dict[str, int]:
@@ -340,39 +708,50 @@ class RunStore:
         }
         for wid in self.worker_ids():
             places[f"wip:{wid}"] = self.k.wip(wid)
-        return {
-            name: [j.decode() for j in self.r.lrange(key, 0, -1)]  # type: ignore[union-attr]
-            for name, key in places.items()
-        }
+        return {name: [_s(j) for j in self.r.lrange(key, 0, -1)] for name, key in places.items()}
 
     def outstanding_samples(self) -> dict[str, str]:
         """sample id -> place ("main", "retry", "wip:<worker>") for every queued or held sample."""
         out: dict[str, str] = {}
+        queues = (self.k.main_queue, self.k.retry_queue)
         for place, job_ids in self.outstanding_job_ids().items():
             for i in range(0, len(job_ids), 500):
-                batch = job_ids[i : i + 500]
-                p = self.r.pipeline(transaction=False)
-                for jid in batch:
-                    p.hget(rq_job_key(jid), "data")
-                for data in p.execute():
-                    for sid in _job_sample_ids(data):
+                for job in self._fetch_jobs(job_ids[i : i + 500]):
+                    parsed = None if job is None else _parse_job(job, queues)
+                    for sid, _ in parsed.samples if parsed else []:
                         out[sid] = place
         return out
 
+    def _fetch_jobs(self, job_ids: list[str]) -> list[Job | None]:
+        """RQ's public bulk fetch; a damaged job hash (rq raises) reads as absent."""
+        try:
+            return Job.fetch_many(job_ids, connection=self.r, serializer=JSONSerializer)
+        except redis.exceptions.RedisError:
+            raise
+        except Exception:  # one damaged job fails the batch: fetch one by one
+            jobs: list[Job | None] = []
+            for jid in job_ids:
+                try:
+                    jobs += Job.fetch_many([jid], connection=self.r, serializer=JSONSerializer)
+                except redis.exceptions.RedisError:
+                    raise
+                except Exception:
+                    jobs.append(None)
+            return jobs
+
     # ------------------------------------------------------------------ workers
     def register(self, worker_id: str, info: dict[str, Any]) -> None:
-        p = self.r.pipeline()
-        p.sadd(self.k.workers, worker_id)
-        p.hset(self.k.worker(worker_id), mapping=_flat(info))
-        p.expire(self.k.worker(worker_id), HEARTBEAT_TTL_S)
-        p.execute()
+        self.heartbeat(worker_id, info)
 
     def heartbeat(self, worker_id: str, info: dict[str, Any]) -> None:
-        p = self.r.pipeline(transaction=False)
-        p.sadd(self.k.workers, worker_id)  # re-join if a reaper wrongly took us for dead
-        p.hset(self.k.worker(worker_id), mapping=_flat(info))
-        p.expire(self.k.worker(worker_id), HEARTBEAT_TTL_S)
-        p.execute()
+        # SADD again: re-join if a reaper wrongly took us for dead. Fenced: a worker of a
+        # purged run must not bring its keys back.
+        flat = [x for kv in _flat(info).items() for x in kv]
+        self._fenced(
+            self._heartbeat,
+            [self.k.workers, self.k.worker(worker_id)],
+            [worker_id, HEARTBEAT_TTL_S, *flat],
+        )
 
     def unregister(self, worker_id: str) -> None:
         p = self.r.pipeline()
@@ -381,18 +760,20 @@ class RunStore:
         p.execute()
 
     def worker_ids(self) -> list[str]:
-        return sorted(w.decode() for w in self.r.smembers(self.k.workers))  # type: ignore[union-attr]
+        return sorted(_s(w) for w in self.r.smembers(self.k.workers))
 
     def worker_info(self, worker_id: str) -> dict[str, str]:
         raw = self.r.hgetall(self.k.worker(worker_id))
-        return {k.decode(): v.decode() for k, v in raw.items()}  # type: ignore[union-attr]
+        return {_s(k): _s(v) for k, v in raw.items()}
 
     def release_wip(self, worker_id: str) -> int:
         """Move every job a worker holds back to the front of the main queue."""
         n = 0
         main = rq_queue_key(self.k.main_queue)
-        while self.r.lmove(self.k.wip(worker_id), main, "RIGHT", "LEFT") is not None:
-            n += 1
+        with self._held_lock:
+            while (jid := self.r.lmove(self.k.wip(worker_id), main, "RIGHT", "LEFT")) is not None:
+                self._held.discard(_s(jid))
+                n += 1
         return n
 
     def reap(self) -> dict[str, int]:
@@ -412,28 +793,77 @@ class RunStore:
             return False
         return all(self.r.llen(self.k.wip(w)) == 0 for w in self.worker_ids())
 
+    # ------------------------------------------------------------------ run lifecycle
+    @contextlib.contextmanager
+    def enqueue_lock(self, holder: str) -> Iterator[None]:
+        """Serialize `enqueue`/`recover` of one run: raises ConfigError if another holds it.
+        The lock expires ENQUEUE_LOCK_TTL_S after its holder dies; a thread keeps it alive."""
+        token = f"{holder}:{secrets.token_hex(4)}"
+        with _redis_errors():
+            if not self.r.set(self.k.enqueue_lock, token, nx=True, ex=ENQUEUE_LOCK_TTL_S):
+                other = self.r.get(self.k.enqueue_lock)
+                raise ConfigError(
+                    f"another `hsq enqueue` or `hsq recover` of run {self.run!r} is running "
+                    f"({_s(other or b'?')}); wait for it (the lock expires "
+                    f"{ENQUEUE_LOCK_TTL_S} s after its holder dies)"
+                )
+        stop = threading.Event()
 
-def _job_sample_ids(data: bytes | None) -> list[str]:
-    """Sample ids from an RQ job's `data` field (zlib-compressed JSON [func, inst, args,
-    kwargs] with the JSON serializer), read without building a Job: status and requeue scan
-    every queued job."""
-    if not data:
-        return []  # the job hash vanished: it holds nothing (`requeue --missing` covers it)
+        def keep_alive() -> None:
+            while not stop.wait(ENQUEUE_LOCK_TTL_S / 4):
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    self._extend(keys=[self.k.enqueue_lock], args=[token, ENQUEUE_LOCK_TTL_S])
+
+        t = threading.Thread(target=keep_alive, name="enqueue-lock", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            with _redis_errors():
+                self._unlock(keys=[self.k.enqueue_lock], args=[token])
+
+    def purge(self) -> int:
+        """Delete every Redis key of a run (outputs on disk stay). Returns keys deleted.
+        The config goes first: from then on every fenced write of a worker is refused."""
+        k = self.k
+        n = int(self.r.delete(k.config))
+        # wip lists by SCAN too: a worker that never registered (or was reaped) holds jobs.
+        wips = {_s(key) for key in self.r.scan_iter(match=k.wip("*"), count=1000)}
+        wips |= {k.wip(w) for w in self.worker_ids()}
+        jobs = [j for ids in self.outstanding_job_ids().values() for j in ids]
+        for wip in wips:
+            jobs += [_s(j) for j in self.r.lrange(wip, 0, -1)]
+        keys = [*k.all_static(), *wips]
+        keys += [_s(key) for key in self.r.scan_iter(match=k.worker("*"), count=1000)]
+        keys += [rq_job_key(j) for j in set(jobs)]
+        for i in range(0, len(keys), 1000):
+            n += int(self.r.delete(*keys[i : i + 1000]))
+        self.r.srem(RUNS, self.run)
+        return n
+
+
+def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:
+    """A ChunkJob from RQ's public Job API; None if its arguments are not ours (untrusted)."""
     try:
-        # RQ stores it uncompressed when compression did not help.
-        with contextlib.suppress(zlib.error):
-            data = zlib.decompress(data)
-        kwargs = json.loads(data)[3]
-        return [str(sid) for sid, _ in kwargs.get("samples", [])]
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError):
-        return []  # a damaged job holds nothing we can trust
+        kw = job.kwargs
+        samples = [(str(sid), IndexEntry.decode(str(e))) for sid, e in kw["samples"]]
+        attempt = kw.get("attempt", 0)
+        reason = kw.get("reason")
+        if not isinstance(attempt, int) or not (reason is None or isinstance(reason, str)):
+            return None
+    except Exception:  # rq's deserialization or a damaged payload: several types
+        return None
+    origin = job.origin if job.origin in queues else queues[0]
+    return ChunkJob(job.id, origin, samples, attempt, reason)
 
 
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _flat(info: dict[str, Any]) -> dict[Any, Any]:
+def _flat(info: dict[str, Any]) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
 
 

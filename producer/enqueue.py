@@ -3,10 +3,21 @@
 Idempotent: done samples, samples already queued or held by a worker, and samples in the
 dead letter are skipped, so a second run of the same command enqueues nothing and a run
 after a partial extraction enqueues only the rest. Failures are requeued with `hsq requeue`.
+After a fixed dataset, index entries, done marks and dead-letter entries of samples or lines
+no longer in it are pruned, so status counts only the dataset as it is.
+
+Two enqueues of one run are serialized by a lock in Redis: the second one fails (exit 2)
+instead of scanning in parallel and queueing every sample twice.
+
+`recover_run` (`hsq recover`) is the same pass after a Redis loss: before enqueueing, every
+output file already under <out>/<run>/ is checked against its dataset line and re-marked done.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +25,7 @@ from pathlib import Path
 import structlog
 from tqdm import tqdm
 
-from hsq.dataset import IndexEntry, scan_dataset
+from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, chunked
@@ -32,6 +43,9 @@ class EnqueueReport:
     dead: int = 0
     enqueued: int = 0
     chunks: int = 0
+    pruned: int = 0
+    recovered: int = 0
+    rejected_files: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
     def lines_out(self) -> list[str]:
@@ -44,14 +58,39 @@ class EnqueueReport:
             f"already done    {self.done}",
             f"already queued  {self.outstanding}",
             f"in dead letter  {self.dead}",
+            f"pruned          {self.pruned} entries no longer in the dataset",
             f"enqueued        {self.enqueued} samples in {self.chunks} jobs",
+        ]
+
+    def recover_lines(self) -> list[str]:
+        return [
+            f"recovered       {self.recovered} valid output files re-marked done",
+            f"rejected files  {len(self.rejected_files)} (their samples are enqueued again)",
         ]
 
 
 def enqueue_run(
-    store: RunStore, cfg: RunConfig, *, strict: bool = False, progress: bool = True
+    store: RunStore,
+    cfg: RunConfig,
+    *,
+    strict: bool = False,
+    progress: bool = True,
+    recover: bool = False,
 ) -> EnqueueReport:
     cfg.validate()
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    with store.enqueue_lock(holder):
+        return _enqueue_locked(store, cfg, strict=strict, progress=progress, recover=recover)
+
+
+def recover_run(store: RunStore, cfg: RunConfig, *, progress: bool = True) -> EnqueueReport:
+    """Rebuild a run's Redis state from its output directory (after a Redis loss)."""
+    return enqueue_run(store, cfg, progress=progress, recover=True)
+
+
+def _enqueue_locked(
+    store: RunStore, cfg: RunConfig, *, strict: bool, progress: bool, recover: bool
+) -> EnqueueReport:
     existing = store.load_config()
     if existing is not None:
         conflicts = existing.conflicts(cfg)
@@ -72,13 +111,16 @@ def enqueue_run(
         raise DatasetError("the dataset holds no valid sample", "empty_dataset")
 
     if existing is None:
-        store.save_config(cfg)
+        existing, _ = store.create_config(cfg)
     store.put_index(valid)
     store.set_totals(
         samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
     )
     for key, err, sid in bad:
         store.to_dead(key, err.reason, f"{err} (id {sid!r})" if sid else str(err), 0, None)
+    report.pruned = _prune(store, {sid for sid, _ in valid}, {key for key, _, _ in bad})
+    if recover:
+        _recover_outputs(store, existing, valid, report, progress)
 
     dead_ids = set(store.iter_hash_keys(store.k.dead))
     outstanding = store.outstanding_samples()
@@ -106,8 +148,91 @@ def enqueue_run(
         done=report.done,
         outstanding=report.outstanding,
         invalid=sum(report.invalid.values()),
+        pruned=report.pruned,
+        recovered=report.recovered,
     )
     return report
+
+
+def _prune(store: RunStore, valid_ids: set[str], bad_lines: set[str]) -> int:
+    """Drop what no longer belongs to the dataset: index entries and done marks of removed
+    ids (their files stay, `verify` lists them as orphans) and dead-letter entries of
+    removed ids or of lines that are no longer invalid."""
+    k = store.k
+    gone_index = [sid for sid in store.iter_hash_keys(k.index) if sid not in valid_ids]
+    n = store.delete_fields(k.index, gone_index)
+    for sid in gone_index:
+        entry = store.get_manifest(sid)
+        if entry is not None and store.undo_done(sid, entry):
+            n += 1
+    gone_dead = [
+        key
+        for key in store.iter_hash_keys(k.dead)
+        if (key not in bad_lines if key.startswith("line:") else key not in valid_ids)
+    ]
+    return n + store.delete_fields(k.dead, gone_dead)
+
+
+def _recover_outputs(
+    store: RunStore,
+    cfg: RunConfig,
+    valid: list[tuple[str, IndexEntry]],
+    report: EnqueueReport,
+    progress: bool,
+) -> None:
+    from hsq.ops import adopt_output
+
+    out_root = Path(cfg.out) / cfg.run
+    dataset = Path(cfg.dataset)
+    ids = [sid for sid, _ in valid]
+    already = set()
+    for i in range(0, len(ids), 5000):
+        already |= store.done_among(ids[i : i + 5000])
+    pinned: tuple[str, list[int]] | None = None
+    for sid, entry in tqdm(valid, unit="file", desc="recovering", disable=not progress):
+        if sid in already:
+            continue
+        try:
+            sample = read_sample(dataset, sid, entry)
+        except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
+            report.rejected_files[sid] = str(exc)
+            continue
+        manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
+        if manifest is None:
+            if why != "missing":
+                report.rejected_files[sid] = why
+            continue
+        if pinned is None:
+            pinned = _pin_from_file(store, out_root / manifest.path)
+        if pinned != _identity(out_root / manifest.path):
+            report.rejected_files[sid] = f"model or layers differ from the run's {pinned}"
+            continue
+        if store.mark_done(sid, manifest):
+            report.recovered += 1
+    for sid, why in list(report.rejected_files.items())[:20]:
+        log.warning("recover_rejected_file", sample=sid, why=why)
+
+
+def _identity(path: Path) -> tuple[str, list[int]] | None:
+    from hsq.outputs import read_header
+
+    meta = read_header(path).metadata
+    try:
+        layers = json.loads(meta.get("layer_ids", "null"))
+    except ValueError:
+        return None
+    model = meta.get("model_id")
+    if not isinstance(model, str) or not isinstance(layers, list):
+        return None
+    return model, layers
+
+
+def _pin_from_file(store: RunStore, path: Path) -> tuple[str, list[int]] | None:
+    """The run's model and layers: the config's, or pinned from the first valid file."""
+    ident = _identity(path)
+    if ident is None:
+        return None
+    return store.pin_model(*ident)
 
 
 Bad = list[tuple[str, DatasetError, str | None]]

@@ -1,0 +1,150 @@
+"""Redis across nodes (issue 15 item 3): rediss:// with a CA and a client certificate, and
+an ACL user with only the commands hsq needs. A real redis-server started with TLS and ACLs,
+a self-signed CA made here with openssl, real hsq processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from hsq.errors import StoreError
+from hsq.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.store import connect
+from hsq.synthetic import write_synthetic
+from tests.helpers import hsq
+
+Factory = Callable[..., ReferenceServer]
+ROOT = Path(__file__).resolve().parent.parent
+# The ACL line docs/operations.md documents; the test reads it from there, so the two agree.
+ACL_MARKER = "user hsq on"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("openssl") is None or shutil.which("redis-server") is None,
+    reason="needs openssl and redis-server",
+)
+
+
+def documented_acl() -> str:
+    text = (ROOT / "docs/operations.md").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(ACL_MARKER)]
+    assert len(lines) == 1, "docs/operations.md must hold exactly one `user hsq on ...` line"
+    return lines[0]
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it."""
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+            "ca.crt", "-days", "2", "-subj", "/CN=hsq-test-ca", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                f"{name}.csr", "-subj", f"/CN=hsq-{name}", cwd=d)  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", "san.ext",
+                cwd=d)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """(rediss:// URL of the ACL user hsq, the PKI directory); the default user is off."""
+    d = tmp_path_factory.mktemp("tls")
+    make_pki(d)
+    port = free_port()
+    acl = documented_acl().replace("<PASSWORD>", "hsq-pw")
+    (d / "redis.conf").write_text(
+        f"""port 0
+tls-port {port}
+bind 127.0.0.1
+tls-cert-file {d}/server.crt
+tls-key-file {d}/server.key
+tls-ca-cert-file {d}/ca.crt
+tls-auth-clients yes
+dir {d}
+save ""
+appendonly no
+user default on >admin-pw ~* &* +@all
+{acl}
+"""
+    )
+    srv = ManagedProcess(["redis-server", str(d / "redis.conf")], d / "redis.log")
+    admin = redis.Redis(
+        port=port, password="admin-pw", ssl=True, ssl_ca_certs=str(d / "ca.crt"),
+        ssl_certfile=str(d / "client.crt"), ssl_keyfile=str(d / "client.key"),
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            admin.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline or not srv.alive():
+                srv.stop()
+                pytest.fail(f"TLS redis-server did not start:\n{srv.log_tail()}")
+            time.sleep(0.1)
+    yield f"rediss://hsq:hsq-pw@127.0.0.1:{port}/0", d
+    srv.stop()
+
+
+def tls_env(d: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "HSQ_REDIS_CA": str(d / "ca.crt"),
+        "HSQ_REDIS_CERT": str(d / "client.crt"),
+        "HSQ_REDIS_KEY": str(d / "client.key"),
+    }
+
+
+def test_a_whole_run_over_tls_as_the_least_privileged_acl_user(
+    tmp_path: Path, tls_redis: tuple[str, Path], server_factory: Factory
+) -> None:
+    """Enqueue (TLS files as flags), a worker (as URL query parameters), status, verify and
+    purge (as env vars), all as ACL user `hsq`; the same user cannot FLUSHALL or read keys
+    outside hsq's, and a client without a certificate is refused."""
+    url, d = tls_redis
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 12, seed=4, min_len=4, max_len=24)
+    flags = ["--redis-ca", str(d / "ca.crt"), "--redis-cert", str(d / "client.crt"),
+             "--redis-key", str(d / "client.key")]  # fmt: skip
+    enq = hsq("enqueue", str(ds), "--run", "tls", "--out", str(tmp_path / "out"), "--redis",
+              url, *flags, "--no-progress")  # fmt: skip
+    assert enq.returncode == 0, enq.stderr
+
+    server = server_factory(name="tlssrv").wait_ready()
+    query = (f"?ssl_ca_certs={d}/ca.crt&ssl_certfile={d}/client.crt"
+             f"&ssl_keyfile={d}/client.key")  # fmt: skip
+    w = worker_process("tls", server.url, server.dump_dir, url + query, tmp_path / "w.log",
+                       "--burst", "--name", "tls-w")  # fmt: skip
+    assert w.proc.wait(180) == 0, w.log_tail()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hsq", *args, "--redis", url],
+            capture_output=True, text=True, env=tls_env(d), timeout=120,
+        )  # fmt: skip
+
+    st = cli("status", "--run", "tls", "--json")
+    assert st.returncode == 0, st.stderr
+    assert json.loads(st.stdout)["done"] == 12
+    assert cli("verify", "--run", "tls", "--no-progress").returncode == 0
+    assert cli("purge", "--run", "tls", "--yes").returncode == 0
+
+    client = connect(url + query)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.flushall()
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.get("someone-elses-key")
+    with pytest.raises(StoreError):
+        connect(url + f"?ssl_ca_certs={d}/ca.crt")  # no client certificate: refused
