@@ -4,6 +4,8 @@
     ├── ConfigError                 bad flags, settings or arguments (exit code 2)
     ├── DatasetError                a dataset line or file is unusable (`reason` says why)
     ├── StoreError                  Redis unreachable or its state inconsistent (exit code 3)
+    │   ├── StoreUnavailableError   Redis unreachable or timing out: transient
+    │   └── RunChangedError         the run was purged or re-created under this process
     ├── OutputError                 an output file cannot be written (disk full, permissions)
     ├── DumpError                   the dump for one request is unusable: the *sample* is retried
     │   ├── NoDumpError             no req_<N>/ appeared
@@ -42,6 +44,14 @@ class DatasetError(HsqError):
 
 class StoreError(HsqError):
     """Redis is unreachable (or answers errors); not the sample's fault."""
+
+
+class StoreUnavailableError(StoreError):
+    """Redis could not be reached or timed out: transient, retried, never the sample's fault."""
+
+
+class RunChangedError(StoreError):
+    """The run was purged or re-created since this process read its config (generation changed)."""
 
 
 class OutputError(HsqError):

@@ -68,6 +68,7 @@ def run_status(store: RunStore, now: float | None = None) -> dict[str, Any]:
                 "tokens_per_s": float(info.get("tokens_per_s", 0)),
                 "host": info.get("host"),
                 "heartbeat_age_s": round(now - float(info.get("ts", now)), 1),
+                "dumps_discarded": int(info.get("dumps_discarded", 0)),
             }
         )
     samples_s = sum(w.get("samples_per_s", 0.0) for w in workers)
@@ -266,6 +267,7 @@ def status_text(st: dict[str, Any]) -> list[str]:
             f"  worker {w.get('name') or w['id']} [{w.get('state')}] server {w.get('server')} "
             f"last {w.get('last_sample')} done {w.get('done', 0)} "
             f"{w.get('tokens_per_s', 0):,.0f} tokens/s"
+            + (f" dumps discarded {w['dumps_discarded']}" if w.get("dumps_discarded") else "")
         )
     if not st["workers"]:
         lines.append("  no live workers")

@@ -27,6 +27,10 @@ class RunConfig:
     model_id: str | None = None
     """Expected model identity; None: pinned by the first valid dump."""
     max_tokens: int | None = None
+    dump_dtype: str | None = None
+    """Expected dtype of the dumped states; None: pinned by the first valid dump."""
+    hidden_size: int | None = None
+    """Expected hidden size; None: pinned by the first valid dump."""
     created: float = field(default_factory=time.time)
 
     def validate(self) -> None:

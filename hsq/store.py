@@ -167,6 +167,27 @@ class RunStore:
         assert cfg.model_id is not None and cfg.layer_ids is not None
         return cfg.model_id, cfg.layer_ids
 
+    def pin_dump_identity(
+        self, model_id: str, layer_ids: list[int], dump_dtype: str, hidden_size: int
+    ) -> dict[str, Any]:
+        """Record what the first fully valid dump showed (model, layers, dtype, hidden size;
+        each HSETNX, so the first worker wins) and return the recorded values by name."""
+        values = {
+            "model_id": model_id,
+            "layer_ids": layer_ids,
+            "dump_dtype": dump_dtype,
+            "hidden_size": hidden_size,
+        }
+        p = self.r.pipeline()
+        for name, value in values.items():
+            p.hsetnx(self.k.config, name, json.dumps(value))
+        p.hmget(self.k.config, list(values))
+        recorded = p.execute()[-1]
+        return {
+            name: json.loads(raw) if raw is not None else None
+            for name, raw in zip(values, recorded, strict=True)
+        }
+
     def put_index(self, entries: Iterable[tuple[str, IndexEntry]], batch: int = 5000) -> int:
         n = 0
         buf: dict[str, str] = {}
