@@ -82,6 +82,10 @@ class FakeStore:
             self._seen = self.generation
             return self.cfg
 
+    def load_config(self) -> RunConfig | None:
+        with self._lock:
+            return self.cfg
+
     def recreate(self, cfg: RunConfig | None, jobs: list[ChunkJob]) -> None:
         with self._lock:
             self.generation += 1
@@ -269,7 +273,11 @@ def config(ds: Path, out: Path, **kw: Any) -> RunConfig:
 
 
 def run_worker(
-    tmp_path: Path, store: FakeStore, server: FakeServer | None = None, **kw: Any
+    tmp_path: Path,
+    store: FakeStore,
+    server: FakeServer | None = None,
+    stop_when_done: list[SampleRef] | None = None,
+    **kw: Any,
 ) -> Worker:
     dump = tmp_path / "dumps"
     dump.mkdir(exist_ok=True)
@@ -295,6 +303,11 @@ def run_worker(
     worker = Worker(settings, Started(store, view, lock, staging, 0), client, "w.1")  # type: ignore[arg-type]
     t = threading.Thread(target=worker.run)
     t.start()
+    if stop_when_done is not None:  # a long-running (not --burst) worker
+        deadline = time.monotonic() + 60
+        while set(store.done) != ids_of(stop_when_done) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.request_stop()
     t.join(60)
     assert not t.is_alive(), "worker did not finish"
     return worker
@@ -492,3 +505,26 @@ def test_protocol_scan_reads_each_dump_once(tmp_path: Path) -> None:
     FakeServer(d)._dump([1, 2, 3], "r", {})
     s = protocol.scan_by_rid(d)
     assert list(s.complete) == ["r"] and s.writing == 0
+
+
+def test_an_idle_worker_notices_a_wiped_run_and_picks_up_the_new_one(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D10: after a Redis wipe and re-create with another --out, workers kept
+    writing into the old directory (and an idle one said nothing)."""
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "old"), [])
+    new_cfg = config(ds, tmp_path / "new", created=1.0)
+
+    def wipe_then_recreate() -> None:
+        store.recreate(None, [])
+        time.sleep(0.5)
+        store.recreate(new_cfg, jobs_of(refs))
+
+    threading.Timer(0.3, wipe_then_recreate).start()
+    with structlog.testing.capture_logs() as logs:
+        w = run_worker(tmp_path, store, burst=False, reap_interval_s=0.1, stop_when_done=refs)
+    events = [e["event"] for e in logs]
+    assert "run_gone_waiting" in events and "run_config_reloaded" in events
+    assert w.view.out_root == tmp_path / "new" / "r"
+    every_sample_marked_once(store, refs)

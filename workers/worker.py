@@ -465,6 +465,17 @@ class Worker:
     def _reap(self) -> None:
         for wid, n in self.store.reap().items():
             log.warning("recovered_dead_worker_jobs", dead_worker=wid, jobs=n)
+        self._check_run()
+
+    def _check_run(self) -> None:
+        """An idle worker writes nothing, so no fenced write tells it the run is gone
+        (FLUSHALL, purge) or was re-created: look now and then (issue 15, D10)."""
+        cfg = self.store.load_config()
+        old = self.view.cfg
+        if cfg is None:
+            self._changed = self._changed or "the run's config is gone from Redis"
+        elif (cfg.created, cfg.out, cfg.dataset) != (old.created, old.out, old.dataset):
+            self._changed = self._changed or "the run's config was re-created"
 
     def _shutdown_store(self) -> None:
         try:
