@@ -528,3 +528,50 @@ def test_an_idle_worker_notices_a_wiped_run_and_picks_up_the_new_one(
     assert "run_gone_waiting" in events and "run_config_reloaded" in events
     assert w.view.out_root == tmp_path / "new" / "r"
     every_sample_marked_once(store, refs)
+
+
+def test_k_requests_are_in_flight_at_once(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    barrier = threading.Barrier(4, timeout=20)  # breaks unless 4 requests wait together
+
+    def together(call: int, _ids: list[int]) -> dict[str, Any]:
+        if call < 4:
+            barrier.wait()
+        return {}
+
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    run_worker(tmp_path, store, FakeServer(tmp_path, together), inflight=4)
+    every_sample_marked_once(store, refs)
+
+
+def test_max_inflight_tokens_bounds_the_tokens_on_the_server(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    lock = threading.Lock()
+    now, peak = [0], [0]
+
+    class Counting(FakeServer):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path != "/generate":
+                return super().__call__(request)
+            n = len(json.loads(request.content)["input_ids"])
+            with lock:
+                now[0] += n
+                peak[0] = max(peak[0], now[0])
+            try:
+                time.sleep(0.01)
+                return super().__call__(request)
+            finally:
+                with lock:
+                    now[0] -= n
+
+    budget = 30
+    longest = max(e.num_tokens for _, e in refs)
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    w = run_worker(tmp_path, store, Counting(tmp_path), inflight=8, max_inflight_tokens=budget)
+    every_sample_marked_once(store, refs)
+    assert peak[0] <= max(budget, longest)
+    assert w.peak_inflight_tokens <= max(budget, longest)

@@ -185,25 +185,26 @@ class Worker:
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
-        if self.sending < self.s.inflight and self._tokens_allow():
-            item = self.book.next_item()
-            if item is None and self._claim():
+        if self.sending < self.s.inflight:
+            nxt = self.book.peek_tokens()
+            if nxt is None and self._claim():
+                nxt = self.book.peek_tokens()
+            if nxt is not None and self._tokens_allow(nxt):
                 item = self.book.next_item()
-            if item is not None:
+                assert item is not None
                 self._dispatch(item)
                 return False
-            if self._idle():
+            if nxt is None and self._idle():
                 self.state = "idle"
                 return self.s.burst and self._run_finished()
         self._wait_event(0.05)
         return False
 
-    def _tokens_allow(self) -> bool:
+    def _tokens_allow(self, tokens: int) -> bool:
         budget = self.s.max_inflight_tokens
         if budget is None or self.sending == 0:
             return True  # one sample larger than the budget still goes, alone
-        nxt = self.book.peek_tokens()
-        return nxt is None or self.sending_tokens + nxt <= budget
+        return self.sending_tokens + tokens <= budget
 
     def _idle(self) -> bool:
         return self.sending == 0 and self.persisting == 0 and not self.book.chunks
