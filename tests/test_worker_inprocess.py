@@ -148,8 +148,10 @@ class FakeStore:
             self._fence()
             n = 0
             for chunk in chunks:
-                jid = f"retry-{next(self._ids)}"
-                self.retry.append(ChunkJob(jid, "retry", list(chunk), attempt, reason))
+                jid = f"job-{next(self._ids)}"
+                origin = "retry" if retry else "main"
+                job = ChunkJob(jid, origin, list(chunk), attempt, reason)
+                (self.retry if retry else self.queue).append(job)
                 n += len(chunk)
             return n
 
@@ -575,3 +577,26 @@ def test_max_inflight_tokens_bounds_the_tokens_on_the_server(
     every_sample_marked_once(store, refs)
     assert peak[0] <= max(budget, longest)
     assert w.peak_inflight_tokens <= max(budget, longest)
+
+
+def test_a_chunk_handed_back_does_not_bring_back_its_retried_samples(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """A sample already in a retry job (or dead) is not redone from its handed-back chunk:
+    it would be written twice, or end both dead and done."""
+    ds, refs = dataset
+    calls: Counter[str] = Counter()
+
+    def behave(call: int, ids: list[int]) -> dict[str, Any]:
+        calls[fingerprint(ids)] += 1
+        if call == 0:
+            return {"nan": True}  # sample 0: non_finite, retried as a job of its own
+        if call == 1:
+            return {"status": 503}  # sample 1: server not ready, the chunk goes back
+        return {}
+
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, FakeServer(tmp_path, behave), inflight=1)
+    every_sample_marked_once(store, refs)
+    first = fingerprint(read_sample(ds, refs[0][0], refs[0][1]).input_ids)
+    assert calls[first] == 2  # the bad attempt and its retry, not a third from the chunk

@@ -21,6 +21,9 @@ class OpenChunk:
     open: set[str] = field(default_factory=set)
     """Samples sent and not resolved yet."""
     hand_back: bool = False
+    routed: set[str] = field(default_factory=set)
+    """Samples settled by a retry job of their own or the dead letter: a chunk given back
+    must not bring them again."""
 
     @property
     def complete(self) -> bool:
@@ -65,12 +68,15 @@ class ChunkBook:
                 return chunk.todo[0][1].num_tokens
         return None
 
-    def resolve(self, item: WorkItem) -> OpenChunk | None:
-        """The sample is settled; returns its chunk if that is now complete."""
+    def resolve(self, item: WorkItem, routed: bool = False) -> OpenChunk | None:
+        """The sample is settled (``routed``: retried or dead, not done); returns its chunk
+        if that is now complete."""
         chunk = self.chunks.get(item.job_id)
         if chunk is None:
             return None
         chunk.open.discard(item.sample_id)
+        if routed:
+            chunk.routed.add(item.sample_id)
         return chunk if chunk.complete and not chunk.hand_back else None
 
     def hand_back(self, item: WorkItem) -> None:

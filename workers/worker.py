@@ -31,7 +31,7 @@ import structlog
 
 from hsq.errors import ConfigError, RunChangedError, StoreError
 from hsq.store import ChunkJob, RunStore, new_worker_id
-from workers.chunks import ChunkBook, WorkItem
+from workers.chunks import ChunkBook, OpenChunk, WorkItem
 from workers.client import ServerClient
 from workers.dispatch import Dispatcher
 from workers.events import Event, EventKind
@@ -270,8 +270,8 @@ class Worker:
             assert ev.exc is not None
             self._route_failure(item, ev.exc)
 
-    def _settled(self, item: WorkItem) -> None:
-        chunk = self.book.resolve(item)
+    def _settled(self, item: WorkItem, routed: bool = False) -> None:
+        chunk = self.book.resolve(item, routed)
         if chunk is not None:
             self.book.pop(chunk.job.job_id)
             self._finish(chunk.job)
@@ -314,7 +314,7 @@ class Worker:
                 self._hold_until = time.monotonic() + backoff(
                     self._server_errors, cap=self.s.backoff_max_s
                 )
-        self._settled(item)
+        self._settled(item, routed=True)
 
     # ------------------------------------------------------------------ pauses
     def _set_pause(self, pause: Pause, why: str) -> None:
@@ -340,14 +340,26 @@ class Worker:
                 if chunk.complete and not chunk.hand_back:
                     self.store.finish(self.id, chunk.job)
                 else:
-                    self.store.give_back(self.id, chunk.job)
-                    self.metrics.handed_back(len(chunk.job.samples))
-                    self.counts["handed_back"] += 1
-                    log.info("job_handed_back", job=chunk.job.job_id, why=self._why(stopping))
+                    self._hand_back(chunk, self._why(stopping))
         except STORE_DOWN_OR_RUN_CHANGED as exc:
             # Our heartbeat or release_wip brings the jobs back; nothing was marked wrongly.
             log.error("settle_failed", error=str(exc))
             self.book.clear()
+
+    def _hand_back(self, chunk: OpenChunk, why: str) -> None:
+        job = chunk.job
+        if not chunk.routed:
+            self.store.give_back(self.id, job)  # untouched, to the front of its queue
+        else:
+            # Some samples already went to a retry job or the dead letter: queue the rest
+            # as a new job, so none of them is done twice or both dead and done.
+            rest = [ref for ref in job.samples if ref[0] not in chunk.routed]
+            if rest:
+                self.store.enqueue([rest], attempt=job.attempt, reason=job.reason)
+            self.store.finish(self.id, job)
+        self.metrics.handed_back(len(job.samples) - len(chunk.routed))
+        self.counts["handed_back"] += 1
+        log.info("job_handed_back", job=job.job_id, why=why, routed=len(chunk.routed))
 
     def _why(self, stopping: bool) -> str:
         if stopping:
