@@ -689,6 +689,10 @@ class RidMatcher:
         if dump is not None:
             # The rid is one we created (in flight), so it is safe as a file name.
             staged = self.staging / rid
-            os.rename(dump.path, staged)
+            try:
+                os.rename(dump.path, staged)
+            except OSError as exc:
+                remove_dump(dump.path)
+                return Match(rid, None, CorruptDumpError(f"cannot stage {dump.path.name}: {exc}"))
             dump = FoundDump(staged, dump.meta)
         return Match(rid, dump, error)
