@@ -393,10 +393,30 @@ def recover(
 )
 @click.option(
     "--metrics-host",
-    default="0.0.0.0",
+    default="127.0.0.1",
     show_default=True,
     envvar="HSQ_METRICS_HOST",
-    help="bind address of the metrics endpoint",
+    help="bind address of the metrics endpoint (0.0.0.0 exposes it to the network)",
+)
+@click.option(
+    "--inflight",
+    default=4,
+    show_default=True,
+    type=int,
+    envvar="HSQ_INFLIGHT",
+    help="requests in flight on the server at once; dumps are matched by rid (1: one at a time)",
+)
+@click.option(
+    "--max-inflight-tokens",
+    default=None,
+    type=int,
+    envvar="HSQ_MAX_INFLIGHT_TOKENS",
+    help="cap on the tokens of the requests in flight [default: only --inflight caps it]",
+)
+@click.option(
+    "--dump-dir-force",
+    is_flag=True,
+    help="use a dump dir that looks shared (sticky, or owned by another user)",
 )
 def worker(
     run: str,
@@ -412,6 +432,9 @@ def worker(
     max_server_crashes: int,
     metrics_port: int | None,
     metrics_host: str,
+    inflight: int,
+    max_inflight_tokens: int | None,
+    dump_dir_force: bool,
 ) -> None:
     """Extract samples of a run through one inference server.
 
@@ -436,6 +459,9 @@ def worker(
         max_server_crashes=max_server_crashes,
         metrics_port=metrics_port,
         metrics_host=metrics_host,
+        inflight=inflight,
+        max_inflight_tokens=max_inflight_tokens,
+        dump_dir_force=dump_dir_force,
     )
     sys.exit(run_worker(settings))
 

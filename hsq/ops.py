@@ -81,6 +81,8 @@ class WorkerStatus:
     tokens_per_s: float = 0.0
     host: str | None = None
     heartbeat_age_s: float | None = None
+    dumps_discarded: int = 0
+    """Dumps whose rid was not in flight (warm-ups, leftovers, late ones): removed, counted."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
         tokens_per_s=num("tokens_per_s"),
         host=info.get("host"),
         heartbeat_age_s=round(now - float(info.get("ts", now)), 1) if "ts" in info else None,
+        dumps_discarded=int(num("dumps_discarded")),
     )
 
 
@@ -463,6 +466,7 @@ def status_text(st: RunStatus) -> list[str]:
         lines.append(
             f"  worker {w.name or w.id} [{w.state}] server {w.server} "
             f"last {w.last_sample} done {w.done} {w.tokens_per_s:,.0f} tokens/s"
+            + (f" dumps discarded {w.dumps_discarded}" if w.dumps_discarded else "")
         )
     if not st.workers:
         lines.append("  no live workers")

@@ -456,9 +456,10 @@ def open_dump_tensors(path: Path, meta: DumpMeta, *, check_finite: bool = True) 
     try:
         header = stfile.read_header(fd)
         mm = stfile.map_file(fd)
-    except (stfile.FormatError, OSError, ValueError) as exc:
+    except (stfile.FormatError, OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        # Untrusted header JSON: entries that are not objects, offsets that are strings...
         os.close(fd)
-        raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc}") from exc
+        raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc!r}") from exc
     dt = DumpTensors(fd, mm, header)
     try:
         code = stfile.dtype_code(DTYPES[meta.dtype])
@@ -632,3 +633,270 @@ def read_ready(dump_dir: Path) -> ReadyMarker | None:
     except OSError as exc:
         raise HookInactiveError(f"cannot read {dump_dir / READY_FILE}: {exc}") from exc
     return ReadyMarker.from_json(data)
+
+
+# ---------------------------------------------------------------------------- v2: by rid
+#
+# Protocol v2 lets a worker keep several requests in flight on one server. A dump is
+# attributed *only* by the rid in its meta.json (then validated as in v1); the server's
+# req_<N> counter is never predicted nor used. See docs/dump-protocol.md.
+
+# A meta.json is a few hundred bytes; anything far larger is not one of ours.
+MAX_META_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class FoundDump:
+    path: Path
+    meta: DumpMeta
+
+
+@dataclass(frozen=True)
+class RidScan:
+    complete: dict[str, list[FoundDump]]
+    """Dumps holding `done`, by the rid in their meta.json (sorted by N)."""
+    final_incomplete: dict[str, list[FoundDump]]
+    """req_<N>/ without `done`: renamed without the marker, so it never gets one."""
+    unreadable: list[tuple[Path, str]]
+    """Renamed dumps whose meta.json cannot be read: no rid, so never attributable."""
+    writing: int
+    """req_<N>.tmp/ directories: a server is (or was) writing them."""
+
+
+def _read_meta_limited(path: Path) -> DumpMeta:
+    with open(path / META_FILE, "rb") as f:
+        data = f.read(MAX_META_BYTES + 1)
+    if len(data) > MAX_META_BYTES:
+        raise CorruptDumpError(f"{path.name}: meta.json is larger than {MAX_META_BYTES} bytes")
+    meta = DumpMeta.from_json(data.decode("utf-8"))
+    if not isinstance(meta.rid, str) or not isinstance(meta.num_tokens, int):
+        raise CorruptDumpError(f"{path.name}: rid or num_tokens has the wrong type")
+    return meta
+
+
+def scan_by_rid(dump_dir: Path) -> RidScan:
+    """One pass over the dump dir: every renamed dump with its meta read and typed."""
+    complete: dict[str, list[tuple[int, FoundDump]]] = {}
+    final_incomplete: dict[str, list[FoundDump]] = {}
+    unreadable: list[tuple[Path, str]] = []
+    writing = 0
+    with os.scandir(dump_dir) as it:
+        entries = [(e.name, e.path) for e in it]
+    for name, raw_path in entries:
+        m = _DUMP_RE.match(name)
+        if not m:
+            writing += bool(_TMP_RE.match(name))
+            continue
+        path = Path(raw_path)
+        done = (path / DONE_FILE).exists()
+        try:
+            meta = _read_meta_limited(path)
+        except FileNotFoundError:
+            if not path.exists():
+                continue  # removed between listing and reading (by us, after attribution)
+            unreadable.append((path, "meta.json is missing"))
+            continue
+        except Exception as exc:  # untrusted bytes: any failure means "no usable rid"
+            unreadable.append((path, f"{type(exc).__name__}: {exc}"))
+            continue
+        found = FoundDump(path, meta)
+        if done:
+            complete.setdefault(meta.rid, []).append((int(m.group(1)), found))
+        else:
+            final_incomplete.setdefault(meta.rid, []).append(found)
+    return RidScan(
+        complete={
+            rid: [f for _, f in sorted(v, key=lambda x: x[0])] for rid, v in complete.items()
+        },
+        final_incomplete=final_incomplete,
+        unreadable=unreadable,
+        writing=writing,
+    )
+
+
+def remove_dump(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Wanted:
+    """One request in flight, as the matcher sees it."""
+
+    rid: str
+    num_tokens: int
+    added_at: float
+    answered_at: float | None = None
+    discards_at_add: int = 0
+    held: FoundDump | None = None
+
+
+@dataclass(frozen=True)
+class Match:
+    """The matcher's word on one in-flight rid: its dump, or why there is none."""
+
+    rid: str
+    dump: FoundDump | None = None
+    error: Exception | None = None
+
+
+class RidMatcher:
+    """Attributes dumps to in-flight requests by rid; pure logic over one directory.
+
+    Not thread-safe: the worker's dispatcher calls it under one lock. Rules
+    (docs/dump-protocol.md): a dump whose rid is not in flight is removed and counted
+    (``discarded[why]``); two dumps for one rid fail it (multiple_dumps); a renamed dump
+    without `done` fails its rid (incomplete_dump); a dump shorter than the request is held
+    until ``split_grace_s`` after the answer, because a server that split the prefill writes
+    the rest next (then multiple_dumps); no dump within ``timeout_s`` of the answer fails
+    the rid (no_dump, or stale_dump when foreign dumps arrived meanwhile). A rid that gave
+    up (``abandon``) is remembered for a while, so its late dump is discarded as "late".
+    An attributed dump is moved into ``staging`` (same filesystem) before it is returned.
+    """
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        staging: Path,
+        *,
+        timeout_s: float,
+        split_grace_s: float = 0.25,
+        remember_late: int = 4096,
+    ) -> None:
+        self.dump_dir = dump_dir
+        self.staging = staging
+        self.timeout_s = timeout_s
+        self.split_grace_s = split_grace_s
+        self.wanted: dict[str, Wanted] = {}
+        self._gone: dict[str, None] = {}  # insertion-ordered set of finished/abandoned rids
+        self._remember = remember_late
+        self.discarded: dict[str, int] = {}
+        self._discards = 0
+
+    def add(self, rid: str, num_tokens: int, now: float) -> None:
+        if rid in self.wanted or rid in self._gone:
+            raise ValueError(f"rid {rid!r} was used before: every attempt needs a fresh rid")
+        self.wanted[rid] = Wanted(rid, num_tokens, now, discards_at_add=self._discards)
+
+    def answered(self, rid: str, now: float) -> None:
+        w = self.wanted.get(rid)
+        if w is not None:
+            w.answered_at = now
+
+    def abandon(self, rid: str) -> None:
+        """The request failed or timed out: whatever dump it still gets is late."""
+        if self.wanted.pop(rid, None) is not None:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._gone[rid] = None
+        while len(self._gone) > self._remember:
+            del self._gone[next(iter(self._gone))]
+
+    def _discard(self, path: Path, why: str) -> None:
+        remove_dump(path)
+        self.discarded[why] = self.discarded.get(why, 0) + 1
+        self._discards += 1
+
+    def poll(self, now: float) -> tuple[list[Match], list[tuple[str, Path, str]]]:
+        """One scan. Returns the decided rids and the discarded dumps (why, path, rid).
+
+        A decided dump has been moved into ``staging`` already, so no later scan sees it.
+        """
+        s = scan_by_rid(self.dump_dir)
+        decided: list[Match] = []
+        dropped: list[tuple[str, Path, str]] = []
+        for path, why in s.unreadable:
+            self._drop(dropped, path, "unreadable", why)
+        for rid, found in s.final_incomplete.items():
+            w = self.wanted.get(rid)
+            if w is not None and w.held is None and rid not in s.complete:
+                for f in found:
+                    remove_dump(f.path)
+                msg = f"{found[0].path.name} (rid {rid!r}) was renamed without its `done` marker"
+                decided.append(self._decide(rid, error=IncompleteDumpError(msg)))
+            else:
+                for f in found:
+                    self._drop(dropped, f.path, self._why(rid), rid)
+        for rid, dumps in s.complete.items():
+            match = self._complete(rid, dumps, now, dropped)
+            if match is not None:
+                decided.append(match)
+        decided.extend(self._expired(now, s))
+        return decided, dropped
+
+    def _why(self, rid: str) -> str:
+        return "late" if rid in self._gone else "unknown_rid"
+
+    def _drop(self, dropped: list[tuple[str, Path, str]], path: Path, why: str, rid: str) -> None:
+        self._discard(path, why)
+        dropped.append((why, path, rid))
+
+    def _complete(
+        self, rid: str, dumps: list[FoundDump], now: float, dropped: list[tuple[str, Path, str]]
+    ) -> Match | None:
+        w = self.wanted.get(rid)
+        if w is None:
+            for f in dumps:
+                self._drop(dropped, f.path, self._why(rid), rid)
+            return None
+        paths = {f.path for f in dumps}
+        if w.held is not None:
+            paths.add(w.held.path)
+        if len(paths) > 1:
+            for p in paths:
+                remove_dump(p)
+            names = ", ".join(sorted(p.name for p in paths))
+            msg = f"{len(paths)} dumps carry rid {rid!r}: {names}"
+            return self._decide(rid, error=MultipleDumpsError(msg))
+        found = dumps[0]
+        short = found.meta.num_tokens < w.num_tokens
+        if short and (w.answered_at is None or now < w.answered_at + self.split_grace_s):
+            w.held = found  # maybe the first part of a split prefill: wait for the rest
+            return None
+        return self._decide(rid, dump=found)
+
+    def _expired(self, now: float, s: RidScan) -> list[Match]:
+        out = []
+        for w in list(self.wanted.values()):
+            if w.answered_at is None:
+                continue  # the HTTP request itself has its own timeout
+            if w.held is not None and now >= w.answered_at + self.split_grace_s:
+                out.append(self._decide(w.rid, dump=w.held))
+                continue
+            if now < w.answered_at + self.timeout_s:
+                continue
+            foreign = self._discards - w.discards_at_add
+            err: Exception
+            if foreign:
+                err = StaleDumpError(
+                    f"no dump carried rid {w.rid!r} within {self.timeout_s:.1f}s; {foreign} "
+                    "dump(s) with other rids appeared meanwhile"
+                )
+            elif s.writing:
+                err = IncompleteDumpError(
+                    f"no complete dump for rid {w.rid!r} within {self.timeout_s:.1f}s "
+                    f"({s.writing} still being written)"
+                )
+            else:
+                err = NoDumpError(
+                    f"no dump for rid {w.rid!r} appeared in {self.dump_dir} "
+                    f"within {self.timeout_s:.1f}s"
+                )
+            out.append(self._decide(w.rid, error=err))
+        return out
+
+    def _decide(
+        self, rid: str, *, dump: FoundDump | None = None, error: Exception | None = None
+    ) -> Match:
+        self.wanted.pop(rid, None)
+        self._forget(rid)
+        if dump is not None:
+            # The rid is one we created (in flight), so it is safe as a file name.
+            staged = self.staging / rid
+            try:
+                os.rename(dump.path, staged)
+            except OSError as exc:
+                remove_dump(dump.path)
+                return Match(rid, None, CorruptDumpError(f"cannot stage {dump.path.name}: {exc}"))
+            dump = FoundDump(staged, dump.meta)
+        return Match(rid, dump, error)

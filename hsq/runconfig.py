@@ -28,6 +28,10 @@ class RunConfig:
     model_id: str | None = None
     """Expected model identity; None: pinned by the first valid dump."""
     max_tokens: int | None = None
+    dump_dtype: str | None = None
+    """Expected dtype of the dumped states; None: pinned by the first valid dump."""
+    hidden_size: int | None = None
+    """Expected hidden size; None: pinned by the first valid dump."""
     created: float = field(default_factory=time.time)
     store_dtype: str = BF16
     """How outputs store hidden states: bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded

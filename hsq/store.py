@@ -127,8 +127,7 @@ _HINCR = _FENCE + "return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)"
 _PIN = (
     _FENCE
     + """
-redis.call('HSETNX', KEYS[1], 'model_id', ARGV[2])
-redis.call('HSETNX', KEYS[1], 'layer_ids', ARGV[3])
+for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 )
@@ -400,10 +399,31 @@ class RunStore:
     def pin_model(self, model_id: str, layer_ids: list[int]) -> tuple[str, list[int]]:
         """Record the model and layers of the first valid dump (atomic HSETNX); return the
         recorded ones, so a worker behind a different model sees the mismatch."""
-        self._fenced(self._pin, [], [json.dumps(model_id), json.dumps(layer_ids)])
+        self._fenced(
+            self._pin, [], ["model_id", json.dumps(model_id), "layer_ids", json.dumps(layer_ids)]
+        )
         cfg = self.require_config()
         assert cfg.model_id is not None and cfg.layer_ids is not None
         return cfg.model_id, cfg.layer_ids
+
+    def pin_dump_identity(
+        self, model_id: str, layer_ids: list[int], dump_dtype: str, hidden_size: int
+    ) -> dict[str, Any]:
+        """Record what the first fully valid dump showed (model, layers, dtype, hidden size;
+        each HSETNX, so the first worker wins) and return the recorded values by name."""
+        values = {
+            "model_id": model_id,
+            "layer_ids": layer_ids,
+            "dump_dtype": dump_dtype,
+            "hidden_size": hidden_size,
+        }
+        pairs = [x for name, value in values.items() for x in (name, json.dumps(value))]
+        self._fenced(self._pin, [], pairs)  # never pins into a purged or re-created run
+        recorded = self.r.hmget(self.k.config, list(values))
+        return {
+            name: json.loads(raw) if raw is not None else None
+            for name, raw in zip(values, recorded, strict=True)
+        }
 
     def put_index(self, entries: Iterable[tuple[str, IndexEntry]], batch: int = 5000) -> int:
         n = 0

@@ -8,12 +8,16 @@ killing it forever); 4xx/5xx answers are the sample's.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from hsq.errors import ServerRejectedError, ServerUnavailableError
+
+# A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
+MAX_ANSWER_BYTES = 1 << 20
 
 
 class MidRequestFailure(ServerUnavailableError):
@@ -51,22 +55,27 @@ class ServerClient:
     def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "rid": rid}
         try:
-            r = self._http.post("/generate", json=body)
+            with self._http.stream("POST", "/generate", json=body) as r:
+                status = r.status_code
+                data = _read_limited(r, MAX_ANSWER_BYTES)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
             raise ServerUnavailableError(f"{self.base_url} unreachable: {exc!r}") from exc
         except httpx.TransportError as exc:
             raise MidRequestFailure(f"{self.base_url} failed mid-request: {exc!r}") from exc
-        if r.status_code == 503:
+        if status == 503:
             raise ServerUnavailableError(f"{self.base_url} is not ready (503)")
-        if r.status_code >= 400:
+        if data is None:
             raise ServerRejectedError(
-                f"{self.base_url} answered {r.status_code}: {r.text[:500]}", r.status_code
+                f"{self.base_url} answered {status} with a body over {MAX_ANSWER_BYTES} bytes", 502
             )
+        if status >= 400:
+            text = data[:500].decode(errors="replace")
+            raise ServerRejectedError(f"{self.base_url} answered {status}: {text}", status)
         try:
-            data = r.json()
-            info = data["meta_info"]
+            answer = json.loads(data)
+            info = answer["meta_info"]
             return PrefillAnswer(
-                int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), data
+                int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), answer
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ServerRejectedError(f"unexpected answer from /generate: {exc!r}", 502) from exc
@@ -85,3 +94,16 @@ class ServerClient:
             return data
         except httpx.HTTPError as exc:
             raise ServerUnavailableError(f"{self.base_url}/model_info: {exc!r}") from exc
+
+
+def _read_limited(r: httpx.Response, limit: int) -> bytes | None:
+    """The body, or None if it is longer than ``limit`` (read no further than that)."""
+    declared = r.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    buf = bytearray()
+    for chunk in r.iter_bytes():
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)

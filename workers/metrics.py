@@ -56,8 +56,20 @@ class WorkerMetrics:
         )
         self.in_flight = Gauge(
             "hsq_worker_in_flight_samples",
-            "Samples between request and done (bounded by --persist-depth + 1)",
+            "Samples between request and done (bounded by --inflight + persist depth + threads)",
             lab,
+            registry=r,
+        )
+        self.in_flight_tokens = Gauge(
+            "hsq_worker_in_flight_tokens",
+            "Tokens of the requests in flight on the server (bounded by --max-inflight-tokens)",
+            lab,
+            registry=r,
+        )
+        self.dumps_discarded = Counter(
+            "hsq_worker_dumps_discarded",
+            "Dumps removed without being attributed (unknown_rid, late, unreadable)",
+            [*lab, "why"],
             registry=r,
         )
         self.last_success = Gauge(
@@ -123,3 +135,10 @@ class WorkerMetrics:
 
     def add_in_flight(self, delta: int) -> None:
         self.in_flight.labels(**self.labels).inc(delta)
+
+    def set_in_flight(self, samples: int, tokens: int) -> None:
+        self.in_flight.labels(**self.labels).set(samples)
+        self.in_flight_tokens.labels(**self.labels).set(tokens)
+
+    def discarded(self, why: str) -> None:
+        self.dumps_discarded.labels(**self.labels, why=why).inc()

@@ -1,0 +1,245 @@
+"""Protocol v2 end to end with K > 1 requests in flight: real redis-server, real reference
+servers, real `hsq worker` processes, real signals (issue 12; issue 15 D7, D8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hsq.ops import run_status, verify
+from hsq.procs import ReferenceServer
+from hsq.synthetic import write_synthetic
+from sglang_server.reference.model import load_model
+from tests.conftest import generate
+from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+
+Factory = Callable[..., ReferenceServer]
+K = "4"
+
+
+def faults(server: ReferenceServer, *rules: dict[str, object]) -> None:
+    httpx.post(server.url + "/admin/faults", json={"rules": list(rules)}).raise_for_status()
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: Factory) -> ReferenceServer:
+    return server_factory(name="k_srv").wait_ready()
+
+
+@pytest.fixture
+def fresh(server: ReferenceServer) -> ReferenceServer:
+    httpx.delete(server.url + "/admin/faults").raise_for_status()
+    return server
+
+
+def dataset(tmp_path: Path, n: int, seed: int, max_len: int = 48) -> Path:
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, n, seed=seed, min_len=4, max_len=max_len)
+    return ds
+
+
+def close_to_single(batched: torch.Tensor, single: torch.Tensor) -> bool:
+    """docs/dump-protocol.md: per token, cosine >= 0.999 and max abs error <= 1% of the
+    row's norm (exact for today's one-forward-at-a-time server)."""
+    a, b = batched.float(), single.float()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    err = (a - b).abs().amax(dim=-1)
+    return bool((cos >= 0.999).all() and (err <= 0.01 * b.norm(dim=-1) + 1e-6).all())
+
+
+def test_outputs_with_eight_in_flight_equal_a_single_request_forward(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    ds = dataset(tmp_path, 24, seed=31, max_len=120)
+    out = tmp_path / "out"
+    enqueue(ds, "k8", out, redis_url, "--chunk-size", "3")
+    w = start_worker(tmp_path, "k8", fresh, redis_url, "--burst", "--inflight", "8")
+    assert w.proc.wait(120) == 0, w.log_tail()
+    st = store(redis_url, "k8")
+    assert st.count(st.k.done) == 24 and st.count(st.k.dead) == 0
+    torch.set_num_threads(2)
+    model = load_model(
+        "tiny", device="cpu", dtype=torch.float32, dump_dtype=torch.bfloat16, layers=None
+    )
+    for line in ds.read_text().splitlines():
+        sample = json.loads(line)
+        entry = st.get_manifest(sample["id"])
+        assert entry is not None
+        t = load_file(str(out / "k8" / entry.path))
+        direct = model.forward(sample["input_ids"])
+        assert t["input_ids"].tolist() == sample["input_ids"]
+        assert close_to_single(t["aux_hidden_states"], direct.aux)
+        assert close_to_single(t["last_hidden_state"], direct.last)
+    assert verify(st, out / "k8", deep=True).ok == 24
+    started = log_events(w.log_path, "worker_started")[0]
+    assert started["inflight"] == 8
+
+
+def test_leftover_and_unknown_rid_dumps_are_removed_and_counted(
+    tmp_path: Path, server_factory: Factory, redis_url: str
+) -> None:
+    srv = server_factory("--warmup", "3", name="k_warm").wait_ready()  # 3 leftovers
+    ds = dataset(tmp_path, 20, seed=32)
+    enqueue(ds, "unk", tmp_path / "out", redis_url, "--chunk-size", "4")
+    st = store(redis_url, "unk")
+    w = start_worker(tmp_path, "unk", srv, redis_url, "--inflight", K)
+    try:
+        wait_until(lambda: bool(log_events(w.log_path, "worker_started")), 60)
+        assert log_events(w.log_path, "worker_started")[0]["cleared_dumps"] == 3
+        # Someone else's request (a health check, a warm-up, an operator's curl).
+        assert generate(srv.url, [5, 6, 7, 8], "intruder").status_code == 200
+        wait_until(lambda: st.count(st.k.done) == 20, 90)
+        wait_until(lambda: bool(log_events(w.log_path, "dump_discarded")), 30)
+        [ev] = log_events(w.log_path, "dump_discarded")
+        assert ev["why"] == "unknown_rid" and ev["rid"] == "intruder"
+
+        def shown() -> bool:
+            workers = run_status(st)["workers"]
+            return bool(workers) and workers[0]["dumps_discarded"] == 1
+
+        wait_until(shown, 30)
+        text = hsq("status", "--run", "unk", "--redis", redis_url).stdout
+        assert "dumps discarded 1" in text
+    finally:
+        w.stop()
+    assert st.count(st.k.dead) == 0
+    srv.stop()
+
+
+def test_a_late_dump_after_a_timeout_fails_no_later_sample(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    """Issue 15, D8: one late dump used to send 6 of the next 8 samples to the dead letter."""
+    ds = dataset(tmp_path, 24, seed=33)
+    enqueue(ds, "late", tmp_path / "out", redis_url, "--chunk-size", "4", "--max-attempts", "1")
+    faults(fresh, {"mode": "slow", "seconds": 3, "times": 1})
+    w = start_worker(
+        tmp_path, "late", fresh, redis_url, "--burst", "--inflight", K, "--request-timeout", "1"
+    )
+    assert w.proc.wait(120) == 0, w.log_tail()
+    st = store(redis_url, "late")
+    assert st.count(st.k.done) == 24 and st.count(st.k.dead) == 0
+    # The timed-out request's dump landed later and was thrown away, nothing else failed.
+    assert not log_events(w.log_path, "sample_retry")
+    handed = log_events(w.log_path, "sample_handed_back")
+    assert [e["reason"] for e in handed] == ["server_crash"]
+
+
+def test_late_dump_is_discarded_as_late(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    ds = dataset(tmp_path, 12, seed=34)
+    enqueue(ds, "late2", tmp_path / "out", redis_url, "--chunk-size", "4")
+    faults(fresh, {"mode": "slow", "seconds": 2, "times": 1})
+    w = start_worker(tmp_path, "late2", fresh, redis_url, "--inflight", K, "--request-timeout", "1")
+    st = store(redis_url, "late2")
+    try:
+        wait_until(lambda: st.count(st.k.done) == 12, 90)
+        wait_until(lambda: bool(log_events(w.log_path, "dump_discarded")), 30)
+        assert {e["why"] for e in log_events(w.log_path, "dump_discarded")} == {"late"}
+    finally:
+        w.stop()
+    assert st.count(st.k.dead) == 0
+
+
+def test_two_dumps_for_one_rid_fail_that_sample_with_multiple_dumps(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    ds = dataset(tmp_path, 16, seed=35)
+    enqueue(ds, "split", tmp_path / "out", redis_url, "--chunk-size", "4")
+    faults(fresh, {"mode": "split", "times": 1})
+    w = start_worker(tmp_path, "split", fresh, redis_url, "--burst", "--inflight", K)
+    assert w.proc.wait(120) == 0, w.log_tail()
+    st = store(redis_url, "split")
+    assert st.count(st.k.done) == 16 and st.count(st.k.dead) == 0
+    retried = [e["reason"] for e in log_events(w.log_path, "sample_retry")]
+    assert retried == ["multiple_dumps"]
+    assert verify(st, tmp_path / "out" / "split", deep=True).ok == 16
+
+
+def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
+    tmp_path: Path, server_factory: Factory, redis_url: str
+) -> None:
+    srv = server_factory("--fault", "slow:seconds=0.3", name="k_kill").wait_ready()
+    ds = dataset(tmp_path, 40, seed=36)
+    enqueue(ds, "skill", tmp_path / "out", redis_url, "--chunk-size", "4", "--max-attempts", "1")
+    st = store(redis_url, "skill")
+    w = start_worker(tmp_path, "skill", srv, redis_url, "--burst", "--inflight", K)
+    wait_until(lambda: st.count(st.k.done) >= 8, 90, interval=0.05)
+    srv.signal(signal.SIGKILL)  # every request takes 0.3 s: K of them are in flight
+    srv.proc.wait(10)
+    time.sleep(2)
+    assert w.alive()
+    again = ReferenceServer(srv.dump_dir, srv.log_path, port=srv.port, args=["--threads", "2"])
+    try:
+        again.wait_ready()
+        assert w.proc.wait(120) == 0, w.log_tail()
+    finally:
+        again.stop()
+    assert st.count(st.k.dead) == 0 and st.count(st.k.done) == 40
+    assert log_events(w.log_path, "waiting_for_server")
+    assert len(log_events(w.log_path, "sample_handed_back")) >= 2  # more than one in flight
+    assert verify(st, tmp_path / "out" / "skill", deep=True).ok == 40
+
+
+def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
+    tmp_path: Path, server_factory: Factory, redis_url: str
+) -> None:
+    srv = server_factory("--fault", "slow:seconds=0.2", name="k_wkill").wait_ready()
+    ds = dataset(tmp_path, 40, seed=37)
+    out = tmp_path / "out"
+    enqueue(ds, "wkill", out, redis_url, "--chunk-size", "4")
+    st = store(redis_url, "wkill")
+    a = start_worker(tmp_path, "wkill", srv, redis_url, "--inflight", K, name="victim")
+    wait_until(lambda: st.count(st.k.done) >= 8, 90, interval=0.05)
+    a.signal(signal.SIGKILL)
+    a.proc.wait(10)
+    done_before = st.count(st.k.done)
+    b = start_worker(tmp_path, "wkill", srv, redis_url, "--burst", "--inflight", K, name="rescuer")
+    assert b.proc.wait(120) == 0, b.log_tail()
+    srv.stop()
+    assert st.count(st.k.done) == 40 and st.count(st.k.dead) == 0
+    events = log_events(a.log_path, "sample_done") + log_events(b.log_path, "sample_done")
+    firsts = Counter(str(e["sample"]) for e in events if e["first"])
+    assert len(firsts) == 40 and set(firsts.values()) == {1}  # marked done once each
+    rescued = {str(e["sample"]) for e in log_events(b.log_path, "sample_done")}
+    assert len(rescued) == 40 - done_before  # nothing done before the kill was redone
+    files = list((out / "wkill").rglob("*"))
+    assert not [p for p in files if p.name.endswith(".tmp")]
+    assert len([p for p in files if p.suffix == ".safetensors"]) == 40
+    assert verify(st, out / "wkill", deep=True).ok == 40
+
+
+def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    """Issue 15, D7: the worker chmodded a 1777 dir to 0700 and emptied it, even for a run
+    that did not exist."""
+    shared = tmp_path / "shm"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "req_7").mkdir()  # someone else's
+    args = ["--server", fresh.url, "--dump-dir", str(shared), "--redis", redis_url]
+    gone = hsq("worker", "--run", "nope", *args)
+    assert gone.returncode == 2 and "does not exist" in gone.stderr
+    ds = dataset(tmp_path, 2, seed=38)
+    enqueue(ds, "shared", tmp_path / "out", redis_url)
+    refused = hsq("worker", "--run", "shared", *args)
+    assert refused.returncode == 2 and "--dump-dir-force" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and (shared / "req_7").is_dir()
+    assert not (tmp_path / "never").exists()
+    missing = hsq("worker", "--run", "nope", "--server", fresh.url, "--dump-dir",
+                  str(tmp_path / "never"), "--redis", redis_url)  # fmt: skip
+    assert missing.returncode == 2 and not (tmp_path / "never").exists()

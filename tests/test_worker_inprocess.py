@@ -1,0 +1,602 @@
+"""The whole worker in-process against fakes: an httpx.MockTransport server that writes
+real dumps into a temp dump dir, and a fake store with run generations. Unit tests of the
+worker's logic (issue 15 D2, D3, D11, D12, run changes); tests/test_inflight.py runs the
+real processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import json
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import structlog
+import torch
+
+from hsq import protocol
+from hsq.dataset import IndexEntry, read_sample, scan_dataset
+from hsq.errors import ConfigError, RunChangedError
+from hsq.outputs import ManifestEntry
+from hsq.protocol import (
+    AUX_TENSOR,
+    LAST_TENSOR,
+    TENSOR_FILE,
+    DumpMeta,
+    ModelIdentity,
+    expected_shapes,
+    fingerprint,
+    write_dump,
+)
+from hsq.runconfig import RunConfig
+from hsq.store import ChunkJob, SampleRef
+from hsq.synthetic import write_synthetic
+from workers.client import ServerClient
+from workers.lock import DumpDirLock
+from workers.runview import RunView
+from workers.settings import WorkerSettings
+from workers.startup import STAGING, Started
+from workers.worker import Worker
+
+IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
+EVIL = ModelIdentity("other", "LlamaModel", 8, 16, "1" * 64)
+LAYERS = [2, 4, 5]
+
+
+class FakeStore:
+    """The RunStore calls the worker makes, in memory, with rel15's run fencing: a write
+    after the run's generation changed raises RunChangedError until require_config()."""
+
+    def __init__(self, cfg: RunConfig | None, jobs: list[ChunkJob]) -> None:
+        self.cfg = cfg
+        self.generation = 0
+        self._seen = 0
+        self.queue: deque[ChunkJob] = deque(jobs)
+        self.retry: deque[ChunkJob] = deque()
+        self.held: dict[str, ChunkJob] = {}
+        self.done: dict[str, ManifestEntry] = {}
+        self.dead: dict[str, dict[str, Any]] = {}
+        self.calls: Counter[str] = Counter()
+        self.crashes: Counter[str] = Counter()
+        self.on_mark: Callable[[str], None] | None = None
+        self.on_give_back: Callable[[], None] | None = None
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+
+    def _fence(self) -> None:
+        if self._seen != self.generation:
+            raise RunChangedError("run generation changed")
+
+    def require_config(self) -> RunConfig:
+        with self._lock:
+            self.calls["require_config"] += 1
+            if self.cfg is None:
+                raise ConfigError("run 'r' does not exist")
+            self._seen = self.generation
+            return self.cfg
+
+    def load_config(self) -> RunConfig | None:
+        with self._lock:
+            return self.cfg
+
+    def recreate(self, cfg: RunConfig | None, jobs: list[ChunkJob]) -> None:
+        with self._lock:
+            self.generation += 1
+            self.cfg = cfg
+            self.queue = deque(jobs)
+            self.retry.clear()
+            self.held.clear()
+            self.done.clear()
+            self.dead.clear()
+            for key in [k for k in self.calls if k.startswith("mark:")]:
+                del self.calls[key]
+
+    def claim(self, worker_id: str, timeout: float) -> ChunkJob | None:
+        with self._lock:
+            self.calls["claim"] += 1
+            q = self.retry or self.queue
+            if q:
+                job = q.popleft()
+                self.held[job.job_id] = job
+                return job
+        time.sleep(0.01)
+        return None
+
+    def done_among(self, ids: list[str]) -> set[str]:
+        with self._lock:
+            return {i for i in ids if i in self.done}
+
+    def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool:
+        if self.on_mark is not None:
+            self.on_mark(sample_id)
+        with self._lock:
+            self._fence()
+            self.calls["mark_done"] += 1
+            self.calls[f"mark:{sample_id}"] += 1
+            newly = sample_id not in self.done
+            self.done.setdefault(sample_id, entry)
+            return newly
+
+    def finish(self, worker_id: str, job: ChunkJob) -> bool:
+        with self._lock:
+            self._fence()
+            self.calls["finish"] += 1
+            return self.held.pop(job.job_id, None) is not None
+
+    def give_back(self, worker_id: str, job: ChunkJob) -> bool:
+        with self._lock:
+            self._fence()
+            self.calls["give_back"] += 1
+            if self.held.pop(job.job_id, None) is None:
+                return False
+            (self.retry if job.origin == "retry" else self.queue).appendleft(job)
+        if self.on_give_back is not None:
+            self.on_give_back()
+        return True
+
+    def enqueue(
+        self, chunks: Any, *, retry: bool = False, attempt: int = 0, reason: str | None = None
+    ) -> int:
+        with self._lock:
+            self._fence()
+            n = 0
+            for chunk in chunks:
+                jid = f"job-{next(self._ids)}"
+                origin = "retry" if retry else "main"
+                job = ChunkJob(jid, origin, list(chunk), attempt, reason)
+                (self.retry if retry else self.queue).append(job)
+                n += len(chunk)
+            return n
+
+    def to_dead(self, sid: str, reason: str, message: str, attempts: int, worker: Any) -> None:
+        with self._lock:
+            self._fence()
+            self.dead[sid] = {"reason": reason, "message": message, "attempts": attempts}
+
+    def record_crash(self, sid: str) -> int:
+        with self._lock:
+            self.crashes[sid] += 1
+            return self.crashes[sid]
+
+    def pin_dump_identity(self, **values: Any) -> dict[str, Any]:
+        with self._lock:
+            assert self.cfg is not None
+            self.calls["pin"] += 1
+            fresh = {k: v for k, v in values.items() if getattr(self.cfg, k) is None}
+            self.cfg = dataclasses.replace(self.cfg, **fresh)
+            return {k: getattr(self.cfg, k) for k in values}
+
+    def register(self, *_: Any) -> None: ...
+    def heartbeat(self, *_: Any) -> None: ...
+    def unregister(self, *_: Any) -> None: ...
+
+    def reap(self) -> dict[str, int]:
+        return {}
+
+    def release_wip(self, worker_id: str) -> int:
+        with self._lock:
+            jobs = list(self.held.values())
+            self.held.clear()
+            self.queue.extendleft(reversed(jobs))
+            return len(jobs)
+
+    def nothing_outstanding(self) -> bool:
+        with self._lock:
+            return not (self.queue or self.retry or self.held)
+
+
+Behaviour = Callable[[int, list[int]], dict[str, Any]]
+"""(call number, input ids) -> overrides: status, model, dtype, nan, header, hidden."""
+
+
+class FakeServer:
+    """/generate writes one real dump per request (write_dump), as the servers do."""
+
+    def __init__(self, dump_dir: Path, behave: Behaviour | None = None) -> None:
+        self.dump_dir = dump_dir
+        self.behave = behave or (lambda _n, _ids: {})
+        self._calls = itertools.count()
+        self._index = itertools.count()
+        self._lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        ids, rid = body["input_ids"], body["rid"]
+        with self._lock:
+            call = next(self._calls)
+        b = self.behave(call, ids)
+        if "status" in b:
+            return httpx.Response(b["status"], text="injected")
+        self._dump(ids, rid, b)
+        return httpx.Response(200, json={"meta_info": {"prompt_tokens": len(ids)}})
+
+    def _dump(self, ids: list[int], rid: str, b: dict[str, Any]) -> None:
+        n, hidden = len(ids), b.get("hidden", 16)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[b.get("dtype", "bfloat16")]
+        gen = torch.Generator().manual_seed(sum(ids))
+        tensors = {
+            AUX_TENSOR: torch.randn(n, len(LAYERS) * hidden, generator=gen).to(dtype),
+            LAST_TENSOR: torch.randn(n, hidden, generator=gen).to(dtype),
+        }
+        if b.get("nan"):
+            tensors[AUX_TENSOR][0, 0] = float("nan")
+        meta = DumpMeta(
+            rid=rid,
+            num_tokens=n,
+            input_fingerprint=fingerprint(ids),
+            layer_ids=LAYERS,
+            hidden_size=hidden,
+            dtype=b.get("dtype", "bfloat16"),
+            model=b.get("model", IDENT),
+            tensors=expected_shapes(n, len(LAYERS), hidden),
+            request_index=0,
+        )
+        header = b.get("header")
+        before = None
+        if header is not None:
+
+            def before(tmp: Path) -> None:
+                raw = json.dumps(header).encode()
+                (tmp / TENSOR_FILE).write_bytes(len(raw).to_bytes(8, "little") + raw)
+
+        with self._lock:
+            index = next(self._index)
+        write_dump(self.dump_dir, index, meta, tensors, fsync=False, before_done=before)
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> tuple[Path, list[SampleRef]]:
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, 12, seed=4, min_len=4, max_len=24)
+    refs: list[SampleRef] = []
+    for line in scan_dataset(ds):
+        assert line.entry is not None and line.sample_id is not None
+        refs.append((line.sample_id, line.entry))
+    return ds, refs
+
+
+def jobs_of(refs: list[SampleRef], size: int = 3) -> list[ChunkJob]:
+    return [
+        ChunkJob(f"j{i}", "main", refs[i : i + size], 0, None) for i in range(0, len(refs), size)
+    ]
+
+
+def config(ds: Path, out: Path, **kw: Any) -> RunConfig:
+    return RunConfig(run="r", dataset=str(ds), out=str(out), **kw)
+
+
+def run_worker(
+    tmp_path: Path,
+    store: FakeStore,
+    server: FakeServer | None = None,
+    stop_when_done: list[SampleRef] | None = None,
+    **kw: Any,
+) -> Worker:
+    dump = tmp_path / "dumps"
+    dump.mkdir(exist_ok=True)
+    server = server or FakeServer(dump)
+    server.dump_dir = dump
+    opts: dict[str, Any] = {
+        "burst": True,
+        "dump_timeout_s": 2.0,
+        "backoff_max_s": 0.05,
+        "inflight": 4,
+        "heartbeat_interval_s": 0.5,
+    }
+    opts.update(kw)
+    settings = WorkerSettings(
+        run="r", server="http://srv", dump_dir=dump, redis_url="redis://unused", **opts
+    )
+    staging = dump / STAGING
+    staging.mkdir(exist_ok=True)
+    lock = DumpDirLock(dump)
+    lock.acquire("w")
+    view = RunView.of(store.require_config(), "r")
+    client = ServerClient("http://srv", transport=httpx.MockTransport(server))
+    worker = Worker(settings, Started(store, view, lock, staging, 0), client, "w.1")  # type: ignore[arg-type]
+    t = threading.Thread(target=worker.run)
+    t.start()
+    if stop_when_done is not None:  # a long-running (not --burst) worker
+        deadline = time.monotonic() + 60
+        while set(store.done) != ids_of(stop_when_done) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker.request_stop()
+    t.join(60)
+    assert not t.is_alive(), "worker did not finish"
+    return worker
+
+
+def ids_of(refs: list[SampleRef]) -> set[str]:
+    return {sid for sid, _ in refs}
+
+
+def every_sample_marked_once(store: FakeStore, refs: list[SampleRef]) -> None:
+    assert set(store.done) == ids_of(refs)
+    assert all(store.calls[f"mark:{sid}"] == 1 for sid in store.done)
+    assert not store.dead and not store.held
+
+
+@pytest.mark.parametrize("inflight", [1, 4])
+def test_all_samples_done_once_with_k_in_flight(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]], inflight: int
+) -> None:
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, inflight=inflight)
+    every_sample_marked_once(store, refs)
+    assert store.calls["finish"] == len(jobs_of(refs))
+    files = list((tmp_path / "out" / "r").rglob("*.safetensors"))
+    assert len(files) == len(refs)
+    assert (
+        store.cfg is not None and store.cfg.dump_dtype == "bfloat16" and store.cfg.hidden_size == 16
+    )
+
+
+def test_unreadable_dataset_is_handed_back_never_dead(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D2: a dataset moved away for a second sent 95% of a run to the dead letter."""
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    away = ds.with_suffix(".away")
+    ds.rename(away)
+    store.on_give_back = lambda: away.exists() and away.rename(ds)  # type: ignore[func-returns-value]
+    run_worker(tmp_path, store)
+    assert store.calls["give_back"] >= 1
+    every_sample_marked_once(store, refs)
+
+
+def test_eio_reading_the_dataset_is_handed_back_never_dead(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds, refs = dataset
+    failures = iter(range(3))
+
+    def flaky(path: Path, sid: str, entry: IndexEntry) -> Any:
+        if next(failures, None) is not None:
+            raise OSError(errno.EIO, "Input/output error")
+        return read_sample(path, sid, entry)
+
+    monkeypatch.setattr("workers.extract.read_sample", flaky)
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    run_worker(tmp_path, store)
+    every_sample_marked_once(store, refs)
+
+
+def test_server_5xx_is_retried_without_using_attempts(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    server = FakeServer(tmp_path, lambda call, _ids: {"status": 500} if call < 2 else {})
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    run_worker(tmp_path, store, server, inflight=1)
+    every_sample_marked_once(store, refs)
+
+
+def test_a_poison_5xx_sample_ends_dead_after_the_crash_budget(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    poison = fingerprint(read_sample(ds, refs[0][0], refs[0][1]).input_ids)
+    server = FakeServer(
+        tmp_path, lambda _c, ids: {"status": 500} if fingerprint(ids) == poison else {}
+    )
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, server)
+    assert store.dead[refs[0][0]]["reason"] == "server_error"
+    assert set(store.done) == ids_of(refs[1:])
+
+
+def test_a_malformed_tensor_header_ends_dead_never_silently_dropped(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D3: header entries that are not objects crashed the persist handler, the
+    chunk finished anyway and the sample was in no queue and not dead."""
+    ds, refs = dataset
+    bad = fingerprint(read_sample(ds, refs[2][0], refs[2][1]).input_ids)
+    header = {AUX_TENSOR: 5, LAST_TENSOR: "x"}
+    server = FakeServer(
+        tmp_path, lambda _c, ids: {"header": header} if fingerprint(ids) == bad else {}
+    )
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, server)
+    assert store.dead[refs[2][0]]["reason"] == "corrupt_dump"
+    assert store.dead[refs[2][0]]["attempts"] == 3
+    assert set(store.done) | set(store.dead) == ids_of(refs) and not store.held
+
+
+def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds, refs = dataset
+    import workers.persist
+
+    real = workers.persist.write_output
+    boom = iter([True])
+
+    def flaky(*a: Any, **kw: Any) -> Any:
+        if next(boom, False):
+            raise KeyError("surprise")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(workers.persist, "write_output", flaky)
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    with structlog.testing.capture_logs() as logs:
+        run_worker(tmp_path, store)
+    every_sample_marked_once(store, refs)
+    assert [e["reason"] for e in logs if e["event"] == "sample_retry"] == ["internal_error"]
+
+
+def test_a_first_dump_that_fails_validation_pins_nothing(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D11: a bad first dump pinned its model and every later sample failed."""
+    ds, refs = dataset
+    server = FakeServer(tmp_path, lambda c, _ids: {"model": EVIL, "nan": True} if c == 0 else {})
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, server, inflight=1)
+    every_sample_marked_once(store, refs)
+    assert store.cfg is not None and store.cfg.model_id == IDENT.model_id
+
+
+def test_dtype_and_hidden_size_are_pinned_and_checked(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D12: one run ended with BF16 and F32 files side by side."""
+    ds, refs = dataset
+    f32 = fingerprint(read_sample(ds, refs[5][0], refs[5][1]).input_ids)
+    server = FakeServer(
+        tmp_path, lambda _c, ids: {"dtype": "float32"} if fingerprint(ids) == f32 else {}
+    )
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, server, inflight=1)
+    assert store.dead[refs[5][0]]["reason"] == "meta_mismatch"
+    assert "dtype" in store.dead[refs[5][0]]["message"]
+    assert set(store.done) == ids_of(refs) - {refs[5][0]}
+    assert store.cfg is not None and store.cfg.dump_dtype == "bfloat16"
+
+
+def test_hidden_size_pinned_in_the_run_is_enforced(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "out", hidden_size=32), jobs_of(refs[:3]))
+    run_worker(tmp_path, store)
+    assert {v["reason"] for v in store.dead.values()} == {"meta_mismatch"}
+    assert not store.done
+
+
+def test_run_changed_drops_in_flight_work_and_continues_with_the_new_config(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D1/D10 (worker side): purge + re-create under a running worker."""
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "old"), jobs_of(refs))
+    new_cfg = config(ds, tmp_path / "new")
+    marks = iter(range(100))
+
+    def on_mark(_sid: str) -> None:
+        if next(marks) == 3:  # after 3 samples: the run is purged and re-created
+            store.recreate(None, [])
+            threading.Timer(0.3, lambda: store.recreate(new_cfg, jobs_of(refs))).start()
+
+    store.on_mark = on_mark
+    with structlog.testing.capture_logs() as logs:
+        w = run_worker(tmp_path, store)
+    events = [e["event"] for e in logs]
+    assert "run_changed" in events and "run_gone_waiting" in events
+    assert "run_config_reloaded" in events
+    assert w.view.out_root == tmp_path / "new" / "r"
+    every_sample_marked_once(store, refs)
+    assert len(list((tmp_path / "new" / "r").rglob("*.safetensors"))) == len(refs)
+
+
+def test_protocol_scan_reads_each_dump_once(tmp_path: Path) -> None:
+    # The scan is the hot loop of the dispatcher: it must not read tensors.
+    d = tmp_path / "d"
+    d.mkdir()
+    FakeServer(d)._dump([1, 2, 3], "r", {})
+    s = protocol.scan_by_rid(d)
+    assert list(s.complete) == ["r"] and s.writing == 0
+
+
+def test_an_idle_worker_notices_a_wiped_run_and_picks_up_the_new_one(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """Issue 15, D10: after a Redis wipe and re-create with another --out, workers kept
+    writing into the old directory (and an idle one said nothing)."""
+    ds, refs = dataset
+    store = FakeStore(config(ds, tmp_path / "old"), [])
+    new_cfg = config(ds, tmp_path / "new", created=1.0)
+
+    def wipe_then_recreate() -> None:
+        store.recreate(None, [])
+        time.sleep(0.5)
+        store.recreate(new_cfg, jobs_of(refs))
+
+    threading.Timer(0.3, wipe_then_recreate).start()
+    with structlog.testing.capture_logs() as logs:
+        w = run_worker(tmp_path, store, burst=False, reap_interval_s=0.1, stop_when_done=refs)
+    events = [e["event"] for e in logs]
+    assert "run_gone_waiting" in events and "run_config_reloaded" in events
+    assert w.view.out_root == tmp_path / "new" / "r"
+    every_sample_marked_once(store, refs)
+
+
+def test_k_requests_are_in_flight_at_once(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    barrier = threading.Barrier(4, timeout=20)  # breaks unless 4 requests wait together
+
+    def together(call: int, _ids: list[int]) -> dict[str, Any]:
+        if call < 4:
+            barrier.wait()
+        return {}
+
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    run_worker(tmp_path, store, FakeServer(tmp_path, together), inflight=4)
+    every_sample_marked_once(store, refs)
+
+
+def test_max_inflight_tokens_bounds_the_tokens_on_the_server(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    ds, refs = dataset
+    lock = threading.Lock()
+    now, peak = [0], [0]
+
+    class Counting(FakeServer):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path != "/generate":
+                return super().__call__(request)
+            n = len(json.loads(request.content)["input_ids"])
+            with lock:
+                now[0] += n
+                peak[0] = max(peak[0], now[0])
+            try:
+                time.sleep(0.01)
+                return super().__call__(request)
+            finally:
+                with lock:
+                    now[0] -= n
+
+    budget = 30
+    longest = max(e.num_tokens for _, e in refs)
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    w = run_worker(tmp_path, store, Counting(tmp_path), inflight=8, max_inflight_tokens=budget)
+    every_sample_marked_once(store, refs)
+    assert peak[0] <= max(budget, longest)
+    assert w.peak_inflight_tokens <= max(budget, longest)
+
+
+def test_a_chunk_handed_back_does_not_bring_back_its_retried_samples(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """A sample already in a retry job (or dead) is not redone from its handed-back chunk:
+    it would be written twice, or end both dead and done."""
+    ds, refs = dataset
+    calls: Counter[str] = Counter()
+
+    def behave(call: int, ids: list[int]) -> dict[str, Any]:
+        calls[fingerprint(ids)] += 1
+        if call == 0:
+            return {"nan": True}  # sample 0: non_finite, retried as a job of its own
+        if call == 1:
+            return {"status": 503}  # sample 1: server not ready, the chunk goes back
+        return {}
+
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    run_worker(tmp_path, store, FakeServer(tmp_path, behave), inflight=1)
+    every_sample_marked_once(store, refs)
+    first = fingerprint(read_sample(ds, refs[0][0], refs[0][1]).input_ids)
+    assert calls[first] == 2  # the bad attempt and its retry, not a third from the chunk

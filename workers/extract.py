@@ -1,0 +1,92 @@
+"""The send/match stage: read a sample, send it with a fresh rid, get its dump by rid.
+
+Runs on a pool of K threads (``--inflight``), so up to K requests are in flight on the
+server; the dispatcher matches their dumps. A validated dump is handed to the persist
+stage, whose bounded queue blocks this thread when it is full: backpressure reaches the
+server instead of memory growing.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hsq.dataset import read_sample
+from hsq.errors import CachedTokensError, WrongLengthError
+from hsq.protocol import check_meta, remove_dump
+from workers.chunks import WorkItem
+from workers.client import ServerClient
+from workers.dispatch import Dispatcher
+from workers.events import Event, EventKind
+from workers.metrics import WorkerMetrics
+from workers.persist import PersistStage, StagedSample
+from workers.runview import RunView
+
+
+class SendStage:
+    def __init__(
+        self,
+        client: ServerClient,
+        dispatcher: Dispatcher,
+        persist: PersistStage,
+        events: queue.Queue[Event],
+        metrics: WorkerMetrics,
+        inflight: int,
+    ) -> None:
+        self.client = client
+        self.dispatcher = dispatcher
+        self.persist = persist
+        self.events = events
+        self.metrics = metrics
+        self._pool = ThreadPoolExecutor(max(1, inflight), thread_name_prefix="send")
+
+    def submit(self, item: WorkItem, view: RunView) -> None:
+        self._pool.submit(self._run, item, view)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _run(self, item: WorkItem, view: RunView) -> None:
+        try:
+            staged = self.extract(item, view)
+        except Exception as exc:  # every failure is classified by the ack stage
+            self.events.put(Event(item, EventKind.FAILED, exc, from_send=True))
+            return
+        self.persist.submit(staged)  # blocks while the persist stage is full
+        self.events.put(Event(item, EventKind.SENT))
+
+    def extract(self, item: WorkItem, view: RunView) -> StagedSample:
+        sid, entry = item.ref
+        sample = read_sample(view.dataset, sid, entry)
+        n = len(sample.input_ids)
+        rid = f"hsq-{sid}-a{item.attempt}-{secrets.token_hex(4)}"
+        t0 = time.perf_counter()
+        ticket = self.dispatcher.register(rid, n)
+        try:
+            answer = self.client.prefill(sample.input_ids, rid)
+            self.dispatcher.answered(rid)
+            t1 = time.perf_counter()
+            if answer.prompt_tokens != n:
+                raise WrongLengthError(
+                    f"server counted {answer.prompt_tokens} prompt tokens, sent {n}"
+                )
+            if answer.cached_tokens != 0:
+                raise CachedTokensError(
+                    f"server reused {answer.cached_tokens} cached tokens; disable the radix cache"
+                )
+            found = self.dispatcher.wait(ticket, self.client.healthy)
+        except BaseException:
+            self.dispatcher.abandon(rid)
+            raise
+        t2 = time.perf_counter()
+        try:
+            check_meta(found.meta, view.expected(rid, sample))
+        except BaseException:
+            remove_dump(found.path)
+            raise
+        self.metrics.observe("request", t1 - t0)
+        self.metrics.observe("wait_done", t2 - t1)
+        timings = {"request_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "stage_ms": 0.0}
+        return StagedSample(item, sample, found.path, found.meta, view, timings)

@@ -1,0 +1,154 @@
+"""The failure policy: what happens to a sample after an exception. Pure logic, no I/O.
+
+Every exception raised while handling a sample is classified into a :class:`Kind`; with
+the sample's attempt and crash counts :func:`decide` turns it into an :class:`Outcome`.
+Nothing is dropped: an exception this module does not know is ``internal_error``, which is
+retried and, after ``max_attempts``, dead-lettered with its message.
+
+    Kind         example                                  outcome
+    SAMPLE       bad dump, wrong length, NaN, unknown bug RETRY, DEAD after max_attempts
+    PERMANENT    4xx, bad dataset line, dataset changed   DEAD now
+    SERVER_FAIL  server died mid-request, 5xx answer       RETRY (no attempt used) / HAND_BACK,
+                                                           DEAD after max_server_crashes
+    PAUSE        server down, dataset unreadable (EIO,    HAND_BACK the chunk untouched and
+                 missing), disk full, Redis unreachable   back off: never the sample's fault
+    RUN_CHANGED  run purged or re-created                 drop in-flight work, re-read the run
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import redis
+
+from hsq.errors import (
+    DatasetError,
+    DumpError,
+    HsqError,
+    OutputError,
+    RunChangedError,
+    ServerRejectedError,
+    ServerUnavailableError,
+    StoreError,
+    StoreUnavailableError,
+)
+from workers.client import MidRequestFailure
+
+# The one place that says "Redis is unreachable" (redis-py's own errors go once the store
+# translates every one of them into StoreUnavailableError).
+STORE_DOWN: tuple[type[BaseException], ...] = (
+    StoreUnavailableError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+# For the places that only log and go on (heartbeat, shutdown, settling after a fault).
+STORE_DOWN_OR_RUN_CHANGED: tuple[type[BaseException], ...] = (*STORE_DOWN, RunChangedError)
+STORE_TROUBLE: tuple[type[BaseException], ...] = (HsqError, *STORE_DOWN)
+
+# Dataset reasons that mean "the file is not there or not readable right now".
+DATASET_TRANSIENT = {"dataset_unreadable"}
+
+
+class Outcome(enum.Enum):
+    DONE = "done"
+    RETRY = "retry"
+    DEAD = "dead"
+    HAND_BACK = "hand_back"
+    RUN_CHANGED = "run_changed"
+
+
+class Kind(enum.Enum):
+    SAMPLE = "sample"
+    PERMANENT = "permanent"
+    SERVER_FAIL = "server_fail"
+    PAUSE = "pause"
+    RUN_CHANGED = "run_changed"
+
+
+class Pause(enum.Enum):
+    """Why the worker stops sending for a while; all are outside the sample."""
+
+    SERVER_DOWN = "server_down"
+    DATASET_UNAVAILABLE = "dataset_unavailable"
+    OUTPUT_UNWRITABLE = "output_unwritable"
+    STORE_DOWN = "store_down"
+    SERVER_ERRORS = "server_errors"
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    reason: str
+    message: str
+    pause: Pause | None = None
+    mid_request: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    reason: str
+    attempts: int
+    """The attempt count recorded with a retry or in the dead letter."""
+    pause: Pause | None = None
+
+
+def classify(exc: BaseException) -> Failure:
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, RunChangedError):
+        return Failure(Kind.RUN_CHANGED, "run_changed", msg)
+    if isinstance(exc, STORE_DOWN):
+        return Failure(Kind.PAUSE, "store_unavailable", msg, Pause.STORE_DOWN)
+    if isinstance(exc, DumpError):
+        return Failure(Kind.SAMPLE, exc.reason, msg)
+    if isinstance(exc, DatasetError):
+        if exc.reason in DATASET_TRANSIENT:
+            return Failure(Kind.PAUSE, exc.reason, msg, Pause.DATASET_UNAVAILABLE)
+        return Failure(Kind.PERMANENT, exc.reason, msg)
+    if isinstance(exc, MidRequestFailure):
+        return Failure(Kind.SERVER_FAIL, "server_crash", msg, Pause.SERVER_DOWN, mid_request=True)
+    if isinstance(exc, ServerUnavailableError):
+        return Failure(Kind.PAUSE, "server_unavailable", msg, Pause.SERVER_DOWN)
+    if isinstance(exc, ServerRejectedError):
+        if 400 <= exc.status_code < 500:
+            return Failure(Kind.PERMANENT, "rejected", msg)
+        return Failure(Kind.SERVER_FAIL, "server_error", msg, Pause.SERVER_ERRORS)
+    if isinstance(exc, OutputError):
+        return Failure(Kind.PAUSE, "output_unwritable", msg, Pause.OUTPUT_UNWRITABLE)
+    if isinstance(exc, OSError):
+        # EIO and friends reading the dataset or staging: the disk, not the sample.
+        return Failure(Kind.PAUSE, "io_error", msg, Pause.DATASET_UNAVAILABLE)
+    if isinstance(exc, StoreError):
+        return Failure(Kind.PAUSE, "store_error", msg, Pause.STORE_DOWN)
+    return Failure(Kind.SAMPLE, "internal_error", f"{type(exc).__name__}: {msg}")
+
+
+def decide(
+    failure: Failure, attempt: int, max_attempts: int, crashes: int = 0, max_crashes: int = 3
+) -> Decision:
+    """``attempt`` is the sample's attempt number (0-based); ``crashes`` the server failures
+    recorded for it, this one included."""
+    attempts = attempt + 1
+    if failure.kind is Kind.RUN_CHANGED:
+        return Decision(Outcome.RUN_CHANGED, failure.reason, attempt)
+    if failure.kind is Kind.PAUSE:
+        return Decision(Outcome.HAND_BACK, failure.reason, attempt, failure.pause)
+    if failure.kind is Kind.PERMANENT:
+        return Decision(Outcome.DEAD, failure.reason, attempts)
+    if failure.kind is Kind.SERVER_FAIL:
+        if crashes >= max_crashes:
+            return Decision(Outcome.DEAD, failure.reason, attempts)
+        if failure.mid_request:  # the server is probably gone: hand back, wait for it
+            return Decision(Outcome.HAND_BACK, failure.reason, attempt, failure.pause)
+        # A 5xx: retried without using an attempt; the worker backs off.
+        return Decision(Outcome.RETRY, failure.reason, attempt, failure.pause)
+    if attempts >= max_attempts:
+        return Decision(Outcome.DEAD, failure.reason, attempts)
+    return Decision(Outcome.RETRY, failure.reason, attempts)
+
+
+def backoff(failures: int, base: float = 0.25, cap: float = 30.0) -> float:
+    """Exponential backoff after ``failures`` consecutive failures (>= 1)."""
+    return float(min(cap, base * 2 ** max(0, failures - 1)))
