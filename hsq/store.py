@@ -229,6 +229,11 @@ class RunStore:
         )
         return bool(res)
 
+    def iter_manifest(self) -> Iterator[tuple[str, ManifestEntry]]:
+        """Every done sample with its manifest entry (HSCAN: no one huge reply)."""
+        for field, raw in self.r.hscan_iter(self.k.done, count=1000):
+            yield _s(field), ManifestEntry.from_json(raw)
+
     def get_manifest(self, sample_id: str) -> ManifestEntry | None:
         raw = self.r.hget(self.k.done, sample_id)
         return ManifestEntry.from_json(raw) if raw else None

@@ -8,6 +8,7 @@ after a partial extraction enqueues only the rest. Failures are requeued with `h
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,8 +50,15 @@ class EnqueueReport:
 
 
 def enqueue_run(
-    store: RunStore, cfg: RunConfig, *, strict: bool = False, progress: bool = True
+    store: RunStore,
+    cfg: RunConfig,
+    *,
+    strict: bool = False,
+    progress: bool = True,
+    rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
 ) -> EnqueueReport:
+    """`rejected`: (key, error, id) of rows refused before the dataset was written (chat
+    rows `hsq tokenize` could not use); they go to the dead letter as invalid lines do."""
     cfg.validate()
     existing = store.load_config()
     if existing is not None:
@@ -61,6 +69,7 @@ def enqueue_run(
             )
     report = EnqueueReport()
     valid, bad = _scan(Path(cfg.dataset), cfg.max_tokens, report, progress)
+    _add_rejected(report, bad, rejected)
     report.valid = len(valid)
     if strict and bad:
         raise DatasetError(
@@ -111,6 +120,16 @@ def enqueue_run(
 
 
 Bad = list[tuple[str, DatasetError, str | None]]
+
+
+def _add_rejected(
+    report: EnqueueReport, bad: Bad, rejected: Sequence[tuple[str, DatasetError, str | None]]
+) -> None:
+    for key, err, sid in rejected:
+        bad.append((key, err, sid))
+        report.invalid[err.reason] += 1
+        if len(report.problems) < 20:
+            report.problems.append(f"{key.removeprefix('line:')}: {err}")
 
 
 def _scan(
