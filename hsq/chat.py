@@ -22,6 +22,7 @@ silently repaired.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import re
@@ -222,17 +223,58 @@ def arrange(
 
 
 class ChatTokenizer:
+    CHECKS = 32
+    """Boundaries per process computed both ways before the fast way is trusted."""
+
     def __init__(self, tok: Any, markers: Markers, options: ChatOptions) -> None:
         self.tok = tok
         self.markers = markers
         self.pattern = markers.pattern
         self.options = options
+        # Added tokens the tokenizer splits the text on before anything else, and which
+        # match their text exactly (no whitespace stripping, no normalization).
+        self.anchors = {
+            i
+            for i, t in getattr(tok, "added_tokens_decoder", {}).items()
+            if not (t.lstrip or t.rstrip or t.normalized)
+        }
+        self.checks_left = self.CHECKS if getattr(tok, "is_fast", False) else -1
 
     def _encode_len(self, texts: list[str]) -> list[int]:
         if not texts:
             return []
         enc = self.tok(texts, add_special_tokens=False)["input_ids"]
         return [len(x) for x in enc]
+
+    def _boundaries(
+        self, text: str, ids: list[int], offsets: list[Any], chars: list[int]
+    ) -> list[int]:
+        """len(encode(text[:c])) for each c, as SpecForge computes it.
+
+        Re-encoding every prefix is quadratic in the number of turns. A fast tokenizer
+        splits the text at added tokens first and tokenizes the pieces independently,
+        so the prefix up to c has the tokens up to the last added token that ends before
+        c, plus those of the short text after it. Each process checks this against the
+        full re-encoding on its first boundaries and keeps the slow way on any difference.
+        """
+        if self.checks_left < 0:
+            return self._encode_len([text[:c] for c in chars])
+        anchors: list[tuple[int, int]] = [(0, 0)]  # (char end, tokens up to it)
+        for j, tid in enumerate(ids):
+            if tid in self.anchors:
+                anchors.append((offsets[j][1], j + 1))
+        cut: list[tuple[int, int]] = []
+        for c in chars:
+            k = bisect.bisect_right(anchors, (c, len(ids) + 1)) - 1
+            cut.append(anchors[k])
+        tails = self._encode_len([text[a:c] for (a, _), c in zip(cut, chars, strict=True)])
+        fast = [k0 + n for (_, k0), n in zip(cut, tails, strict=True)]
+        if self.checks_left > 0:
+            self.checks_left = max(0, self.checks_left - len(chars))
+            if fast != self._encode_len([text[:c] for c in chars]):
+                self.checks_left = -1
+                return self._encode_len([text[:c] for c in chars])
+        return fast
 
     def __call__(self, row: Any) -> Tokenized:
         if not isinstance(row, dict):
@@ -253,7 +295,8 @@ class ChatTokenizer:
             raise DatasetError(f"chat template failed: {exc}", "template_error") from exc
         if not isinstance(text, str):
             raise DatasetError("chat template did not return text", "template_error")
-        ids: list[int] = self.tok(text, add_special_tokens=False)["input_ids"]
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.checks_left >= 0)
+        ids: list[int] = enc["input_ids"]
         spans = list(self.pattern.finditer(text))
         if self.options.last_turn_only and spans:
             spans = spans[-1:]
@@ -262,9 +305,8 @@ class ChatTokenizer:
                 f"no assistant span ({self.markers.assistant_header!r}) in the rendered text",
                 "template_error",
             )
-        bounds = self._encode_len(
-            [text[: s.start(1)] for s in spans] + [text[: s.end(1)] for s in spans]
-        )
+        chars = [s.start(1) for s in spans] + [s.end(1) for s in spans]
+        bounds = self._boundaries(text, ids, enc.get("offset_mapping", []), chars)
         mask = [0] * len(ids)
         for start, end in zip(bounds[: len(spans)], bounds[len(spans) :], strict=True):
             mask[start : min(end, len(ids))] = [1] * max(0, min(end, len(ids)) - start)
