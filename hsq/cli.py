@@ -213,6 +213,18 @@ def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
     )
 
 
+def _looks_like_chat(path: Path) -> bool:
+    import json
+
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
+
+
 @cli.command("tokenize")
 @click.argument("chats", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
@@ -347,7 +359,15 @@ def enqueue(
         max_tokens=max_tokens,
     )
     store = RunStore(connect(redis_url), run)
-    report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
+    try:
+        report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
+    except DatasetError as exc:
+        if tokenizer is None and _looks_like_chat(dataset):
+            raise DatasetError(
+                f"{exc}; the lines look like chat rows: pass --tokenizer DIR (see `hsq tokenize`)",
+                exc.reason,
+            ) from exc
+        raise
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:

@@ -9,6 +9,7 @@ killed run leaves no half file under the final name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -153,23 +154,39 @@ def _batches(path: Path) -> Iterator[list[tuple[int, bytes]]]:
         yield batch
 
 
+@contextlib.contextmanager
+def _mapper(jobs: int, settings: TokenizeSettings, chat: ChatTokenizer) -> Iterator[Any]:
+    """An ordered map over batches: in this process for one job, else a process pool."""
+    global _worker
+    if jobs == 1:
+        _worker = chat
+        try:
+            yield map
+        finally:
+            _worker = None
+        return
+    # spawn: a fork of a process that already ran the Rust tokenizer can deadlock.
+    with mp.get_context("spawn").Pool(jobs, initializer=_init, initargs=(settings,)) as pool:
+        yield pool.imap
+
+
 def tokenize_file(
     src: Path, dst: Path, settings: TokenizeSettings, *, progress: bool = True
 ) -> tuple[TokenizeReport, list[Reject]]:
     import time
 
     t0 = time.perf_counter()
-    build(settings)  # fail fast (tokenizer, template, markers) before starting processes
-    jobs = settings.jobs or os.cpu_count() or 1
+    chat = build(settings)  # fail fast (tokenizer, template, markers) before any process
+    # By default a process per core, but not more than one per MiB: starting a process
+    # (importing transformers, loading the tokenizer) costs seconds.
+    jobs = settings.jobs or min(os.cpu_count() or 1, src.stat().st_size // 2**20 + 1)
     report = TokenizeReport()
     rejects: list[Reject] = []
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     rtmp = rejects_path(dst).with_name(f".{rejects_path(dst).name}.{os.getpid()}.tmp")
-    # spawn: a fork of a process that already ran the Rust tokenizer can deadlock.
-    ctx = mp.get_context("spawn")
     try:
         with (
-            ctx.Pool(jobs, initializer=_init, initargs=(settings,)) as pool,
+            _mapper(jobs, settings, chat) as mapper,
             open(tmp, "w") as out,
             open(rtmp, "w") as rout,
             tqdm(
@@ -189,7 +206,7 @@ def tokenize_file(
                     sizes.append(sum(len(x) + 1 for _, x in b))
                     yield b
 
-            for i, results in enumerate(pool.imap(_work, feed())):
+            for i, results in enumerate(mapper(_work, feed())):
                 for res in results:
                     report.rows += 1
                     if isinstance(res, Reject):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hsq.data import HiddenStateDataset, collate
+from hsq.errors import OutputError
 from hsq.outputs import open_output
 from hsq.procs import RedisServer, ReferenceServer, hsq_command
 from tests.helpers import hsq, start_worker, store, wait_until
@@ -38,6 +41,8 @@ if SPECFORGE_MISSING and os.environ.get("CI"):  # CI must run these checks, not 
 needs_specforge = pytest.mark.skipif(bool(SPECFORGE_MISSING), reason=SPECFORGE_MISSING)
 
 Factory = Callable[..., ReferenceServer]
+# One real extraction serves the module; on a loaded 2-core machine it takes minutes.
+pytestmark = pytest.mark.timeout(600)
 RUN = "walk"
 
 
@@ -111,7 +116,10 @@ def walk(
     )
     srv = server_factory(name="walksrv").wait_ready()
     w = start_worker(base, RUN, srv, url, "--burst")
-    assert w.proc.wait(180) == 0, w.log_tail()
+    try:
+        assert w.proc.wait(300) == 0, w.log_tail()
+    finally:
+        w.stop()
     export = base / "specforge"
     first = hsq(
         "export",
@@ -375,3 +383,38 @@ def test_enqueue_with_tokenizer_tokenizes_and_dead_letters_in_one_step(
         check=True,
     )
     assert "enqueued        0 samples" in again.stdout
+    raw = hsq("enqueue", str(src), "--run", "walk-raw", "--out", str(base / "out4"), "--redis", url)
+    assert raw.returncode == 1 and "pass --tokenizer DIR" in raw.stderr
+
+
+def test_dataset_without_a_manifest_pickles_and_never_unpickles(walk: dict[str, Any]) -> None:
+    st = store(walk["url"], RUN)
+    picked = sorted(st.iter_manifest())[:2]
+    scan = walk["base"] / "scan"
+    for _sid, entry in picked:
+        (scan / Path(entry.path).parent).mkdir(parents=True, exist_ok=True)
+        shutil.copy(walk["out"] / entry.path, scan / entry.path)
+    ds = pickle.loads(pickle.dumps(HiddenStateDataset(scan)))  # what DataLoader workers get
+    assert sorted(ds[i]["id"] for i in range(len(ds))) == [sid for sid, _ in picked]
+    # A pickle disguised as an output is refused by the reader, never loaded.
+    evil = scan / "00" / "evil.safetensors"
+    evil.parent.mkdir(exist_ok=True)
+    evil.write_bytes(pickle.dumps({"input_ids": [1, 2]}))
+    with_evil = HiddenStateDataset(scan)
+    at = next(i for i, item in enumerate(with_evil.items) if item.sample_id == "evil")
+    with pytest.raises(OutputError):
+        with_evil[at]
+    with pytest.raises(OutputError, match="not a readable output"):
+        open_output(evil)
+
+
+def test_open_output_refuses_damaged_files(walk: dict[str, Any], tmp_path: Path) -> None:
+    sid, entry = next(store(walk["url"], RUN).iter_manifest())
+    good = (walk["out"] / entry.path).read_bytes()
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(good[: len(good) - 7])
+    with pytest.raises(OutputError, match="not a readable output"):
+        open_output(torn)
+    ok = open_output(walk["out"] / entry.path)
+    assert ok.sample_id == sid and ok.layer_ids == [2, 4, 5]
+    assert ok.aux_hidden_states.shape == (ok.num_tokens, 3 * 64)
