@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 
 from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
-from hsq.errors import DatasetError
+from hsq.errors import ConfigError, DatasetError
 from hsq.toytok import build_chatml_tokenizer
 from producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
 
@@ -234,3 +235,47 @@ def test_tokenize_file_keeps_order_rejects_bad_rows_and_goes_on(
     assert reasons == {reason for reason, _, opts in BAD_ROWS if not opts} | {"malformed_json"}
     assert read_rejects(rejects_path(dst)) == rejects
     assert all(r.key.startswith("line:") and r.message for r in rejects)
+
+
+LLAMA3_STYLE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.skipif(GeneralParser is None, reason=SPECFORGE_MISSING)
+def test_template_file_markers_are_read_off_it_and_still_match_specforge(
+    tok_dir: Path, tmp_path: Path
+) -> None:
+    # Markers that are plain text to this tokenizer (not added tokens): the fast
+    # boundaries have no anchors to lean on and must still equal re-encoding.
+    (tmp_path / "t.jinja").write_text(LLAMA3_STYLE)
+    tok = load_tokenizer(tok_dir, template=tmp_path / "t.jinja")
+    markers = infer_markers(tok)
+    assert markers.assistant_header == "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert markers.end_of_turn == "<|eot_id|>"
+    template = ChatTemplate(
+        assistant_header=markers.assistant_header,
+        user_header="<|start_header_id|>user<|end_header_id|>\n\n",
+        end_of_turn_token=markers.end_of_turn,
+    )
+    parser, ours = GeneralParser(tok, template), chat(tok)
+    ours.checks_left = 0
+    for row in CONVERSATIONS[:6]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ids, mask = parser.parse(row["conversations"], 2048)
+        got = ours(row)
+        assert (got.input_ids, got.loss_mask) == (ids.tolist(), mask.tolist())
+
+
+def test_a_tokenizer_without_a_template_is_a_usage_error(tok_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(tok_dir, bare)
+    (bare / "chat_template.jinja").unlink()
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="--template"):
+        load_tokenizer(bare)
