@@ -418,3 +418,29 @@ def test_open_output_refuses_damaged_files(walk: dict[str, Any], tmp_path: Path)
     ok = open_output(walk["out"] / entry.path)
     assert ok.sample_id == sid and ok.layer_ids == [2, 4, 5]
     assert ok.aux_hidden_states.shape == (ok.num_tokens, 3 * 64)
+
+
+def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> None:
+    copy = walk["base"] / "damaged"
+    shutil.copytree(walk["out"], copy / RUN)
+    _, entry = next(store(walk["url"], RUN).iter_manifest())
+    victim = copy / RUN / entry.path
+    victim.write_bytes(victim.read_bytes()[:100])
+    dest = walk["base"] / "from-damaged"
+    res = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        walk["url"],
+        "--format",
+        "specforge",
+        "--to",
+        str(dest),
+        "--out",
+        str(copy),
+        "--no-progress",
+    )
+    assert res.returncode == 1 and "failed    1" in res.stdout
+    assert "not a readable output" in res.stderr
+    assert len(list(dest.rglob("*.ckpt"))) == 10
