@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from hsq.data import MANIFEST
-from hsq.errors import ConfigError, OutputError
-from hsq.outputs import ManifestEntry, open_output
+from hsq.errors import ConfigError, DatasetError, OutputError
+from hsq.outputs import ManifestEntry, open_output, output_relpath
 
 if TYPE_CHECKING:
     from hsq.store import RunStore
@@ -83,9 +83,23 @@ def check_layers(store: RunStore, expect: list[int] | None) -> list[int] | None:
     return layers
 
 
-def ckpt_path(dest: Path, entry: ManifestEntry, sample_id: str) -> Path:
-    shard = Path(entry.path).parent.name  # the output's shard, already from a checked id
-    return dest / shard / f"{sample_id}{CKPT}"
+def checked_entry(sample_id: str, entry: ManifestEntry | None) -> ManifestEntry:
+    """A manifest entry from Redis whose path is the one hsq derives from the id (never a
+    path taken on trust: it decides where files are read and written)."""
+    if entry is None:
+        raise OutputError("damaged manifest entry")
+    try:
+        want = output_relpath(sample_id)
+    except DatasetError as exc:
+        raise OutputError(f"unsafe sample id: {exc}") from exc
+    if entry.path != want:
+        raise OutputError(f"manifest path {entry.path!r} is not {want!r}")
+    return entry
+
+
+def ckpt_path(dest: Path, sample_id: str) -> Path:
+    """`<shard>/<id>.ckpt`, the same shard as the output (id already checked)."""
+    return dest / Path(output_relpath(sample_id)).parent / f"{sample_id}{CKPT}"
 
 
 def specforge_tensors(path: Path, sample_id: str, expect: list[int] | None) -> dict[str, Any]:
@@ -141,10 +155,11 @@ def _save(path: Path, tensors: dict[str, Any]) -> int:
 
 
 def export_one(
-    root: Path, dest: Path, sample_id: str, entry: ManifestEntry, expect: list[int] | None
+    root: Path, dest: Path, sample_id: str, raw: ManifestEntry | None, expect: list[int] | None
 ) -> int | None:
     """Bytes written, or None when a valid file was already there."""
-    target = ckpt_path(dest, entry, sample_id)
+    entry = checked_entry(sample_id, raw)
+    target = ckpt_path(dest, sample_id)
     if is_valid_ckpt(target, entry.num_tokens):
         return None
     return _save(target, specforge_tensors(root / entry.path, sample_id, expect))
@@ -178,7 +193,7 @@ def export_specforge(
     _clear_temps(dest)
     dest.mkdir(parents=True, exist_ok=True)
 
-    def one(item: tuple[str, ManifestEntry]) -> tuple[str, int | None, str | None]:
+    def one(item: tuple[str, ManifestEntry | None]) -> tuple[str, int | None, str | None]:
         sid, entry = item
         try:
             return sid, export_one(root, dest, sid, entry, expect_layers), None
@@ -228,13 +243,16 @@ def _window_map(
 def export_manifest(store: RunStore, root: Path, *, partial: bool = False) -> int:
     """Write `root/manifest.jsonl` (sorted by path) from the run's manifest; returns lines."""
     check_complete(store, partial)
-    rows = sorted(
-        (
-            e.path,
-            json.dumps({"id": sid, "path": e.path, "num_tokens": e.num_tokens, "bytes": e.bytes}),
-        )
-        for sid, e in store.iter_manifest()
-    )
+    rows = []
+    for sid, raw in store.iter_manifest():
+        try:
+            e = checked_entry(sid, raw)
+        except OutputError as exc:
+            log.warning("manifest_entry_skipped", sample_id=sid, error=str(exc))
+            continue
+        line = {"id": sid, "path": e.path, "num_tokens": e.num_tokens, "bytes": e.bytes}
+        rows.append((e.path, json.dumps(line)))
+    rows.sort()
     tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
     root.mkdir(parents=True, exist_ok=True)
     with open(tmp, "w") as f:

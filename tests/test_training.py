@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 
 from hsq.data import HiddenStateDataset, collate
 from hsq.errors import OutputError
-from hsq.outputs import open_output
+from hsq.export import checked_entry, ckpt_path
+from hsq.outputs import ManifestEntry, open_output, output_relpath
 from hsq.procs import RedisServer, ReferenceServer, hsq_command
 from tests.helpers import hsq, start_worker, store, wait_until
 
@@ -444,3 +445,16 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     assert res.returncode == 1 and "failed    1" in res.stdout
     assert "not a readable output" in res.stderr
     assert len(list(dest.rglob("*.ckpt"))) == 10
+
+
+def test_manifest_entries_from_redis_are_not_trusted_as_paths() -> None:
+    good = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
+    assert checked_entry("s1", good) is good
+    assert ckpt_path(Path("/d"), "s1") == Path("/d") / Path(good.path).parent / "s1.ckpt"
+    for sid, entry in [
+        ("s1", None),
+        ("s1", ManifestEntry("../../../etc/s1.safetensors", 3, 10, "crc32:0", "w", 0.0, 0)),
+        ("../s1", good),
+    ]:
+        with pytest.raises(OutputError):
+            checked_entry(sid, entry)
