@@ -271,11 +271,10 @@ def open_output(path: Path) -> OutputSample:
     meta = header.metadata
     if meta.get("format") != OUTPUT_FORMAT:
         raise OutputError(f"{path}: format {meta.get('format')!r}, expected {OUTPUT_FORMAT!r}")
-    tensors: dict[str, Any] = {}
-    for name in ("input_ids", "loss_mask", AUX_TENSOR, LAST_TENSOR):
-        info = header.tensors.get(name)
-        if info is None or info.dtype not in _TORCH_DTYPES:
-            raise OutputError(f"{path}: tensor {name!r} missing or of unknown dtype")
+    tensors: dict[str, Any] = {}  # every stored tensor, as stored
+    for name, info in header.tensors.items():
+        if info.dtype not in _TORCH_DTYPES:
+            raise OutputError(f"{path}: tensor {name!r} has unknown dtype {info.dtype}")
         dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
         count = info.nbytes // stfile.ITEMSIZE[info.dtype]
         flat = (
@@ -284,6 +283,11 @@ def open_output(path: Path) -> OutputSample:
             else torch.empty(0, dtype=dtype)
         )
         tensors[name] = flat.view(info.shape)
+    # Decoding a storage format (e.g. fp8 values and their scales) into the logical
+    # tensors belongs here, before the checks below.
+    missing = [n for n in ("input_ids", "loss_mask", AUX_TENSOR, LAST_TENSOR) if n not in tensors]
+    if missing:
+        raise OutputError(f"{path}: missing tensors {missing}")
     ids, mask = tensors["input_ids"], tensors["loss_mask"]
     aux, last = tensors[AUX_TENSOR], tensors[LAST_TENSOR]
     n = ids.shape[0] if ids.dim() == 1 else -1
