@@ -185,6 +185,107 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+def _chat_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by `tokenize` and `enqueue --tokenizer` (see docs/training.md)."""
+    opts = [
+        click.option(
+            "--template",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            default=None,
+            help="Jinja chat template file [default: the tokenizer's own]",
+        ),
+        click.option("--max-length", type=int, default=None, help="cut longer rows (recorded)"),
+        click.option(
+            "--no-truncate",
+            is_flag=True,
+            help="rows longer than --max-length go to the dead letter instead",
+        ),
+        click.option("--last-turn-only", is_flag=True, help="loss on the last assistant turn only"),
+        click.option(
+            "--system-prompt", default=None, help="system message for rows that have none"
+        ),
+        click.option(
+            "--assistant-header",
+            default=None,
+            help="text opening an assistant turn [default: read off the template]",
+        ),
+        click.option(
+            "--end-of-turn",
+            default=None,
+            help="text closing an assistant turn [default: read off the template]",
+        ),
+        click.option("--jobs", type=int, default=None, help="processes [default: every core]"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
+    from hsq.chat import ChatOptions
+    from producer.tokenize import TokenizeSettings
+
+    if kw["max_length"] is not None and kw["max_length"] < 1:
+        raise ConfigError("--max-length must be >= 1")
+    return TokenizeSettings(
+        tokenizer=str(tokenizer),
+        template=str(kw["template"]) if kw["template"] else None,
+        assistant_header=kw["assistant_header"],
+        end_of_turn=kw["end_of_turn"],
+        options=ChatOptions(
+            max_length=kw["max_length"],
+            truncate=not kw["no_truncate"],
+            last_turn_only=kw["last_turn_only"],
+            system_prompt=kw["system_prompt"],
+        ),
+        jobs=kw["jobs"],
+    )
+
+
+def _looks_like_chat(path: Path) -> bool:
+    import json
+
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
+
+
+@cli.command("tokenize")
+@click.argument("chats", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--tokenizer",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="local Hugging Face tokenizer directory (nothing is downloaded)",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@_chat_options
+@click.option("--no-progress", is_flag=True)
+def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw: Any) -> None:
+    """Tokenize chat rows (ShareGPT / OpenAI messages) into `hsq enqueue`'s JSONL.
+
+    input_ids and loss_mask (1 on assistant turns, end-of-turn token included) equal
+    SpecForge 0.2.0's GeneralParser on the same tokenizer and template. Unusable rows go
+    to OUTPUT.rejects.jsonl with a reason; `hsq enqueue OUTPUT` dead-letters them.
+
+    \b
+    Example:
+      hsq tokenize chats.jsonl --tokenizer /models/qwen3-8b -o tokens.jsonl --max-length 4096
+    """
+    from producer.tokenize import rejects_path, tokenize_file
+
+    report, _ = tokenize_file(
+        chats, output, _tokenize_settings(tokenizer, kw), progress=not no_progress
+    )
+    for line in report.lines_out():
+        click.echo(line)
+    click.echo(f"wrote {output} and {rejects_path(output)}")
+
+
 @cli.command("enqueue")
 @click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--run", required=True, envvar="HSQ_RUN", help="run name ([A-Za-z0-9_-])")
@@ -223,6 +324,20 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--strict", is_flag=True, help="refuse the whole dataset if any line is bad")
 @click.option("--no-progress", is_flag=True)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="DATASET holds chat rows: tokenize them with this local HF tokenizer first",
+)
+@click.option(
+    "--tokens",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="with --tokenizer: where the tokenized JSONL goes (on storage every worker "
+    "reads) [default: DATASET's name with .tokens.jsonl, next to it]",
+)
+@_chat_options
 def enqueue(
     dataset: Path,
     run: str,
@@ -236,17 +351,38 @@ def enqueue(
     store_dtype: str | None,
     strict: bool,
     no_progress: bool,
+    tokenizer: Path | None,
+    tokens: Path | None,
+    **chat_kw: Any,
 ) -> None:
     """Validate DATASET (JSONL) and enqueue the samples that are neither done nor queued.
 
     \b
     Example:
       hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+      hsq enqueue chats.jsonl --tokenizer /models/qwen3-8b --run q3 --out /shared/hs
     Running it again enqueues nothing; after a partial run it enqueues only the rest.
+    With --tokenizer, DATASET holds chat rows (see `hsq tokenize`); rows that cannot be
+    used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
+    DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
+    from hsq.errors import DatasetError
     from hsq.runconfig import RunConfig
     from hsq.store import RunStore, connect
     from producer.enqueue import enqueue_run
+    from producer.tokenize import read_rejects, rejects_path, tokenize_file
+
+    if tokenizer is not None:
+        tokens = tokens or dataset.with_name(dataset.name.removesuffix(".jsonl") + ".tokens.jsonl")
+        tok_report, rejects = tokenize_file(
+            dataset, tokens, _tokenize_settings(tokenizer, chat_kw), progress=not no_progress
+        )
+        for line in tok_report.lines_out():
+            click.echo(line)
+        dataset = tokens
+    else:
+        rejects = read_rejects(rejects_path(dataset))
+    rejected = [(r.key, DatasetError(r.message, r.reason), r.id) for r in rejects]
 
     layer_ids = _layers(layers)
     store = RunStore(connect(redis_url), run)
@@ -264,7 +400,15 @@ def enqueue(
         max_tokens=max_tokens,
         store_dtype=store_dtype,
     )
-    report = enqueue_run(store, cfg, strict=strict, progress=not no_progress)
+    try:
+        report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
+    except DatasetError as exc:
+        if tokenizer is None and _looks_like_chat(dataset):
+            raise DatasetError(
+                f"{exc}; the lines look like chat rows: pass --tokenizer DIR (see `hsq tokenize`)",
+                exc.reason,
+            ) from exc
+        raise
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:
@@ -651,6 +795,97 @@ def verify(
         n = repair(st, root, res)
         click.echo(f"requeued {n} samples")
     if res.problems:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command("export")
+@click.option("--run", required=True, envvar="HSQ_RUN")
+@_redis_option
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["specforge", "manifest"]),
+    required=True,
+    help="specforge: <shard>/<id>.ckpt files for SpecForge's offline trainer; manifest: "
+    "OUT/RUN/manifest.jsonl for hsq.data",
+)
+@click.option(
+    "--to",
+    "dest",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="destination directory (--format specforge)",
+)
+@click.option("--jobs", default=4, show_default=True, type=int, help="files written at once")
+@click.option("--partial", is_flag=True, help="export a run that is not complete yet")
+@click.option(
+    "--expect-layers",
+    default=None,
+    help="refuse unless the run captured these layer ids (HF hidden_states indices)",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="output root if it is mounted elsewhere here [default: the run's]",
+)
+@click.option("--no-progress", is_flag=True)
+def export(
+    run: str,
+    redis_url: str,
+    fmt: str,
+    dest: Path | None,
+    jobs: int,
+    partial: bool,
+    expect_layers: str | None,
+    out: Path | None,
+    no_progress: bool,
+) -> None:
+    """Write a run's outputs in the layout a trainer reads.
+
+    Resumable: files already there and valid are skipped, so running it again writes
+    nothing. A killed export leaves only dot-named .tmp files, which no trainer reads.
+
+    \b
+    Example:
+      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8
+      specforge train --config cfg.yaml   # data.hidden_states_path: /shared/specforge/q3
+    """
+    from tqdm import tqdm
+
+    from hsq.export import export_manifest, export_specforge
+
+    st = _store(redis_url, run)
+    root = (out or Path(st.require_config().out)) / run
+    if fmt == "manifest":
+        n = export_manifest(st, root, partial=partial)
+        click.echo(f"wrote {root / 'manifest.jsonl'}: {n} samples")
+        return
+    if dest is None:
+        raise ConfigError("--format specforge needs --to DIR")
+    layers = _layers(expect_layers)
+    with tqdm(
+        total=st.count(st.k.done),
+        unit="file",
+        desc="exporting",
+        disable=no_progress,
+        file=sys.stderr,
+        mininterval=0.5,
+    ) as bar:
+        report = export_specforge(
+            st,
+            root,
+            dest,
+            jobs=jobs,
+            partial=partial,
+            expect_layers=list(layers) if layers else None,
+            on_progress=bar.update,
+        )
+    for line in report.lines_out():
+        click.echo(line)
+    for sid, err in list(report.failed.items())[:20]:
+        click.echo(f"  failed  {sid}: {err}", err=True)
+    if report.failed:
         sys.exit(EXIT_PROBLEMS)
 
 

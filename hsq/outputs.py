@@ -20,7 +20,7 @@ import secrets
 import sys
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -283,3 +283,122 @@ def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
     if header_fp != fingerprint(tensors["input_ids"]):
         problems.append("input_ids do not match the recorded fingerprint")
     return problems
+
+
+# ---------------------------------------------------------------------------- reading
+# The one reader of output files: hsq.data and `hsq export` read only through open_output,
+# so a new storage format (e.g. FP8 with scales) is decoded here and nowhere else.
+
+_TORCH_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "F8_E4M3": "float8_e4m3fn",
+}
+
+
+@dataclass(frozen=True)
+class OutputSample:
+    """One output file's tensors, mapped from the file (not copied) and metadata."""
+
+    sample_id: str
+    input_ids: Any
+    """torch.int64 [T]"""
+    loss_mask: Any
+    """torch.int64 [T]"""
+    aux_hidden_states: Any
+    """[T, k*H], the aux layers concatenated in `layer_ids` order"""
+    last_hidden_state: Any
+    """[T, H], after the model's final norm"""
+    layer_ids: list[int]
+    metadata: dict[str, str]
+    scales: dict[str, Any] = field(default_factory=dict)
+    """Only with open_output(raw=True) on an fp8 file: `<name>_scale` float32 tensors
+    ([T, k] for aux, [T, 1] for last); the hidden states are then the stored fp8 values."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def open_output(path: Path, *, raw: bool = False) -> OutputSample:
+    """Map one output file and check its structure; raises OutputError if it is not one.
+
+    The tensors are views of a private (copy-on-write) mapping: nothing is read until it
+    is touched, and nothing is ever written back. Never unpickles. An fp8 file's states
+    are dequantized to bf16 (a copy); `raw=True` hands back the stored fp8 values and
+    their scales instead.
+    """
+    import torch
+
+    from hsq import quant, stfile
+    from hsq.protocol import AUX_TENSOR, LAST_TENSOR
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise OutputError(f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        header = stfile.read_header(fd)
+        mm = stfile.map_file(fd) if header.file_size else None
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: not a readable output file: {exc}") from exc
+    finally:
+        os.close(fd)  # the mapping stays valid without the descriptor
+    meta = header.metadata
+    if meta.get("format") != OUTPUT_FORMAT:
+        raise OutputError(f"{path}: format {meta.get('format')!r}, expected {OUTPUT_FORMAT!r}")
+    tensors: dict[str, Any] = {}  # every stored tensor, as stored
+    for name, info in header.tensors.items():
+        if info.dtype not in _TORCH_DTYPES:
+            raise OutputError(f"{path}: tensor {name!r} has unknown dtype {info.dtype}")
+        dtype = getattr(torch, _TORCH_DTYPES[info.dtype])
+        count = info.nbytes // stfile.ITEMSIZE[info.dtype]
+        flat = (
+            torch.frombuffer(mm, dtype=dtype, count=count, offset=info.start)
+            if count and mm is not None
+            else torch.empty(0, dtype=dtype)
+        )
+        tensors[name] = flat.view(info.shape)
+    # The storage format (fp8 values and their scales) decoded into the logical tensors.
+    tensors = quant.logical_tensors(tensors, meta, raw=raw)
+    scales = {n: tensors.pop(n) for n in list(tensors) if n.endswith(quant.SCALE_SUFFIX)}
+    missing = [n for n in ("input_ids", "loss_mask", AUX_TENSOR, LAST_TENSOR) if n not in tensors]
+    if missing:
+        raise OutputError(f"{path}: missing tensors {missing}")
+    ids, mask = tensors["input_ids"], tensors["loss_mask"]
+    aux, last = tensors[AUX_TENSOR], tensors[LAST_TENSOR]
+    n = ids.shape[0] if ids.dim() == 1 else -1
+    if (
+        ids.dtype != torch.int64
+        or mask.dtype != torch.int64
+        or list(mask.shape) != [n]
+        or aux.dim() != 2
+        or last.dim() != 2
+        or aux.shape[0] != n
+        or last.shape[0] != n
+        or aux.shape[1] % max(last.shape[1], 1) != 0
+    ):
+        raise OutputError(
+            f"{path}: inconsistent shapes: input_ids {list(ids.shape)}, loss_mask "
+            f"{list(mask.shape)}, {AUX_TENSOR} {list(aux.shape)}, {LAST_TENSOR} {list(last.shape)}"
+        )
+    try:
+        layer_ids = [int(x) for x in json.loads(meta.get("layer_ids", "[]"))]
+    except (ValueError, TypeError) as exc:
+        raise OutputError(f"{path}: bad layer_ids metadata") from exc
+    return OutputSample(
+        sample_id=meta.get("sample_id", ""),
+        input_ids=ids,
+        loss_mask=mask,
+        aux_hidden_states=aux,
+        last_hidden_state=last,
+        layer_ids=layer_ids,
+        metadata=dict(meta),
+        scales=scales,
+    )

@@ -542,6 +542,16 @@ class RunStore:
         )
         return bool(res)
 
+    def iter_manifest(self) -> Iterator[tuple[str, ManifestEntry | None]]:
+        """Every done sample with its manifest entry (HSCAN: no one huge reply); None for
+        an entry that does not parse (Redis is untrusted)."""
+        for field, raw in self.r.hscan_iter(self.k.done, count=1000):
+            try:
+                entry: ManifestEntry | None = ManifestEntry.from_json(raw)
+            except (ValueError, TypeError):
+                entry = None
+            yield _s(field), entry
+
     def get_manifest(self, sample_id: str) -> ManifestEntry | None:
         raw = self.r.hget(self.k.done, sample_id)
         if not raw:

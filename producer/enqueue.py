@@ -19,6 +19,7 @@ import json
 import os
 import socket
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,11 +77,16 @@ def enqueue_run(
     strict: bool = False,
     progress: bool = True,
     recover: bool = False,
+    rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
 ) -> EnqueueReport:
+    """`rejected`: (key, error, id) of rows refused before the dataset was written (chat
+    rows `hsq tokenize` could not use); they go to the dead letter as invalid lines do."""
     cfg.validate()
     holder = f"{socket.gethostname()}:{os.getpid()}"
     with store.enqueue_lock(holder):
-        return _enqueue_locked(store, cfg, strict=strict, progress=progress, recover=recover)
+        return _enqueue_locked(
+            store, cfg, strict=strict, progress=progress, recover=recover, rejected=rejected
+        )
 
 
 def recover_run(store: RunStore, cfg: RunConfig, *, progress: bool = True) -> EnqueueReport:
@@ -89,7 +95,13 @@ def recover_run(store: RunStore, cfg: RunConfig, *, progress: bool = True) -> En
 
 
 def _enqueue_locked(
-    store: RunStore, cfg: RunConfig, *, strict: bool, progress: bool, recover: bool
+    store: RunStore,
+    cfg: RunConfig,
+    *,
+    strict: bool,
+    progress: bool,
+    recover: bool,
+    rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
 ) -> EnqueueReport:
     existing = store.load_config()
     if existing is not None:
@@ -100,6 +112,7 @@ def _enqueue_locked(
             )
     report = EnqueueReport()
     valid, bad = _scan(Path(cfg.dataset), cfg.max_tokens, report, progress)
+    _add_rejected(report, bad, rejected)
     report.valid = len(valid)
     if strict and bad:
         raise DatasetError(
@@ -236,6 +249,16 @@ def _pin_from_file(store: RunStore, path: Path) -> tuple[str, list[int]] | None:
 
 
 Bad = list[tuple[str, DatasetError, str | None]]
+
+
+def _add_rejected(
+    report: EnqueueReport, bad: Bad, rejected: Sequence[tuple[str, DatasetError, str | None]]
+) -> None:
+    for key, err, sid in rejected:
+        bad.append((key, err, sid))
+        report.invalid[err.reason] += 1
+        if len(report.problems) < 20:
+            report.problems.append(f"{key.removeprefix('line:')}: {err}")
 
 
 def _scan(

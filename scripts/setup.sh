@@ -54,6 +54,11 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" >"$constraints"
 say "installing hsq (editable) with dev tools"
 "${pip[@]}" install -q -c "$constraints" -e '.[dev]'
+# SpecForge's own parser and reader check hsq's tokenize and export (tests/test_chat.py,
+# tests/test_training.py). --no-deps: its pins (torch 2.11, sglang, ...) are not needed by
+# the modules the tests import (torch, transformers, pydantic only).
+say "installing specforge==0.2.0 --no-deps (tests compare against its parser and reader)"
+"${pip[@]}" install -q --no-deps specforge==0.2.0
 say "fetching pinned SGLang wheels (read as source by tests/test_sglang_conformance.py)"
 ./scripts/fetch_sglang_sources.sh
 say "done: torch $torch_version, $(.venv/bin/hsq --version)"

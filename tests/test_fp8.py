@@ -349,3 +349,23 @@ def test_run_config_store_dtype_defaults_to_bf16_and_is_checked() -> None:
     ]
     with pytest.raises(ConfigError):
         RunConfig("r", "/d", "/o", store_dtype="fp16").validate()
+
+
+def test_open_output_dequantizes_fp8_and_hands_back_raw_when_asked(tmp_path: Path) -> None:
+    """The training reader (hsq.data, hsq export) sees bf16 states for both formats."""
+    from hsq.outputs import open_output
+
+    bf16_path, _, _ = written(tmp_path, "bf16")
+    fp8_path, _, tensors = written(tmp_path, "fp8-e4m3")
+    plain, deq = open_output(bf16_path), open_output(fp8_path)
+    assert deq.aux_hidden_states.dtype == torch.bfloat16 and not deq.scales
+    assert torch.equal(plain.aux_hidden_states, tensors[AUX_TENSOR])
+    for name, got in ((AUX_TENSOR, deq.aux_hidden_states), (LAST_TENSOR, deq.last_hidden_state)):
+        want = tensors[name].float()
+        err = (got.float() - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+        assert float(err.max()) < 0.06
+    assert torch.equal(deq.input_ids, plain.input_ids)
+    raw = open_output(fp8_path, raw=True)
+    assert raw.aux_hidden_states.dtype == torch.float8_e4m3fn
+    assert sorted(raw.scales) == [AUX_TENSOR + "_scale", LAST_TENSOR + "_scale"]
+    assert list(raw.scales[AUX_TENSOR + "_scale"].shape) == [9, 3]

@@ -1,0 +1,460 @@
+"""The README walkthrough with real processes: chat rows -> tokenize -> enqueue -> worker on
+the reference server's tiny model -> export -> SpecForge 0.2.0's own reader; and hsq.data.
+
+Uses the session redis-server without flushing it (runs here have their own names), so
+the module's one extraction serves every test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hsq.data import HiddenStateDataset, collate
+from hsq.errors import OutputError
+from hsq.export import checked_entry, ckpt_path
+from hsq.outputs import ManifestEntry, open_output, output_relpath
+from hsq.procs import RedisServer, ReferenceServer, hsq_command
+from tests.helpers import hsq, start_worker, store, wait_until
+
+try:
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import list_feature_files
+except ImportError as exc:  # `make setup` installs it; say why if it is missing
+    SPECFORGE_MISSING = f"specforge==0.2.0 not importable ({exc}); run `make setup`"
+else:
+    SPECFORGE_MISSING = ""
+if SPECFORGE_MISSING and os.environ.get("CI"):  # CI must run these checks, not skip them
+    raise RuntimeError(SPECFORGE_MISSING)
+needs_specforge = pytest.mark.skipif(bool(SPECFORGE_MISSING), reason=SPECFORGE_MISSING)
+
+Factory = Callable[..., ReferenceServer]
+# One real extraction serves the module; on a loaded 2-core machine it takes minutes.
+pytestmark = pytest.mark.timeout(600)
+RUN = "walk"
+
+
+def chats() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for i in range(10):
+        rows.append(
+            {
+                "id": f"s{i}",
+                "conversations": [
+                    {"from": "human", "value": f"Question {i}: what is {i} + {i}?"},
+                    {"from": "gpt", "value": f"It is {2 * i}."},
+                    {"from": "human", "value": "Thanks!"},
+                    {"from": "gpt", "value": "You are welcome."},
+                ],
+            }
+        )
+    rows.append(  # OpenAI messages, no id: a stable one is derived
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy."},
+            ]
+        }
+    )
+    rows += [
+        {"id": "bad-noassistant", "conversations": [{"from": "human", "value": "hello?"}]},
+        {"id": "bad-role", "conversations": [{"from": "robot", "value": "beep"}]},
+        {"id": "bad-empty", "conversations": [{"from": "human", "value": ""}]},
+    ]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def walk(
+    tmp_path_factory: pytest.TempPathFactory, server_factory: Factory, redis_server: RedisServer
+) -> Iterator[dict[str, Any]]:
+    base = tmp_path_factory.mktemp("walk")
+    url = redis_server.url
+    subprocess.run([sys.executable, "-m", "hsq.toytok", str(base / "tok")], check=True)
+    src = base / "chats.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in chats()))
+    tokens = base / "tokens.jsonl"
+    hsq(
+        "tokenize",
+        str(src),
+        "--tokenizer",
+        str(base / "tok"),
+        "-o",
+        str(tokens),
+        "--jobs",
+        "2",
+        "--no-progress",
+        check=True,
+    )
+    out = base / "out"
+    hsq(
+        "enqueue",
+        str(tokens),
+        "--run",
+        RUN,
+        "--out",
+        str(out),
+        "--redis",
+        url,
+        "--chunk-size",
+        "4",
+        "--no-progress",
+        check=True,
+    )
+    srv = server_factory(name="walksrv").wait_ready()
+    w = start_worker(base, RUN, srv, url, "--burst")
+    try:
+        assert w.proc.wait(300) == 0, w.log_tail()
+    finally:
+        w.stop()
+    export = base / "specforge"
+    first = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        url,
+        "--format",
+        "specforge",
+        "--to",
+        str(export),
+        "--jobs",
+        "2",
+        "--no-progress",
+        check=True,
+    )
+    yield {
+        "base": base,
+        "url": url,
+        "out": out / RUN,
+        "export": export,
+        "tokens": tokens,
+        "first": first.stdout,
+    }
+
+
+def test_bad_chat_rows_reach_the_dead_letter_and_the_rest_is_done(walk: dict[str, Any]) -> None:
+    st = store(walk["url"], RUN)
+    assert st.count(st.k.done) == 11
+    dead = st.dead_entries()
+    assert sorted(e["reason"] for e in dead.values()) == [
+        "empty_content",
+        "no_assistant",
+        "unknown_role",
+    ]
+    assert all(k.startswith("line:chat:") and e["message"] for k, e in dead.items())
+    status = json.loads(
+        hsq("status", "--run", RUN, "--redis", walk["url"], "--json", check=True).stdout
+    )
+    assert (status["total"], status["done"], status["dead"]) == (14, 11, 3)
+
+
+@needs_specforge
+def test_specforge_reads_every_export_and_every_tensor_equals_hsqs(walk: dict[str, Any]) -> None:
+    st = store(walk["url"], RUN)
+    files = list_feature_files(str(walk["export"]))
+    assert len(files) == 11
+    assert "written   11 files" in walk["first"]
+    for sid, entry in st.iter_manifest():
+        path = walk["export"] / Path(entry.path).parent / f"{sid}.ckpt"
+        assert str(path.resolve()) in files
+        raw = load_feature_file(str(path))
+        ours = open_output(walk["out"] / entry.path)
+        assert raw["input_ids"].dtype == raw["loss_mask"].dtype == torch.int64
+        assert torch.equal(raw["input_ids"], ours.input_ids)
+        assert torch.equal(raw["loss_mask"], ours.loss_mask)
+        assert torch.equal(raw["hidden_state"], ours.last_hidden_state.unsqueeze(0))
+        assert torch.equal(raw["aux_hidden_state"], ours.aux_hidden_states.unsqueeze(0))
+        storages = {t.untyped_storage().data_ptr() for t in raw.values()}
+        assert len(storages) == 4 and all(t.is_contiguous() for t in raw.values())
+        norm = normalize_offline_sample(raw, max_len=2048)
+        n = ours.num_tokens
+        assert torch.equal(norm["input_ids"], ours.input_ids.unsqueeze(0))
+        assert torch.equal(norm["hidden_state"], ours.aux_hidden_states.unsqueeze(0))
+        assert torch.equal(norm["target"], ours.last_hidden_state.unsqueeze(0))
+        assert torch.equal(norm["loss_mask"][0, : n - 1], ours.loss_mask[: n - 1])
+
+
+def test_export_again_writes_nothing(walk: dict[str, Any]) -> None:
+    again = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        walk["url"],
+        "--format",
+        "specforge",
+        "--to",
+        str(walk["export"]),
+        "--no-progress",
+        check=True,
+    )
+    assert "written   0 files" in again.stdout and "skipped   11" in again.stdout
+
+
+@needs_specforge
+def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> None:
+    dest = walk["base"] / "killed"
+    argv = hsq_command(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        walk["url"],
+        "--format",
+        "specforge",
+        "--to",
+        str(dest),
+        "--jobs",
+        "1",
+        "--no-progress",
+    )
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: proc.poll() is not None or any(dest.rglob("*")), timeout=60, interval=0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    # A torn file under a .ckpt name would be picked up: show the export's own guard too.
+    (dest / "00").mkdir(parents=True, exist_ok=True)
+    (dest / "00" / ".torn.ckpt.1.tmp").write_bytes(b"PK\x03\x04 torn")
+    for f in list_feature_files(str(dest)):
+        raw = load_feature_file(f)
+        assert raw["input_ids"].shape[0] == raw["aux_hidden_state"].shape[1]
+    hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        walk["url"],
+        "--format",
+        "specforge",
+        "--to",
+        str(dest),
+        "--no-progress",
+        check=True,
+    )
+    assert len(list_feature_files(str(dest))) == 11
+    assert not list(dest.rglob("*.tmp"))
+
+
+def test_export_refuses_other_layers_and_an_unfinished_run(walk: dict[str, Any]) -> None:
+    url = walk["url"]
+    wrong = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        url,
+        "--format",
+        "specforge",
+        "--to",
+        str(walk["base"] / "x"),
+        "--expect-layers",
+        "1,3,4",
+    )
+    assert wrong.returncode == 2 and "captured layers [2, 4, 5]" in wrong.stderr
+    ok = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        url,
+        "--format",
+        "specforge",
+        "--to",
+        str(walk["export"]),
+        "--expect-layers",
+        "2,4,5",
+        "--no-progress",
+    )
+    assert ok.returncode == 0, ok.stderr
+    hsq(
+        "enqueue",
+        str(walk["tokens"]),
+        "--run",
+        "walk-pending",
+        "--out",
+        str(walk["base"] / "out2"),
+        "--redis",
+        url,
+        "--no-progress",
+        check=True,
+    )
+    pending = hsq(
+        "export",
+        "--run",
+        "walk-pending",
+        "--redis",
+        url,
+        "--format",
+        "specforge",
+        "--to",
+        str(walk["base"] / "p"),
+    )
+    assert pending.returncode == 2 and "not complete: 11 of 11" in pending.stderr
+    partial = hsq(
+        "export",
+        "--run",
+        "walk-pending",
+        "--redis",
+        url,
+        "--format",
+        "specforge",
+        "--to",
+        str(walk["base"] / "p"),
+        "--partial",
+        "--no-progress",
+    )
+    assert partial.returncode == 0 and "samples   0" in partial.stdout
+
+
+def test_train_in_place_with_a_dataloader(walk: dict[str, Any]) -> None:
+    hsq("export", "--run", RUN, "--redis", walk["url"], "--format", "manifest", check=True)
+    ds = HiddenStateDataset(walk["out"], max_length=24)
+    assert len(ds) == 11 and all(n > 0 for n in ds.lengths)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate)
+    seen = 0
+    for batch in loader:
+        b, t = batch["input_ids"].shape
+        assert t <= 24 and batch["aux_hidden_states"].shape == (b, t, 3 * 64)
+        assert batch["last_hidden_state"].shape == (b, t, 64)
+        for row, sid in enumerate(batch["id"]):
+            ours = open_output(walk["out"] / store(walk["url"], RUN).get_manifest(sid).path)  # type: ignore[union-attr]
+            n = min(ours.num_tokens, 24)
+            assert torch.equal(batch["input_ids"][row, :n], ours.input_ids[:n])
+            assert torch.equal(batch["aux_hidden_states"][row, :n], ours.aux_hidden_states[:n])
+            assert int(batch["attention_mask"][row].sum()) == n
+            assert not batch["loss_mask"][row, n:].any()
+        seen += b
+    assert seen == 11
+
+
+def test_enqueue_with_tokenizer_tokenizes_and_dead_letters_in_one_step(
+    walk: dict[str, Any],
+) -> None:
+    base, url = walk["base"], walk["url"]
+    src = base / "chats.jsonl"
+    res = hsq(
+        "enqueue",
+        str(src),
+        "--tokenizer",
+        str(base / "tok"),
+        "--run",
+        "walk-one",
+        "--out",
+        str(base / "out3"),
+        "--redis",
+        url,
+        "--jobs",
+        "1",
+        "--no-progress",
+        check=True,
+    )
+    assert "enqueued        11 samples" in res.stdout
+    assert (base / "chats.tokens.jsonl").read_text() == walk["tokens"].read_text()
+    st = store(url, "walk-one")
+    assert len(st.dead_entries()) == 3
+    again = hsq(
+        "enqueue",
+        str(src),
+        "--tokenizer",
+        str(base / "tok"),
+        "--run",
+        "walk-one",
+        "--out",
+        str(base / "out3"),
+        "--redis",
+        url,
+        "--jobs",
+        "1",
+        "--no-progress",
+        check=True,
+    )
+    assert "enqueued        0 samples" in again.stdout
+    raw = hsq("enqueue", str(src), "--run", "walk-raw", "--out", str(base / "out4"), "--redis", url)
+    assert raw.returncode == 1 and "pass --tokenizer DIR" in raw.stderr
+
+
+def test_dataset_without_a_manifest_pickles_and_never_unpickles(walk: dict[str, Any]) -> None:
+    st = store(walk["url"], RUN)
+    picked = sorted(st.iter_manifest())[:2]
+    scan = walk["base"] / "scan"
+    for _sid, entry in picked:
+        (scan / Path(entry.path).parent).mkdir(parents=True, exist_ok=True)
+        shutil.copy(walk["out"] / entry.path, scan / entry.path)
+    ds = pickle.loads(pickle.dumps(HiddenStateDataset(scan)))  # what DataLoader workers get
+    assert sorted(ds[i]["id"] for i in range(len(ds))) == [sid for sid, _ in picked]
+    # A pickle disguised as an output is refused by the reader, never loaded.
+    evil = scan / "00" / "evil.safetensors"
+    evil.parent.mkdir(exist_ok=True)
+    evil.write_bytes(pickle.dumps({"input_ids": [1, 2]}))
+    with_evil = HiddenStateDataset(scan)
+    at = next(i for i, item in enumerate(with_evil.items) if item.sample_id == "evil")
+    with pytest.raises(OutputError):
+        with_evil[at]
+    with pytest.raises(OutputError, match="not a readable output"):
+        open_output(evil)
+
+
+def test_open_output_refuses_damaged_files(walk: dict[str, Any], tmp_path: Path) -> None:
+    sid, entry = next(store(walk["url"], RUN).iter_manifest())
+    good = (walk["out"] / entry.path).read_bytes()
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(good[: len(good) - 7])
+    with pytest.raises(OutputError, match="not a readable output"):
+        open_output(torn)
+    ok = open_output(walk["out"] / entry.path)
+    assert ok.sample_id == sid and ok.layer_ids == [2, 4, 5]
+    assert ok.aux_hidden_states.shape == (ok.num_tokens, 3 * 64)
+
+
+def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> None:
+    copy = walk["base"] / "damaged"
+    shutil.copytree(walk["out"], copy / RUN)
+    _, entry = next(store(walk["url"], RUN).iter_manifest())
+    victim = copy / RUN / entry.path
+    victim.write_bytes(victim.read_bytes()[:100])
+    dest = walk["base"] / "from-damaged"
+    res = hsq(
+        "export",
+        "--run",
+        RUN,
+        "--redis",
+        walk["url"],
+        "--format",
+        "specforge",
+        "--to",
+        str(dest),
+        "--out",
+        str(copy),
+        "--no-progress",
+    )
+    assert res.returncode == 1 and "failed    1" in res.stdout
+    assert "not a readable output" in res.stderr
+    assert len(list(dest.rglob("*.ckpt"))) == 10
+
+
+def test_manifest_entries_from_redis_are_not_trusted_as_paths() -> None:
+    good = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
+    assert checked_entry("s1", good) is good
+    assert ckpt_path(Path("/d"), "s1") == Path("/d") / Path(good.path).parent / "s1.ckpt"
+    for sid, entry in [
+        ("s1", None),
+        ("s1", ManifestEntry("../../../etc/s1.safetensors", 3, 10, "crc32:0", "w", 0.0, 0)),
+        ("../s1", good),
+    ]:
+        with pytest.raises(OutputError):
+            checked_entry(sid, entry)
