@@ -68,6 +68,20 @@ def cli(log_level: str, log_format: str) -> None:
 @click.option("--port", default=30000, show_default=True, type=int)
 @click.option("--max-tokens", default=8192, show_default=True, type=int)
 @click.option(
+    "--max-batch-requests",
+    default=8,
+    show_default=True,
+    type=int,
+    help="concurrent requests gathered into one forward (1: one request at a time)",
+)
+@click.option(
+    "--max-batch-tokens",
+    default=16384,
+    show_default=True,
+    type=int,
+    help="tokens per batched forward (a longer single request still runs, alone)",
+)
+@click.option(
     "--warmup",
     default=0,
     show_default=True,
@@ -107,6 +121,8 @@ def serve_reference(
     host: str,
     port: int,
     max_tokens: int,
+    max_batch_requests: int,
+    max_batch_tokens: int,
     warmup: int,
     counter_start: int,
     faults: tuple[str, ...],
@@ -134,6 +150,8 @@ def serve_reference(
         host=host,
         port=port,
         max_tokens=max_tokens,
+        max_batch_requests=max_batch_requests,
+        max_batch_tokens=max_batch_tokens,
         warmup=warmup,
         counter_start=counter_start,
         faults=faults,
