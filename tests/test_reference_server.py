@@ -251,8 +251,10 @@ def _post_concurrently(
     httpx.post(srv.url + "/admin/pause").raise_for_status()
     with ThreadPoolExecutor(len(requests)) as pool:
         try:
-            futures = [pool.submit(generate, srv.url, ids, rid) for rid, ids in requests]
-            _wait_pending(srv, len(requests))
+            futures = []
+            for i, (rid, ids) in enumerate(requests):  # queued in this order (FIFO batches)
+                futures.append(pool.submit(generate, srv.url, ids, rid))
+                _wait_pending(srv, i + 1)
         finally:
             httpx.post(srv.url + "/admin/resume").raise_for_status()
         return [f.result() for f in futures]
@@ -279,7 +281,7 @@ def _batches(srv: ReferenceServer) -> int:
 
 @pytest.fixture(scope="module")
 def batching(server_factory: Factory) -> ReferenceServer:
-    srv = server_factory("--max-batch-requests", "8", "--max-batch-tokens", "4096", name="batch")
+    srv = server_factory("--max-batch-requests", "8", "--max-batch-tokens", "8192", name="batch")
     return srv.wait_ready()
 
 
@@ -326,12 +328,13 @@ def test_max_batch_tokens_and_requests_split_batches(server_factory: Factory) ->
     srv = server_factory(
         "--max-batch-requests", "2", "--max-batch-tokens", "100", name="split"
     ).wait_ready()
-    # FIFO, at most 2 requests and 100 tokens: [60], [60, 30], [30, 20], [150 alone]
-    reqs = _lengths_requests([60, 60, 30, 30, 20, 150], "s")
+    # FIFO, at most 2 requests and 100 padded tokens (requests x longest):
+    # [60], [60], [30, 30], [20, 40], [150 alone]
+    reqs = _lengths_requests([60, 60, 30, 30, 20, 40, 150], "s")
     before = _batches(srv)
     answers = _post_concurrently(srv, reqs)
     assert [r.status_code for r in answers] == [200] * len(reqs)
-    assert _batches(srv) - before == 4
+    assert _batches(srv) - before == 5
     assert len(_dumps_by_rid(srv, len(reqs))) == len(reqs)
 
 

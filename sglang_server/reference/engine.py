@@ -178,14 +178,16 @@ class Engine:
 
     def _take(self) -> list[_Pending]:
         with self._queue_lock:
+            # The budget counts padded tokens (requests x the longest): that is what the
+            # forward computes and holds in activation memory.
             batch: list[_Pending] = []
-            tokens = 0
+            longest = 0
             while self._pending and len(batch) < self.max_batch_requests:
                 n = len(self._pending[0].ids)
-                if batch and tokens + n > self.max_batch_tokens:
+                if batch and (len(batch) + 1) * max(longest, n) > self.max_batch_tokens:
                     break
                 batch.append(self._pending.pop(0))
-                tokens += n
+                longest = max(longest, n)
             return batch
 
     def _run(self, batch: list[_Pending]) -> None:
