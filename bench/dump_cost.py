@@ -85,6 +85,27 @@ def fifo_batches(seqs: list[list[int]], max_requests: int, max_tokens: int) -> l
     return out
 
 
+def drive(engine: Engine, seqs: list[list[int]], clients: int) -> None:
+    """`clients` threads keep requests in flight until every sequence was served."""
+    todo = list(reversed(seqs))
+    lock = threading.Lock()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                ids = todo.pop()
+            engine.generate(ids)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.writer.flush()
+
+
 def batched(
     model: Any, device: str, dump_dir: Path, spec: str, args: argparse.Namespace, per_token: int
 ) -> dict[str, Any]:
@@ -108,29 +129,13 @@ def batched(
         model,
         writer,
         FaultPlan(),
-        max_tokens=1 << 20,
+        max_tokens=int(hi),
         max_batch_requests=args.batch_requests,
         max_batch_tokens=args.batch_tokens,
     )
 
     def run_engine() -> None:
-        todo = list(reversed(seqs))
-        lock = threading.Lock()
-
-        def client() -> None:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    ids = todo.pop()
-                engine.generate(ids)
-
-        threads = [threading.Thread(target=client) for _ in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        writer.flush()
+        drive(engine, seqs, args.clients)
 
     formed: list[list[list[int]]] = []
     real_forward = model.forward_batch
@@ -145,7 +150,9 @@ def batched(
             real_forward(batch)
 
     replay = [[seqs[i] for i in g] for g in groups]
-    run_forward()  # warm-up: every bucket shape, allocator, pinned buffers
+    if args.warmup_shapes:
+        engine.warmup_shapes()
+    run_forward()  # warm-up: allocator, pinned buffers
     run_engine()
     sync(device)
     clear_dump_dir(dump_dir)
@@ -194,6 +201,12 @@ def main() -> None:
     ap.add_argument("--workloads", default="", help="batched: LO-HI:COUNT,... (see above)")
     ap.add_argument("--batch-requests", type=int, default=16)
     ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument(
+        "--warmup-shapes",
+        action="store_true",
+        help="run every padded batch shape once first (else the engine meets new shapes "
+        "that the forward-only replay has already seen)",
+    )
     ap.add_argument("--clients", type=int, default=16, help="requests kept in flight")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

@@ -264,6 +264,11 @@ def main() -> None:
     )
     ap.add_argument("--max-batch-requests", type=int, default=16)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    ap.add_argument(
+        "--warmup-shapes",
+        action="store_true",
+        help="the server runs every padded batch shape once at start (CUDA)",
+    )
     ap.add_argument("--disk-mb", type=int, default=1024, help="data per disk design")
     ap.add_argument("--label", default="")
     args = ap.parse_args()
@@ -297,6 +302,8 @@ def main() -> None:
     ]
     if args.device == "cpu":
         server_args += ["--threads", str(args.server_threads)]
+    if args.warmup_shapes:
+        server_args.append("--warmup-shapes")
     server = ReferenceServer(
         dump_root / "d0", work / "server.log", args=server_args, env={"HSQ_LOG_LEVEL": "DEBUG"}
     )

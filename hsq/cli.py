@@ -82,6 +82,11 @@ def cli(log_level: str, log_format: str) -> None:
     help="tokens per batched forward (a longer single request still runs, alone)",
 )
 @click.option(
+    "--warmup-shapes",
+    is_flag=True,
+    help="on CUDA, run every padded batch shape once at start (first-use cost)",
+)
+@click.option(
     "--warmup",
     default=0,
     show_default=True,
@@ -123,6 +128,7 @@ def serve_reference(
     max_tokens: int,
     max_batch_requests: int,
     max_batch_tokens: int,
+    warmup_shapes: bool,
     warmup: int,
     counter_start: int,
     faults: tuple[str, ...],
@@ -152,6 +158,7 @@ def serve_reference(
         max_tokens=max_tokens,
         max_batch_requests=max_batch_requests,
         max_batch_tokens=max_batch_tokens,
+        warmup_shapes=warmup_shapes,
         warmup=warmup,
         counter_start=counter_start,
         faults=faults,

@@ -404,3 +404,14 @@ def test_closeness_bound() -> None:
     c = closeness(bad, a)
     assert not c.ok and c.max_abs_over_norm >= 0.5
     assert closeness(torch.zeros(2, 4), torch.zeros(2, 4)).ok
+
+
+def test_batch_shapes_cover_every_batch_the_engine_can_form() -> None:
+    from sglang_server.reference.model import batch_shapes, bucket_length
+
+    shapes = set(batch_shapes(2048, 4, 3000))
+    for longest in range(1, 2049):
+        for rows in range(1, 5):
+            if rows == 1 or rows * longest <= 3000:
+                assert (rows, bucket_length(longest)) in shapes, (rows, longest)
+    assert max(r * n for r, n in shapes) <= 4 * 1024  # never far above the budget

@@ -50,6 +50,7 @@ class ReferenceSettings:
     max_tokens: int = 8192
     max_batch_requests: int = 8
     max_batch_tokens: int = 16384
+    warmup_shapes: bool = False
     warmup: int = 0
     counter_start: int = 0
     faults: tuple[str, ...] = ()
@@ -276,6 +277,8 @@ def build_engine(settings: ReferenceSettings) -> Engine:
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
     engine = build_engine(settings)
+    if settings.warmup_shapes:
+        engine.warmup_shapes()
     engine.warmup(settings.warmup)
     server = _Server((settings.host, settings.port), _Handler)
     server.app = ReferenceApp(engine, settings)

@@ -40,6 +40,19 @@ def bucket_length(n: int) -> int:
     return -(-n // step) * step
 
 
+def batch_shapes(max_len: int, max_requests: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every padded (rows, bucket length) a batching engine can run on the GPU, largest
+    first: B rows of longest request n need B * n <= max_tokens (one request always runs)."""
+    out: list[tuple[int, int]] = []
+    prev = 0
+    length = bucket_length(1)
+    while prev < max_len:
+        rows = max(1, min(max_requests, max_tokens // (prev + 1)))
+        out.extend((b, length) for b in range(1, rows + 1))
+        prev, length = length, bucket_length(length + 1)
+    return sorted(out, key=lambda s: s[0] * s[1], reverse=True)
+
+
 def eagle3_default_layers(num_layers: int) -> list[int]:
     """EAGLE-3's rule, in HF hidden_states indexing: [2, L//2, L-3]."""
     return [2, num_layers // 2, num_layers - 3]
