@@ -19,9 +19,10 @@ import json
 import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -211,6 +212,103 @@ def _open_direct(fd: int) -> int | None:
         return None
 
 
+_direct_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _writes() -> ThreadPoolExecutor:
+    """Threads that issue the O_DIRECT writes while the caller stages the next chunk."""
+    global _direct_pool
+    with _pool_lock:
+        if _direct_pool is None:
+            _direct_pool = ThreadPoolExecutor(16, thread_name_prefix="stfile-direct")
+        return _direct_pool
+
+
+def _crc_after(view: memoryview, prev: Future[int] | None) -> int:
+    return zlib.crc32(view, prev.result() if prev is not None else 0)
+
+
+class _Staged:
+    """A file written with O_DIRECT through rotating page-aligned buffers: while the
+    caller reads the next chunk into one buffer, pool threads crc (in order) and write the
+    others, so a file streams at about the slowest of read, crc and write, not their sum."""
+
+    BUFFERS = 3
+
+    def __init__(self, fd: int, dfd: int, crc: bool) -> None:
+        self.fd, self.dfd, self.crc = fd, dfd, crc
+        self.bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(self.BUFFERS)]
+        self.views = [memoryview(b) for b in self.bufs]
+        self.busy: list[list[Future[Any]]] = [[] for _ in self.bufs]
+        self.cur = self.fill = self.at = 0
+        self.value: Future[int] | None = None
+        self.pool = _writes()
+
+    def add(self, src: memoryview | bytes | tuple[int, int, int]) -> None:
+        if isinstance(src, tuple):
+            sfd, off, n = src
+            while n:
+                k = min(n, DIRECT_CHUNK - self.fill)
+                view = self.views[self.cur][self.fill : self.fill + k]
+                k = os.preadv(sfd, [view], off)  # GIL released
+                if k == 0:
+                    raise FormatError("source file ended early")
+                self._advance(k)
+                off, n = off + k, n - k
+        else:
+            data = memoryview(src).cast("B")
+            while data:
+                k = min(len(data), DIRECT_CHUNK - self.fill)
+                self.views[self.cur][self.fill : self.fill + k] = data[:k]
+                self._advance(k)
+                data = data[k:]
+
+    def finish(self) -> tuple[int, int]:
+        aligned = self.fill - self.fill % DIRECT_ALIGN
+        if aligned:
+            tail = bytes(self.views[self.cur][aligned : self.fill])
+            self._emit(aligned, direct=True)
+            self.views[self.cur][: len(tail)] = tail
+            self.fill = len(tail)
+        if self.fill:
+            self._emit(self.fill, direct=False)  # the unaligned tail, through the page cache
+        for i in range(len(self.bufs)):
+            self._wait(i)
+        return self.at, self.value.result() if self.value is not None else 0
+
+    def close(self) -> None:
+        for jobs in self.busy:  # after an error: nothing may still read a buffer we close
+            for job in jobs:
+                job.exception()
+        for view, buf in zip(self.views, self.bufs, strict=True):
+            view.release()
+            buf.close()
+
+    def _advance(self, k: int) -> None:
+        self.fill += k
+        if self.fill == DIRECT_CHUNK:
+            self._emit(self.fill, direct=True)
+
+    def _emit(self, upto: int, direct: bool) -> None:
+        view = self.views[self.cur][:upto]
+        jobs: list[Future[Any]] = [
+            self.pool.submit(_pwrite_all, self.dfd if direct else self.fd, view, self.at)
+        ]
+        if self.crc:
+            self.value = self.pool.submit(_crc_after, view, self.value)
+            jobs.append(self.value)
+        self.busy[self.cur] = jobs
+        self.at += upto
+        self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
+        self._wait(self.cur)  # the next buffer must be written before it is refilled
+
+    def _wait(self, i: int) -> None:
+        jobs, self.busy[i] = self.busy[i], []
+        for job in jobs:
+            job.result()
+
+
 def _write_direct(
     fd: int,
     dfd: int,
@@ -218,53 +316,15 @@ def _write_direct(
     sources: Sequence[memoryview | bytes | tuple[int, int, int]],
     crc: bool,
 ) -> tuple[int, int]:
-    """Stage header and sources into an aligned buffer, write whole chunks with O_DIRECT
-    (dfd), the unaligned tail through fd (fsynced by the caller with the metadata)."""
-    buf = mmap.mmap(-1, DIRECT_CHUNK)  # anonymous mappings are page-aligned
-    view = memoryview(buf)
-    fill = 0
-    at = 0
-    value = 0
-
-    def flush(upto: int, direct: bool) -> None:
-        nonlocal value, at
-        if crc:
-            value = zlib.crc32(view[:upto], value)
-        _pwrite_all(dfd if direct else fd, view[:upto], at)
-        at += upto
-
+    staged = _Staged(fd, dfd, crc)
     try:
         for src in (header, *sources):
-            if isinstance(src, tuple):
-                sfd, off, n = src
-            else:
-                data = memoryview(src).cast("B")
-                off, n = 0, len(data)
-            while n:
-                k = min(n, DIRECT_CHUNK - fill)
-                if isinstance(src, tuple):
-                    got = os.preadv(sfd, [view[fill : fill + k]], off)  # GIL released
-                    if got == 0:
-                        raise FormatError("source file ended early")
-                    k = got
-                else:
-                    view[fill : fill + k] = data[off : off + k]
-                fill, off, n = fill + k, off + k, n - k
-                if fill == DIRECT_CHUNK:
-                    flush(fill, direct=True)
-                    fill = 0
-        aligned = fill - fill % DIRECT_ALIGN
-        if aligned:
-            flush(aligned, direct=True)
-            view[: fill - aligned] = view[aligned:fill]
-            fill -= aligned
-        if fill:
-            flush(fill, direct=False)
+            staged.add(src)
+        total, value = staged.finish()
     finally:
-        view.release()
-        buf.close()
-    os.lseek(fd, at, os.SEEK_SET)  # as if written through fd
-    return at, value
+        staged.close()
+    os.lseek(fd, total, os.SEEK_SET)  # as if written through fd
+    return total, value
 
 
 def write(
