@@ -262,7 +262,12 @@ def main() -> None:
         default=16,
         help="requests in flight for the capacity figure",
     )
-    ap.add_argument("--max-batch-requests", type=int, default=16)
+    ap.add_argument(
+        "--max-batch-requests",
+        type=int,
+        default=None,
+        help="server option [default: 16 on cuda, 1 on cpu: the server's own defaults' logic]",
+    )
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
     ap.add_argument(
         "--warmup-shapes",
@@ -296,7 +301,7 @@ def main() -> None:
         "--max-tokens",
         str(max(args.max_len, 8192)),
         "--max-batch-requests",
-        str(args.max_batch_requests),
+        str(args.max_batch_requests or (1 if args.device == "cpu" else 16)),
         "--max-batch-tokens",
         str(args.max_batch_tokens),
     ]

@@ -69,10 +69,10 @@ def cli(log_level: str, log_format: str) -> None:
 @click.option("--max-tokens", default=8192, show_default=True, type=int)
 @click.option(
     "--max-batch-requests",
-    default=8,
-    show_default=True,
+    default=None,
     type=int,
-    help="concurrent requests gathered into one forward (1: one request at a time)",
+    help="concurrent requests gathered into one forward (1: one request at a time) "
+    "[default: 8 on cuda, 1 on cpu, where a batch costs its rows and padding]",
 )
 @click.option(
     "--max-batch-tokens",
@@ -126,7 +126,7 @@ def serve_reference(
     host: str,
     port: int,
     max_tokens: int,
-    max_batch_requests: int,
+    max_batch_requests: int | None,
     max_batch_tokens: int,
     warmup_shapes: bool,
     warmup: int,

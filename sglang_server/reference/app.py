@@ -48,7 +48,8 @@ class ReferenceSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     max_tokens: int = 8192
-    max_batch_requests: int = 8
+    max_batch_requests: int | None = None
+    """None: 8 on CUDA, 1 on the CPU (where a batch costs its rows, padding included)."""
     max_batch_tokens: int = 16384
     warmup_shapes: bool = False
     warmup: int = 0
@@ -67,7 +68,7 @@ class ReferenceSettings:
             raise ConfigError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if self.max_tokens < 1 or self.warmup < 0 or self.counter_start < 0:
             raise ConfigError("--max-tokens must be >= 1, --warmup and --counter-start >= 0")
-        if self.max_batch_requests < 1 or self.max_batch_tokens < 1:
+        if (self.max_batch_requests or 1) < 1 or self.max_batch_tokens < 1:
             raise ConfigError("--max-batch-requests and --max-batch-tokens must be >= 1")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
@@ -226,7 +227,7 @@ class ReferenceApp:
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
             "max_tokens": s.max_tokens,
-            "max_batch_requests": s.max_batch_requests,
+            "max_batch_requests": self.engine.max_batch_requests,
             "max_batch_tokens": s.max_batch_tokens,
             "batches_run": self.engine.batches,
             "pending_requests": self.engine.pending,
@@ -269,7 +270,7 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         faults,
         max_tokens=settings.max_tokens,
         counter_start=settings.counter_start,
-        max_batch_requests=settings.max_batch_requests,
+        max_batch_requests=settings.max_batch_requests or (8 if model.device.type == "cuda" else 1),
         max_batch_tokens=settings.max_batch_tokens,
     )
 
