@@ -347,7 +347,7 @@ def main() -> None:
     )
     print(f"  {'bare server, one request at a time':<44} {bare_tok_s:>12,.0f} tokens/s")
     for k, v in cap_at.items():
-        print(f"  {f'capacity, {k} in flight (batching server)':<44} {v:>12,.0f} tokens/s")
+        print(f"  {f'capacity, {k} in flight (no persistence)':<44} {v:>12,.0f} tokens/s")
     print(f"  {'straightforward way (sequential)':<44} {naive_tok_s:>12,.0f} tokens/s")
     print("  disk, durable GB/s:", ", ".join(f"{k} {v}" for k, v in disk["gb_s"].items()))  # type: ignore[attr-defined]
     rows = []
