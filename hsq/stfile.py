@@ -282,8 +282,11 @@ class _Staged:
             for job in jobs:
                 job.exception()
         for view, buf in zip(self.views, self.bufs, strict=True):
-            view.release()
-            buf.close()
+            try:
+                view.release()
+                buf.close()
+            except BufferError:
+                pass  # a failed write's traceback still holds a slice: freed with it
 
     def _advance(self, k: int) -> None:
         self.fill += k
@@ -346,6 +349,14 @@ def write(
     if size >= DIRECT_MIN_BYTES and (dfd := _open_direct(fd)) is not None:
         try:
             return _write_direct(fd, dfd, header, sources, crc)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # Opened but refused the writes (alignment rules of some filesystems): start
+            # the file over through the page cache, and stop trying on that filesystem.
+            _direct_refused.add(os.fstat(fd).st_dev)
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
         finally:
             os.close(dfd)
     value = zlib.crc32(header) if crc else 0

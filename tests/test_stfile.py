@@ -141,3 +141,29 @@ def test_large_files_same_bytes_with_and_without_direct_io(
     assert crc == zlib.crc32(data)
     with safe_open(str(out), "pt") as f:
         assert f.metadata() == {"k": "v"}
+
+
+def test_direct_io_refused_mid_file_falls_back_to_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that opens O_DIRECT but refuses the writes (EINVAL) gets the same file
+    through the page cache, and is not tried again."""
+    import errno
+
+    def refuse(fd: int, data: memoryview | bytes, at: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setenv("HSQ_DIRECT_IO", "1")
+    monkeypatch.setattr(stfile, "_pwrite_all", refuse)
+    monkeypatch.setattr(stfile, "_direct_refused", set())
+    payload = os.urandom(stfile.DIRECT_MIN_BYTES + 5)
+    header = stfile.build_header([("x", "U8", [len(payload)], len(payload))], None)
+    out = tmp_path / "o.safetensors"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        total, crc = stfile.write(fd, header, [payload])
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == header + payload and total == len(header) + len(payload)
+    assert crc == zlib.crc32(header + payload)
+    assert os.stat(out).st_dev in stfile._direct_refused
