@@ -134,7 +134,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, self.server.app.set_faults(body))
             elif self.path in ("/admin/pause", "/admin/resume"):
                 engine = self.server.app.engine
-                engine.pause() if self.path == "/admin/pause" else engine.resume()
+                if self.path == "/admin/pause":
+                    engine.pause()
+                else:
+                    engine.resume()
                 self._send(HTTPStatus.OK, {"pending": engine.pending})
             elif self.path == "/flush_cache":
                 self._send(HTTPStatus.OK, None)
@@ -255,7 +258,10 @@ def build_engine(settings: ReferenceSettings) -> Engine:
     per_token = (len(model.layer_ids) + 1) * model.hidden_size * model.dump_dtype.itemsize
     # One host buffer holds a whole batch (one device-to-host copy per forward); a single
     # request may exceed --max-batch-tokens (it then runs alone).
-    batch_tokens = max(settings.max_tokens, settings.max_batch_tokens)
+    batch_requests = settings.max_batch_requests or (8 if model.device.type == "cuda" else 1)
+    batch_tokens = settings.max_tokens
+    if batch_requests > 1:
+        batch_tokens = max(batch_tokens, settings.max_batch_tokens)
     writer = DumpWriter(
         settings.dump_dir,
         depth=settings.writer_depth,
@@ -270,7 +276,7 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         faults,
         max_tokens=settings.max_tokens,
         counter_start=settings.counter_start,
-        max_batch_requests=settings.max_batch_requests or (8 if model.device.type == "cuda" else 1),
+        max_batch_requests=batch_requests,
         max_batch_tokens=settings.max_batch_tokens,
     )
 
