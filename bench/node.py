@@ -1,10 +1,12 @@
 """A whole node: one reference server and one worker per GPU, one Redis, the exporter and
 (when a binary is given) Prometheus; scaling from 1 GPU to all of them, side by side.
 
-Phase "bare": a clear-send-scan loop on GPU 0's server (the single-GPU ceiling).
+Phase "bare": a clear-send-scan loop on GPU 0's server (one request at a time).
+Phase "capacity": K requests in flight on GPU 0's batching server, no persistence.
 Phase "1 gpu": hsq with one server/worker pair.  Phase "N gpus": hsq with every pair.
-Reports aggregate tokens/s against N x bare, Redis commands/s and CPU, disk bandwidth, and
-what the dashboard's queries return from Prometheus.
+Reports aggregate tokens/s against N x bare and against min(N x capacity, storage bound)
+(the disk's best durable rate, bench/disk.py), Redis commands/s and CPU, and what the
+dashboard's queries return from Prometheus. `--inflight K` goes to the workers when K != 1.
 
     python -m bench.node --model llama-8b --samples-per-gpu 60 --out-root /root \\
         --prometheus .prom/prometheus
@@ -24,7 +26,8 @@ from typing import Any
 import httpx
 import torch
 
-from bench.pipeline import bare, disk_bandwidth, load_samples
+from bench.disk import probe
+from bench.pipeline import bare, capacity, load_samples
 from hsq.demo import redis_calls
 from hsq.procs import (
     ManagedProcess,
@@ -78,9 +81,10 @@ def hsq_phase(
     work: Path,
     metrics_ports: list[int],
     prom: str | None = None,
+    inflight: int = 1,
 ) -> dict[str, Any]:
     client = connect(redis_url)
-    run = f"node{n}"
+    run = f"node{n}-{ds.stem}"
     store = RunStore(client, run)
     enqueue_run(store, RunConfig(run=run, dataset=str(ds), out=str(out)), progress=False)
     c0, cpu0, t0 = redis_calls(client), redis_cpu(client), time.perf_counter()
@@ -98,6 +102,7 @@ def hsq_phase(
             str(metrics_ports[i]),
             "--metrics-host",
             "127.0.0.1",
+            *(["--inflight", str(inflight)] if inflight != 1 else []),
         )
         for i, s in enumerate(servers[:n])
     ]
@@ -191,6 +196,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=4096)
     ap.add_argument("--out-root", default=None)
     ap.add_argument("--prometheus", default=None, help="path of a prometheus binary")
+    ap.add_argument("--inflight", type=int, default=1, help="hsq worker --inflight K")
+    ap.add_argument("--capacity-inflight", type=int, default=16)
     args = ap.parse_args()
     n = args.gpus
     work = Path(tempfile.mkdtemp(prefix="hsq-node-"))
@@ -218,7 +225,17 @@ def main() -> None:
         ReferenceServer(
             dumps / f"d{i}",
             work / f"server{i}.log",
-            args=["--model", args.model, "--device", args.device, "--no-fsync", "--warmup", "2"],
+            args=[
+                "--model",
+                args.model,
+                "--device",
+                args.device,
+                "--no-fsync",
+                "--warmup",
+                "2",
+                "--max-batch-requests",
+                str(max(16, args.capacity_inflight)),
+            ],
             env={"CUDA_VISIBLE_DEVICES": str(i)},
         )
         for i in range(n)
@@ -231,11 +248,22 @@ def main() -> None:
         if args.prometheus:
             prom, prom_url = prometheus_report(args.prometheus, work, mports, eport)
         bare_1 = bare(servers[0], load_samples(ds1)[: max(10, args.samples_per_gpu // 2)])
-        one = hsq_phase(1, servers, redis_srv.url, ds1, out_root, work, mports)
+        capacity(servers[0], load_samples(ds1)[:8], 4)  # warm-up: connections, batch shapes
+        cap_1 = capacity(servers[0], load_samples(ds1), args.capacity_inflight)
+        one = hsq_phase(1, servers, redis_srv.url, ds1, out_root, work, mports, None, args.inflight)
         alln = hsq_phase(
-            n, servers, redis_srv.url, dsn, out_root, work, mports, prom_url if prom else None
+            n,
+            servers,
+            redis_srv.url,
+            dsn,
+            out_root,
+            work,
+            mports,
+            prom_url if prom else None,
+            args.inflight,
         )
-        bw = disk_bandwidth(out_root / "bw", total_mb=1024)
+        disk = probe(out_root / "bw", total_mb=1024)
+        bw = float(disk["best_bytes_s"])  # type: ignore[arg-type]
         lines = alln["dashboard"]
     finally:
         for s in servers:
@@ -244,6 +272,7 @@ def main() -> None:
         if prom:
             prom.stop()
         redis_srv.stop()
+    storage_tok_s = bw / (alln["gb_s"] * 1e9 / alln["tok_s"])  # bytes per token of the run
     row = {
         "date": time.strftime("%Y-%m-%d"),
         "gpus": n,
@@ -254,8 +283,14 @@ def main() -> None:
         "hsq_all_tok_s": round(alln["tok_s"], 1),
         "scaling": round(alln["tok_s"] / one["tok_s"], 3),
         "vs_n_x_bare": round(alln["tok_s"] / (n * bare_1), 3),
+        "inflight": args.inflight,
+        "capacity_1gpu_tok_s": round(cap_1, 1),
+        "storage_bound_tok_s": round(storage_tok_s, 1),
+        "vs_min_n_x_capacity_storage": round(alln["tok_s"] / min(n * cap_1, storage_tok_s), 3),
         "output_gb_s": round(alln["gb_s"], 3),
         "disk_write_gb_s": round(bw / 1e9, 3),
+        "disk_best_design": disk["best"],
+        "disk_one_stream_gb_s": round(float(disk["one_stream_bytes_s"]) / 1e9, 3),  # type: ignore[arg-type]
         "redis_cmds_per_sample": round(alln["redis_cmds_per_sample"], 2),
         "redis_cmds_per_s": round(alln["redis_cmds_per_s"], 1),
         "redis_cpu_pct": round(alln["redis_cpu_pct"], 2),

@@ -69,6 +69,25 @@ def cli(log_level: str, log_format: str) -> None:
 @click.option("--port", default=30000, show_default=True, type=int)
 @click.option("--max-tokens", default=8192, show_default=True, type=int)
 @click.option(
+    "--max-batch-requests",
+    default=None,
+    type=int,
+    help="concurrent requests gathered into one forward (1: one request at a time) "
+    "[default: 8 on cuda, 1 on cpu, where a batch costs its rows and padding]",
+)
+@click.option(
+    "--max-batch-tokens",
+    default=16384,
+    show_default=True,
+    type=int,
+    help="tokens per batched forward (a longer single request still runs, alone)",
+)
+@click.option(
+    "--warmup-shapes",
+    is_flag=True,
+    help="on CUDA, run every padded batch shape once at start (first-use cost)",
+)
+@click.option(
     "--warmup",
     default=0,
     show_default=True,
@@ -109,6 +128,9 @@ def serve_reference(
     host: str,
     port: int,
     max_tokens: int,
+    max_batch_requests: int | None,
+    max_batch_tokens: int,
+    warmup_shapes: bool,
     warmup: int,
     counter_start: int,
     faults: tuple[str, ...],
@@ -137,6 +159,9 @@ def serve_reference(
         host=host,
         port=port,
         max_tokens=max_tokens,
+        max_batch_requests=max_batch_requests,
+        max_batch_tokens=max_batch_tokens,
+        warmup_shapes=warmup_shapes,
         warmup=warmup,
         counter_start=counter_start,
         faults=faults,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +18,7 @@ from hsq.procs import ReferenceServer
 from hsq.protocol import clear_dump_dir, read_dump, read_meta, scan, wait_for_dump
 from sglang_server.reference.engine import CRASH_EXIT_CODE
 from sglang_server.reference.model import load_model
+from sglang_server.reference.tolerance import closeness
 from tests.conftest import expected_for, generate
 
 Factory = Callable[..., ReferenceServer]
@@ -235,3 +238,180 @@ def test_sigterm_stops_the_server_cleanly(server_factory: Factory) -> None:
     srv.signal(signal.SIGTERM)
     assert srv.proc.wait(15) == 0
     read_dump(wait_for_dump(srv.dump_dir, timeout=1), expected_for(IDS, "t"))
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def _post_concurrently(
+    srv: ReferenceServer, requests: list[tuple[str, list[int]]]
+) -> list[httpx.Response]:
+    """Pause the engine, queue every request on its own connection, then resume: the
+    queued requests form batches deterministically (no timing involved)."""
+    httpx.post(srv.url + "/admin/pause").raise_for_status()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        try:
+            futures = []
+            for i, (rid, ids) in enumerate(requests):  # queued in this order (FIFO batches)
+                futures.append(pool.submit(generate, srv.url, ids, rid))
+                _wait_pending(srv, i + 1)
+        finally:
+            httpx.post(srv.url + "/admin/resume").raise_for_status()
+        return [f.result() for f in futures]
+
+
+def _wait_pending(srv: ReferenceServer, n: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(srv.url + "/server_info").json()["pending_requests"] < n:
+        assert time.monotonic() < deadline, f"{n} requests never queued"
+        time.sleep(0.02)
+
+
+def _dumps_by_rid(srv: ReferenceServer, n: int) -> dict[str, Path]:
+    deadline = time.monotonic() + 30
+    while len(found := scan(srv.dump_dir).complete) < n:
+        assert time.monotonic() < deadline, f"only {len(found)} of {n} dumps"
+        time.sleep(0.02)
+    return {read_meta(p).rid: p for p in found}
+
+
+def _batches(srv: ReferenceServer) -> int:
+    return int(httpx.get(srv.url + "/server_info").json()["batches_run"])
+
+
+@pytest.fixture(scope="module")
+def batching(server_factory: Factory) -> ReferenceServer:
+    srv = server_factory("--max-batch-requests", "8", "--max-batch-tokens", "8192", name="batch")
+    return srv.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def single_model() -> Any:
+    torch.set_num_threads(2)
+    return load_model(
+        "tiny", device="cpu", dtype=torch.float32, dump_dtype=torch.bfloat16, layers=None
+    )
+
+
+def _lengths_requests(lengths: list[int], tag: str) -> list[tuple[str, list[int]]]:
+    gen = torch.Generator().manual_seed(sum(lengths))
+    return [
+        (f"{tag}{i}", torch.randint(0, 32000, (n,), generator=gen).tolist())
+        for i, n in enumerate(lengths)
+    ]
+
+
+def test_concurrent_requests_form_one_batch_matching_single_forwards(
+    batching: ReferenceServer, single_model: Any
+) -> None:
+    clear_dump_dir(batching.dump_dir)
+    reqs = _lengths_requests([3, 40, 257, 12, 1000, 64], "b")
+    before = _batches(batching)
+    answers = _post_concurrently(batching, reqs)
+    assert [r.status_code for r in answers] == [200] * len(reqs)
+    assert [r.json()["meta_info"]["id"] for r in answers] == [rid for rid, _ in reqs]
+    assert _batches(batching) == before + 1  # all six in one forward
+    dumps = _dumps_by_rid(batching, len(reqs))
+    assert sorted(dumps) == sorted(rid for rid, _ in reqs)  # one dump per request
+    for rid, ids in reqs:
+        dump = read_dump(dumps[rid], expected_for(ids, rid))
+        single = single_model.forward(ids)
+        for got, want in (
+            (dump.aux_hidden_states, single.aux),
+            (dump.last_hidden_state, single.last),
+        ):
+            c = closeness(got, want)
+            assert c.ok, (rid, len(ids), c)
+
+
+def test_max_batch_tokens_and_requests_split_batches(server_factory: Factory) -> None:
+    srv = server_factory(
+        "--max-batch-requests", "2", "--max-batch-tokens", "100", name="split"
+    ).wait_ready()
+    # FIFO, at most 2 requests and 100 padded tokens (requests x longest):
+    # [60], [60], [30, 30], [20, 40], [150 alone]
+    reqs = _lengths_requests([60, 60, 30, 30, 20, 40, 150], "s")
+    before = _batches(srv)
+    answers = _post_concurrently(srv, reqs)
+    assert [r.status_code for r in answers] == [200] * len(reqs)
+    assert _batches(srv) - before == 5
+    assert len(_dumps_by_rid(srv, len(reqs))) == len(reqs)
+
+
+def test_max_batch_requests_1_runs_one_request_per_forward_bit_exact(
+    server_factory: Factory, single_model: Any
+) -> None:
+    srv = server_factory("--max-batch-requests", "1", name="one").wait_ready()
+    reqs = _lengths_requests([7, 90, 33], "o")
+    before = _batches(srv)
+    answers = _post_concurrently(srv, reqs)
+    assert [r.status_code for r in answers] == [200] * len(reqs)
+    assert _batches(srv) - before == len(reqs)
+    dumps = _dumps_by_rid(srv, len(reqs))
+    indices = sorted(read_meta(p).request_index for p in dumps.values())
+    assert indices == list(range(indices[0], indices[0] + len(reqs)))
+    for rid, ids in reqs:
+        dump = read_dump(dumps[rid], expected_for(ids, rid))
+        single = single_model.forward(ids)
+        assert torch.equal(dump.aux_hidden_states, single.aux)
+        assert torch.equal(dump.last_hidden_state, single.last)
+
+
+def test_faults_stay_per_request_inside_a_batch(
+    batching: ReferenceServer, single_model: Any
+) -> None:
+    from hsq.protocol import fingerprint
+
+    clear_dump_dir(batching.dump_dir)
+    reqs = _lengths_requests([20, 21, 22, 23, 24], "f")
+    (nan_rid, nan_ids), (short_rid, short_ids), (err_rid, err_ids) = reqs[1], reqs[2], reqs[4]
+    set_faults(
+        batching,
+        {"mode": "nan", "fingerprint": fingerprint(nan_ids)},
+        {"mode": "wrong_count", "fingerprint": fingerprint(short_ids)},
+        {"mode": "http_500", "fingerprint": fingerprint(err_ids)},
+    )
+    try:
+        httpx.post(batching.url + "/admin/pause").raise_for_status()
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            try:
+                futures = {rid: pool.submit(generate, batching.url, ids, rid) for rid, ids in reqs}
+                assert futures[err_rid].result().status_code == 500  # refused before queueing
+                _wait_pending(batching, len(reqs) - 1)
+            finally:
+                httpx.post(batching.url + "/admin/resume").raise_for_status()
+            codes = {rid: f.result().status_code for rid, f in futures.items()}
+    finally:
+        httpx.delete(batching.url + "/admin/faults").raise_for_status()
+    assert codes == {rid: (500 if rid == err_rid else 200) for rid, _ in reqs}
+    dumps = _dumps_by_rid(batching, len(reqs) - 1)
+    assert err_rid not in dumps
+    with pytest.raises(errors.NonFiniteDumpError):
+        read_dump(dumps[nan_rid], expected_for(nan_ids, nan_rid))
+    with pytest.raises(errors.WrongLengthError):
+        read_dump(dumps[short_rid], expected_for(short_ids, short_rid))
+    for rid, ids in (reqs[0], reqs[3]):  # neighbours in the batch are untouched
+        dump = read_dump(dumps[rid], expected_for(ids, rid))
+        assert closeness(dump.last_hidden_state, single_model.forward(ids).last).ok
+
+
+def test_closeness_bound() -> None:
+    a = torch.randn(5, 64)
+    assert closeness(a, a).ok and closeness(a, a).min_cosine == 1.0
+    assert closeness(a + 1e-4 * torch.randn(5, 64), a).ok
+    bad = a.clone()
+    bad[2, 3] += 0.5 * float(a[2].norm())
+    c = closeness(bad, a)
+    assert not c.ok and c.max_abs_over_norm >= 0.5
+    assert closeness(torch.zeros(2, 4), torch.zeros(2, 4)).ok
+
+
+def test_batch_shapes_cover_every_batch_the_engine_can_form() -> None:
+    from sglang_server.reference.model import batch_shapes, bucket_length
+
+    shapes = set(batch_shapes(2048, 4, 3000))
+    for longest in range(1, 2049):
+        for rows in range(1, 5):
+            if rows == 1 or rows * longest <= 3000:
+                assert (rows, bucket_length(longest)) in shapes, (rows, longest)
+    assert max(r * n for r, n in shapes) <= 4 * 1024  # never far above the budget

@@ -107,3 +107,63 @@ def test_kernel_copy_across_filesystems(tmp_path: Path) -> None:
     data = (tmp_path / "out.bin").read_bytes()
     assert data == b"HEADER" + payload[1000:201_000] + b"tail"
     assert n == len(data) and crc == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_large_files_same_bytes_with_and_without_direct_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
+) -> None:
+    """Files over DIRECT_MIN_BYTES go through O_DIRECT where the filesystem allows it (the
+    unaligned tail through the buffered descriptor): the bytes and crc must not change."""
+    import mmap
+
+    monkeypatch.setenv("HSQ_DIRECT_IO", direct)
+    n = stfile.DIRECT_MIN_BYTES + stfile.DIRECT_CHUNK + 12345  # chunks, a tail, odd size
+    src_path = tmp_path / "src.bin"
+    src_path.write_bytes(os.urandom(n + 100))
+    small = os.urandom(777)
+    header = stfile.build_header([("s", "U8", [777], 777), ("big", "U8", [n], n)], {"k": "v"})
+    sfd = os.open(src_path, os.O_RDONLY)
+    out = tmp_path / "out.safetensors"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        mm = mmap.mmap(sfd, 0, access=mmap.ACCESS_READ)
+        total, crc = stfile.write(fd, header, [small, (sfd, 50, n)], crc_of=mm)
+        assert os.lseek(fd, 0, os.SEEK_CUR) == total
+        os.fsync(fd)
+        mm.close()
+    finally:
+        os.close(fd)
+        os.close(sfd)
+    data = out.read_bytes()
+    assert len(data) == total == len(header) + 777 + n
+    assert data == header + small + src_path.read_bytes()[50 : 50 + n]
+    assert crc == zlib.crc32(data)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"k": "v"}
+
+
+def test_direct_io_refused_mid_file_falls_back_to_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that opens O_DIRECT but refuses the writes (EINVAL) gets the same file
+    through the page cache, and is not tried again."""
+    import errno
+
+    def refuse(fd: int, data: memoryview | bytes, at: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setenv("HSQ_DIRECT_IO", "1")
+    monkeypatch.setattr(stfile, "_pwrite_all", refuse)
+    monkeypatch.setattr(stfile, "_direct_refused", set())
+    payload = os.urandom(stfile.DIRECT_MIN_BYTES + 5)
+    header = stfile.build_header([("x", "U8", [len(payload)], len(payload))], None)
+    out = tmp_path / "o.safetensors"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        total, crc = stfile.write(fd, header, [payload])
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == header + payload and total == len(header) + len(payload)
+    assert crc == zlib.crc32(header + payload)
+    assert os.stat(out).st_dev in stfile._direct_refused

@@ -5,9 +5,11 @@
     GET  /model_info    model_path, architectures, is_generation (+ hsq's model identity)
     GET  /server_info   the resolved settings (disable_radix_cache, chunked_prefill_size, ...)
     GET|POST|DELETE /admin/faults   read, replace or clear the fault rules (reference only)
+    POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
-A stdlib threading server is enough: prefill is serialised by the engine's lock anyway,
-and connections stay open (HTTP/1.1 keep-alive) for the worker's httpx client.
+A stdlib threading server is enough: one thread per connection hands its request to the
+engine, which gathers concurrent requests into batched forwards; connections stay open
+(HTTP/1.1 keep-alive) for the worker's httpx client.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class ReferenceSettings:
     host: str = "127.0.0.1"
     port: int = 30000
     max_tokens: int = 8192
+    max_batch_requests: int | None = None
+    """None: 8 on CUDA, 1 on the CPU (where a batch costs its rows, padding included)."""
+    max_batch_tokens: int = 16384
+    warmup_shapes: bool = False
     warmup: int = 0
     counter_start: int = 0
     faults: tuple[str, ...] = ()
@@ -65,6 +71,8 @@ class ReferenceSettings:
             raise ConfigError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if self.max_tokens < 1 or self.warmup < 0 or self.counter_start < 0:
             raise ConfigError("--max-tokens must be >= 1, --warmup and --counter-start >= 0")
+        if (self.max_batch_requests or 1) < 1 or self.max_batch_tokens < 1:
+            raise ConfigError("--max-batch-requests and --max-batch-tokens must be >= 1")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
 
@@ -127,6 +135,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, self.server.app.generate(body))
             elif self.path == "/admin/faults":
                 self._send(HTTPStatus.OK, self.server.app.set_faults(body))
+            elif self.path in ("/admin/pause", "/admin/resume"):
+                engine = self.server.app.engine
+                if self.path == "/admin/pause":
+                    engine.pause()
+                else:
+                    engine.resume()
+                self._send(HTTPStatus.OK, {"pending": engine.pending})
             elif self.path == "/flush_cache":
                 self._send(HTTPStatus.OK, None)
             else:
@@ -173,6 +188,7 @@ class ReferenceApp:
             index=result.index,
             tokens=result.prompt_tokens,
             forward_ms=round(result.forward_s * 1e3, 2),
+            batch=result.batch_size,
             e2e_ms=round(e2e * 1e3, 2),
             fault=result.fault,
         )
@@ -217,6 +233,10 @@ class ReferenceApp:
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
             "max_tokens": s.max_tokens,
+            "max_batch_requests": self.engine.max_batch_requests,
+            "max_batch_tokens": s.max_batch_tokens,
+            "batches_run": self.engine.batches,
+            "pending_requests": self.engine.pending,
             "dump_dir": str(s.dump_dir),
             "request_counter": self.engine.counter,
             "requests_served": self.engine.requests,
@@ -239,12 +259,18 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         seed=settings.seed,
     )
     per_token = (len(model.layer_ids) + 1) * model.hidden_size * model.dump_dtype.itemsize
+    # One host buffer holds a whole batch (one device-to-host copy per forward); a single
+    # request may exceed --max-batch-tokens (it then runs alone).
+    batch_requests = settings.max_batch_requests or (8 if model.device.type == "cuda" else 1)
+    batch_tokens = settings.max_tokens
+    if batch_requests > 1:
+        batch_tokens = max(batch_tokens, settings.max_batch_tokens)
     writer = DumpWriter(
         settings.dump_dir,
         depth=settings.writer_depth,
         fsync=settings.fsync,
         device=model.device,
-        max_bytes=settings.max_tokens * per_token + 256,
+        max_bytes=batch_tokens * per_token + 256,
     )
     faults = FaultPlan([FaultRule.parse(f) for f in settings.faults], seed=settings.seed)
     return Engine(
@@ -253,6 +279,8 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         faults,
         max_tokens=settings.max_tokens,
         counter_start=settings.counter_start,
+        max_batch_requests=batch_requests,
+        max_batch_tokens=settings.max_batch_tokens,
     )
 
 
@@ -274,6 +302,8 @@ def ready_marker(engine: Engine) -> ReadyMarker:
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
     engine = build_engine(settings)
+    if settings.warmup_shapes:
+        engine.warmup_shapes()
     engine.warmup(settings.warmup)
     if settings.ready_marker:  # before /health answers: a worker checks it at start-up
         write_ready(settings.dump_dir, ready_marker(engine), fsync=settings.fsync)
@@ -295,6 +325,8 @@ def serve(settings: ReferenceSettings) -> None:
         layer_ids=engine.model.layer_ids,
         dump_dir=str(settings.dump_dir),
         counter=engine.counter,
+        max_batch_requests=engine.max_batch_requests,
+        max_batch_tokens=engine.max_batch_tokens,
     )
     try:
         server.serve_forever(poll_interval=0.2)

@@ -1,6 +1,10 @@
-"""The reference server's core: one prefill at a time, a persistent dump counter, faults.
+"""The reference server's core: batched prefill, a persistent dump counter, faults.
 
-No HTTP here; app.py translates requests into `Engine.generate` calls.
+No HTTP here; app.py translates requests into `Engine.generate` calls, one thread each.
+Concurrent requests are gathered the way SGLang's scheduler does it, without a wait window:
+while one forward runs, new requests queue; the next thread to take the forward lock runs
+up to --max-batch-requests of them (at most --max-batch-tokens tokens, but always at least
+one) as one right-padded forward, then splits the states per request, one dump each.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from hsq.protocol import (
     AUX_TENSOR,
+    DONE_FILE,
     DUMP_PREFIX,
     LAST_TENSOR,
     TENSOR_FILE,
@@ -29,7 +34,7 @@ from hsq.protocol import (
 )
 from sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
 from sglang_server.reference.faults import FaultPlan, FaultRule
-from sglang_server.reference.model import HiddenStateModel
+from sglang_server.reference.model import HiddenStateModel, batch_shapes
 
 log = structlog.get_logger("hsq.reference.engine")
 CRASH_EXIT_CODE = 70
@@ -49,6 +54,7 @@ class GenerateResult:
     prompt_tokens: int
     index: int
     forward_s: float
+    batch_size: int = 1
     fault: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,6 +74,19 @@ class GenerateResult:
         }
 
 
+@dataclass
+class _Pending:
+    """One request waiting for (or inside) a batch; `done` is set once it has a result."""
+
+    ids: list[int]
+    rid: str
+    fp: str
+    rule: FaultRule | None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerateResult | None = None
+    error: BaseException | None = None
+
+
 def _corrupt(tmp: Path) -> None:
     (tmp / TENSOR_FILE).write_bytes(b"\x00garbage, not safetensors")
 
@@ -81,15 +100,24 @@ class Engine:
         *,
         max_tokens: int,
         counter_start: int = 0,
+        max_batch_requests: int = 1,
+        max_batch_tokens: int = 0,
     ) -> None:
         self.model = model
         self.writer = writer
         self.faults = faults
         self.max_tokens = max_tokens
+        self.max_batch_requests = max(1, max_batch_requests)
+        self.max_batch_tokens = max_batch_tokens or max_tokens
         self._counter = counter_start
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one forward at a time, like one GPU
+        self._queue_lock = threading.Lock()
+        self._pending: list[_Pending] = []
+        self._gate = threading.Event()  # cleared by pause(): tests line up a batch
+        self._gate.set()
         self._previous: tuple[str, str] | None = None
         self.requests = 0
+        self.batches = 0
 
     @property
     def counter(self) -> int:
@@ -118,28 +146,96 @@ class Engine:
             time.sleep(rule.seconds)
         if rule is not None and rule.mode == "http_500":
             raise InjectedServerError("injected fault: http_500")
-        with self._lock:
-            index = self._counter
-            if rule is not None and rule.mode == "crash":
-                self._crash(index)
+        mine = _Pending(ids, rid, fp, rule)
+        with self._queue_lock:
+            self._pending.append(mine)
+        # Whoever holds the forward lock runs the oldest pending requests, ours or not;
+        # we are done once some batch has included ours.
+        while not mine.done.is_set():
+            with self._lock:
+                self._gate.wait()
+                if mine.done.is_set():
+                    break
+                batch = self._take()
+                if batch:
+                    self._run(batch)
+        if mine.error is not None:
+            raise mine.error
+        assert mine.result is not None
+        return mine.result
+
+    @property
+    def pending(self) -> int:
+        with self._queue_lock:
+            return len(self._pending)
+
+    def pause(self) -> None:
+        """Hold forwards (requests queue up) until resume(): lets a test or an operator
+        line up an exact batch without relying on timing."""
+        self._gate.clear()
+
+    def resume(self) -> None:
+        self._gate.set()
+
+    def _take(self) -> list[_Pending]:
+        with self._queue_lock:
+            # The budget counts padded tokens (requests x the longest): that is what the
+            # forward computes and holds in activation memory.
+            batch: list[_Pending] = []
+            longest = 0
+            while self._pending and len(batch) < self.max_batch_requests:
+                n = len(self._pending[0].ids)
+                if batch and (len(batch) + 1) * max(longest, n) > self.max_batch_tokens:
+                    break
+                batch.append(self._pending.pop(0))
+                longest = max(longest, n)
+            return batch
+
+    def _run(self, batch: list[_Pending]) -> None:
+        """Forward, split and hand to the writer; every request in the batch gets its own
+        result or the error (never the thread that happened to run it)."""
+        host: HostBatch | None = None
+        try:
+            for p in batch:
+                if p.rule is not None and p.rule.mode == "crash":
+                    self._crash(self._counter)
             t0 = time.perf_counter()
-            captured = self.model.forward(ids)
-            batch = self.writer.to_host({AUX_TENSOR: captured.aux, LAST_TENSOR: captured.last})
-            tensors = batch.tensors
+            captured = self.model.forward_batch([p.ids for p in batch])
+            host = self.writer.to_host({AUX_TENSOR: captured.aux, LAST_TENSOR: captured.last})
             forward_s = time.perf_counter() - t0
-            parts = self._parts(index, rid, fp, len(ids), tensors, rule, batch)
-            self._counter += len(parts)
-            self._previous = (rid, fp)
-            self.requests += 1
+            parts: list[DumpPart] = []
+            offset = 0
+            for p in batch:
+                n = len(p.ids)
+                index = self._counter
+                rows = _rows(host.tensors, offset, offset + n)
+                own = self._parts(index, p.rid, p.fp, n, rows, p.rule, host)
+                offset += n
+                self._counter += len(own)
+                self._previous = (p.rid, p.fp)
+                parts.extend(own)
+                p.result = GenerateResult(
+                    rid=p.rid,
+                    prompt_tokens=n,
+                    index=index,
+                    forward_s=forward_s,
+                    batch_size=len(batch),
+                    fault=p.rule.mode if p.rule else None,
+                )
+            self.requests += len(batch)
+            self.batches += 1
             # Blocks when the writer is behind: backpressure instead of unbounded memory.
-            self.writer.submit(parts, batch)
-        return GenerateResult(
-            rid=rid,
-            prompt_tokens=len(ids),
-            index=index,
-            forward_s=forward_s,
-            fault=rule.mode if rule else None,
-        )
+            self.writer.submit(parts, host)
+        except Exception as exc:
+            log.exception("batch_failed", requests=len(batch))
+            if host is not None:
+                host.wait()
+                self.writer.release(host)
+            for p in batch:
+                p.result, p.error = None, exc
+        finally:
+            for p in batch:
+                p.done.set()
 
     def warmup(self, n: int, num_tokens: int = 16) -> None:
         """What a real server does at start: requests of its own that create dumps."""
@@ -148,6 +244,20 @@ class Engine:
             ids = torch.randint(0, self.model.vocab_size, (num_tokens,), generator=gen).tolist()
             self.generate(ids, rid=f"WARMUP_{i}")
         self.writer.flush()
+
+    def warmup_shapes(self) -> int:
+        """On CUDA, run one forward of every padded batch shape this engine can form, so a
+        shape's first-use cost (a new length took a median 78 ms against 21 ms for a
+        repeated one) is paid at start, not inside requests. Returns the shapes run."""
+        if self.model.device.type != "cuda":
+            return 0
+        shapes = batch_shapes(self.max_tokens, self.max_batch_requests, self.max_batch_tokens)
+        t0 = time.perf_counter()
+        for rows, length in shapes:
+            self.model.forward_batch([[0] * length] * rows)
+        torch.cuda.synchronize(self.model.device)
+        log.info("shapes_warmed", shapes=len(shapes), seconds=round(time.perf_counter() - t0, 1))
+        return len(shapes)
 
     def _meta(self, index: int, rid: str, fp: str, n: int) -> DumpMeta:
         m = self.model
@@ -176,10 +286,17 @@ class Engine:
         mode = rule.mode if rule else None
         if mode == "split" and n >= 2:
             k = n // 2
-            return [
-                DumpPart(index, self._meta(index, rid, fp, k), _rows(tensors, 0, k)),
-                DumpPart(index + 1, self._meta(index + 1, rid, fp, n - k), _rows(tensors, k, n)),
-            ]
+            second = DumpPart(
+                index + 1, self._meta(index + 1, rid, fp, n - k), _rows(tensors, k, n)
+            )
+            second.mark_done = False  # marked below, while the first is still being written
+            done = self.writer.dump_dir / f"{DUMP_PREFIX}{index + 1}" / DONE_FILE
+            first = DumpPart(index, self._meta(index, rid, fp, k), _rows(tensors, 0, k))
+            # A reader never sees one half alone (which would look like a short dump): the
+            # second half is written first without `done`, gets it while the first is in
+            # its .tmp dir, and both become complete the moment the first is renamed.
+            first.before_done = lambda _tmp: done.touch()
+            return [second, first]
         if mode == "wrong_count" and n >= 2:
             return [DumpPart(index, self._meta(index, rid, fp, n - 1), _rows(tensors, 0, n - 1))]
         if mode == "stale":
