@@ -728,6 +728,15 @@ class Wanted:
     answered_at: float | None = None
     discards_at_add: int = 0
     held: FoundDump | None = None
+    held_at: float = 0.0
+
+    def hold_until(self, grace: float) -> float | None:
+        """When a held short dump is given up waiting for its other part (None: not yet
+        answered). Counted from the later of the answer and the sighting: a server may
+        write its dumps after it answers."""
+        if self.answered_at is None:
+            return None
+        return max(self.answered_at, self.held_at) + grace
 
 
 @dataclass(frozen=True)
@@ -849,10 +858,12 @@ class RidMatcher:
             msg = f"{len(paths)} dumps carry rid {rid!r}: {names}"
             return self._decide(rid, error=MultipleDumpsError(msg))
         found = dumps[0]
-        short = found.meta.num_tokens < w.num_tokens
-        if short and (w.answered_at is None or now < w.answered_at + self.split_grace_s):
-            w.held = found  # maybe the first part of a split prefill: wait for the rest
-            return None
+        if found.meta.num_tokens < w.num_tokens:
+            if w.held is None:  # maybe the first part of a split prefill: wait for the rest
+                w.held, w.held_at = found, now
+            until = w.hold_until(self.split_grace_s)
+            if until is None or now < until:
+                return None
         return self._decide(rid, dump=found)
 
     def _expired(self, now: float, s: RidScan) -> list[Match]:
@@ -860,7 +871,8 @@ class RidMatcher:
         for w in list(self.wanted.values()):
             if w.answered_at is None:
                 continue  # the HTTP request itself has its own timeout
-            if w.held is not None and now >= w.answered_at + self.split_grace_s:
+            until = w.hold_until(self.split_grace_s)
+            if w.held is not None and until is not None and now >= until:
                 out.append(self._decide(w.rid, dump=w.held))
                 continue
             if now < w.answered_at + self.timeout_s:

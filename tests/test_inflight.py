@@ -133,7 +133,7 @@ def test_a_late_dump_after_a_timeout_fails_no_later_sample(
     # The timed-out request's dump landed later and was thrown away, nothing else failed.
     assert not log_events(w.log_path, "sample_retry")
     handed = log_events(w.log_path, "sample_handed_back")
-    assert [e["reason"] for e in handed] == ["server_crash"]
+    assert handed and {e["reason"] for e in handed} == {"server_crash"}
 
 
 def test_late_dump_is_discarded_as_late(
@@ -164,7 +164,7 @@ def test_two_dumps_for_one_rid_fail_that_sample_with_multiple_dumps(
     st = store(redis_url, "split")
     assert st.count(st.k.done) == 16 and st.count(st.k.dead) == 0
     retried = [e["reason"] for e in log_events(w.log_path, "sample_retry")]
-    assert retried == ["multiple_dumps"]
+    assert retried and set(retried) == {"multiple_dumps"}
     assert verify(st, tmp_path / "out" / "split", deep=True).ok == 16
 
 

@@ -153,7 +153,7 @@ def test_a_short_dump_alone_is_delivered_after_the_grace(dump_dir: Path, staging
     make(dump_dir, 1, IDS[:6], "r")
     m.answered("r", now=0.0)
     assert m.poll(now=0.1)[0] == []
-    [d], _ = m.poll(now=0.3)
+    [d], _ = m.poll(now=0.5)
     assert d.dump is not None and d.dump.meta.num_tokens == 6  # check_meta: wrong_length
 
 
@@ -308,3 +308,18 @@ def test_a_file_as_dump_dir_is_refused(tmp_path: Path) -> None:
     f.write_text("x")
     with pytest.raises(errors.ConfigError, match="not a directory"):
         check_dump_dir(f, force=True)
+
+
+def test_a_short_dump_seen_late_still_waits_for_its_other_part(
+    dump_dir: Path, staging: Path
+) -> None:
+    # The reference server writes its dumps after answering: under load the first part
+    # may only show up after the grace has passed since the answer.
+    m = matcher(dump_dir, staging)
+    m.add("r", len(IDS), now=0.0)
+    m.answered("r", now=0.0)
+    make(dump_dir, 1, IDS[:6], "r", input_fingerprint="x")
+    assert m.poll(now=1.0)[0] == []
+    make(dump_dir, 2, IDS[6:], "r", input_fingerprint="x")
+    [d], _ = m.poll(now=1.1)
+    assert isinstance(d.error, errors.MultipleDumpsError)

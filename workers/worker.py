@@ -213,7 +213,8 @@ class Worker:
         return self.sending == 0 and self.persisting == 0 and not self.book.chunks
 
     def _claim(self) -> bool:
-        # Block on the queue only when nothing is in flight: events must keep flowing.
+        # Blocks up to --claim-timeout on an empty queue; the send and persist stages keep
+        # going meanwhile and their events wait on the queue.
         job = self.store.claim(self.id, self.s.claim_timeout_s)
         if job is None:
             return False
@@ -486,7 +487,11 @@ class Worker:
     def _check_run(self) -> None:
         """An idle worker writes nothing, so no fenced write tells it the run is gone
         (FLUSHALL, purge) or was re-created: look now and then (issue 15, D10)."""
-        cfg = self.store.load_config()
+        try:
+            cfg = self.store.load_config()
+        except (TypeError, ValueError) as exc:  # a hash holding only pins, or garbage
+            self._changed = self._changed or f"the run's config is unreadable: {exc}"
+            return
         old = self.view.cfg
         if cfg is None:
             self._changed = self._changed or "the run's config is gone from Redis"
