@@ -32,14 +32,17 @@ else
   trap - EXIT
 fi
 
-# The host's CPU torch wheel goes into the python base: no CUDA build, no torch index needed.
-torch_spec=$(.venv/bin/python -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null ||
-  "${PYTHON:-python3}" -c 'import torch; print("torch==" + torch.__version__)')
+# The torch of hsq's venv (CPU build) goes into the python base, fetched the way pip fetched
+# it for the venv (TORCH_INDEX=<url> as for setup.sh): no CUDA build in the images.
+PY=.venv/bin/python
+[ -x "$PY" ] || PY=${PYTHON:-python3}
+torch_spec=$("$PY" -c 'import torch; print("torch==" + torch.__version__)')
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 if ! have hsq-local/python:bookworm; then
   say "fetching the $torch_spec wheel (pip's own configuration)"
-  "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary :all: -d "$ctx" "$torch_spec"
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
+    ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} -d "$ctx" "$torch_spec"
   # The CAs this host trusts (a TLS-inspecting proxy's too), so pip in builds can reach PyPI.
   cp /etc/ssl/certs/ca-certificates.crt "$ctx/host-ca.crt"
 fi
