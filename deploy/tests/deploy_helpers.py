@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,34 @@ def wait_for(what: str, pred: Callable[[], bool], timeout: float, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f}s")
         time.sleep(interval)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Ports:
+    """Distinct free ports, single or in blocks (the recipes use base + i). Ephemeral ports
+    can come out in sequence, so a block is checked against every port handed out."""
+
+    def __init__(self) -> None:
+        self.taken: set[int] = set()
+
+    def block(self, n: int = 1) -> int:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = int(s.getsockname()[1])
+            ports = set(range(base, base + n))
+            if not ports & self.taken and all(port_free(p) for p in ports):
+                self.taken |= ports
+                return base
 
 
 def sh(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:

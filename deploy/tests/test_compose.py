@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 from deploy_helpers import (
     ROOT,
+    port_free,
     prometheus_targets,
     prometheus_value,
     require,
@@ -91,16 +91,6 @@ def images(docker: None) -> None:
     sh("docker-compose", "-f", "docker-compose.yml", "-f", "docker-compose.local.yml",
        "build", "exporter", env=env, timeout=1800)  # fmt: skip
     print(f"local base images {t1 - t0:.0f}s, hsq image {time.monotonic() - t1:.0f}s")
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture

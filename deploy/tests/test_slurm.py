@@ -23,6 +23,7 @@ from deploy_helpers import (
     HSQ,
     ROOT,
     VENV,
+    Ports,
     prometheus_targets,
     prometheus_value,
     require,
@@ -31,7 +32,7 @@ from deploy_helpers import (
     wait_for,
 )
 
-from hsq.procs import ManagedProcess, free_port
+from hsq.procs import ManagedProcess
 from hsq.synthetic import write_synthetic
 
 SAMPLES = 24
@@ -41,6 +42,7 @@ SAMPLES = 24
 class Cluster:
     base: Path
     env: dict[str, str]
+    ports: Ports
 
     def sbatch(self, script: str, *opts: str, **exports: str) -> str:
         export = ",".join(["ALL", *(f"{k}={v}" for k, v in exports.items())])
@@ -53,8 +55,8 @@ class Cluster:
         return sh("squeue", "-h", "-o", "%i %T", env=self.env).split("\n")[:-1]
 
 
-def slurm_conf(base: Path, node: str, munge_socket: Path) -> str:
-    ctld_port, slurmd_port = free_port(), free_port()
+def slurm_conf(base: Path, node: str, munge_socket: Path, ports: Ports) -> str:
+    ctld_port, slurmd_port = ports.block(), ports.block()
     return f"""\
 ClusterName=hsqtest
 SlurmctldHost={node}(127.0.0.1)
@@ -71,7 +73,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 ReturnToService=2
-KillWait=10
+KillWait=30
 StateSaveLocation={base}/state
 SlurmdSpoolDir={base}/spool
 SlurmctldPidFile={base}/slurmctld.pid
@@ -93,7 +95,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     (munge / "munge.key").chmod(0o400)
     sock = munge / "munge.sock"
     conf = tmp_path / "slurm.conf"
-    conf.write_text(slurm_conf(tmp_path, node, sock))
+    ports = Ports()
+    conf.write_text(slurm_conf(tmp_path, node, sock, ports))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs: list[ManagedProcess] = []
     try:
@@ -117,7 +120,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             ).stdout,
             60,
         )  # fmt: skip
-        yield Cluster(tmp_path, env)
+        yield Cluster(tmp_path, env, ports)
     finally:
         left = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True)
         if left.stdout.split():
@@ -147,14 +150,15 @@ def test_head_and_cpu_worker_node_run_a_run_and_scancel_leaves_nothing(cluster: 
     state = shared / "hsq-state"
     shared.mkdir()
     run = f"slurm-{os.getpid()}"
-    prom = free_port()
-    server_base, metrics_base = free_port(), free_port()  # servers use base and base+1
+    free = cluster.ports.block
+    prom = free()
+    server_base, metrics_base = free(2), free(2)  # servers i use base + i
     common = {"HSQ_SHARED": str(shared), "HSQ_VENV": str(VENV), "HSQ_BIND": "127.0.0.1",
               "HSQ_ADVERTISE": "127.0.0.1"}  # fmt: skip
     # The node has few CPUs: the recipes' #SBATCH sizes are overridden, as users would.
     head = cluster.sbatch(
         "head.sbatch", "--cpus-per-task=1", **common, HSQ_REPO=str(ROOT),
-        HSQ_REDIS_PORT=str(free_port()), HSQ_EXPORTER_PORT=str(free_port()),
+        HSQ_REDIS_PORT=str(free()), HSQ_EXPORTER_PORT=str(free()),
         HSQ_PROMETHEUS_PORT=str(prom),
     )  # fmt: skip
     node = cluster.sbatch(
