@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint fmt clean demo bench sglang-sources
+.PHONY: setup-deploy compose-test slurm-test compose-demo
 
 setup:
 	./scripts/setup.sh
@@ -19,6 +20,23 @@ bench:
 
 sglang-sources:
 	./scripts/fetch_sglang_sources.sh
+
+# Deployment, started for real (docs/deploy.md). The tests need root; setup-deploy installs
+# docker.io, docker-compose, debootstrap, slurm-wlm and munge from Debian when missing.
+DEPLOY_PYTEST := $(PY) -m pytest -p no:cacheprovider
+
+setup-deploy:
+	./scripts/setup_deploy.sh
+
+compose-test: setup-deploy
+	$(DEPLOY_PYTEST) deploy/tests/test_compose.py $(PYTEST_ARGS)
+
+slurm-test: setup-deploy
+	$(DEPLOY_PYTEST) deploy/tests/test_slurm.py $(PYTEST_ARGS)
+
+# A small generated run through a running stack: docker compose --profile cpu up -d first.
+compose-demo:
+	./scripts/compose_demo.sh
 
 lint:
 	$(VENV)/bin/ruff check .

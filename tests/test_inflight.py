@@ -105,8 +105,8 @@ def test_leftover_and_unknown_rid_dumps_are_removed_and_counted(
         assert ev["why"] == "unknown_rid" and ev["rid"] == "intruder"
 
         def shown() -> bool:
-            workers = run_status(st)["workers"]
-            return bool(workers) and workers[0]["dumps_discarded"] == 1
+            workers = run_status(st).workers
+            return bool(workers) and workers[0].dumps_discarded == 1
 
         wait_until(shown, 30)
         text = hsq("status", "--run", "unk", "--redis", redis_url).stdout

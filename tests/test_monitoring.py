@@ -81,7 +81,8 @@ def test_compose_references_exist_and_agree_with_the_code() -> None:
     assert servers and len(servers) == len(workers)
     for name, svc in services.items():
         if "build" in svc:
-            assert (ROOT / svc["build"] / "Dockerfile").exists(), name
+            build = svc["build"] if isinstance(svc["build"], dict) else {"context": svc["build"]}
+            assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).exists(), name
         for vol in svc.get("volumes", []):
             src = vol.split(":")[0]
             if src.startswith("./"):

@@ -16,7 +16,8 @@ def test_compose_parses_and_its_build_context_exists() -> None:
     assert "redis" in compose["services"]
     for svc in compose["services"].values():
         if "build" in svc:
-            assert (ROOT / svc["build"] / "Dockerfile").exists()
+            build = svc["build"] if isinstance(svc["build"], dict) else {"context": svc["build"]}
+            assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).exists()
 
 
 def test_cli_help_lists_commands() -> None:

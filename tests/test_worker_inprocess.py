@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import itertools
 import json
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -31,9 +32,11 @@ from hsq.protocol import (
     TENSOR_FILE,
     DumpMeta,
     ModelIdentity,
+    ReadyMarker,
     expected_shapes,
     fingerprint,
     write_dump,
+    write_ready,
 )
 from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, SampleRef
@@ -285,6 +288,9 @@ def run_worker(
     dump.mkdir(exist_ok=True)
     server = server or FakeServer(dump)
     server.dump_dir = dump
+    # The fake server's dump hook is "active": it announces itself as real servers do.
+    marker = ReadyMarker(tuple(LAYERS), IDENT, "fake", "0", "0", os.getpid(), time.time())
+    write_ready(dump, marker, fsync=False)
     opts: dict[str, Any] = {
         "burst": True,
         "dump_timeout_s": 2.0,
