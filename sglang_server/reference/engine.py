@@ -22,7 +22,6 @@ import torch
 
 from hsq.protocol import (
     AUX_TENSOR,
-    DONE_FILE,
     DUMP_PREFIX,
     LAST_TENSOR,
     TENSOR_FILE,
@@ -286,17 +285,10 @@ class Engine:
         mode = rule.mode if rule else None
         if mode == "split" and n >= 2:
             k = n // 2
-            second = DumpPart(
-                index + 1, self._meta(index + 1, rid, fp, n - k), _rows(tensors, k, n)
-            )
-            second.mark_done = False  # marked below, while the first is still being written
-            done = self.writer.dump_dir / f"{DUMP_PREFIX}{index + 1}" / DONE_FILE
-            first = DumpPart(index, self._meta(index, rid, fp, k), _rows(tensors, 0, k))
-            # A reader never sees one half alone (which would look like a short dump): the
-            # second half is written first without `done`, gets it while the first is in
-            # its .tmp dir, and both become complete the moment the first is renamed.
-            first.before_done = lambda _tmp: done.touch()
-            return [second, first]
+            return [
+                DumpPart(index, self._meta(index, rid, fp, k), _rows(tensors, 0, k)),
+                DumpPart(index + 1, self._meta(index + 1, rid, fp, n - k), _rows(tensors, k, n)),
+            ]
         if mode == "wrong_count" and n >= 2:
             return [DumpPart(index, self._meta(index, rid, fp, n - 1), _rows(tensors, 0, n - 1))]
         if mode == "stale":
