@@ -109,4 +109,4 @@ def test_worker_node_starts_sglang_through_the_launcher_and_binds_metrics_explic
     assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
     assert "redis-url" in code and "WAIT_S" in code
     head = (SLURM / "head.sbatch").read_text()
-    assert 'exporter --redis "$HSQ_REDIS_URL" --host' in head
+    assert 'exporter --redis "$HSQ_REDIS_URL" --metrics-host' in head

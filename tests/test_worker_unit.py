@@ -323,3 +323,11 @@ def test_a_short_dump_seen_late_still_waits_for_its_other_part(
     make(dump_dir, 2, IDS[6:], "r", input_fingerprint="x")
     [d], _ = m.poll(now=1.1)
     assert isinstance(d.error, errors.MultipleDumpsError)
+
+
+def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
+    """Issue 15 minor item: the metrics endpoint was 0.0.0.0 by default."""
+    from workers.settings import WorkerSettings
+
+    s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
+    assert s.metrics_host == "127.0.0.1"
