@@ -195,6 +195,8 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
         str(wport),
         "--metrics-host",
         "127.0.0.1",
+        "--dump-timeout",
+        "3",  # stale dumps are caught at the request's timeout: keep the run short
     )
     exporter = exporter_process(redis_url, eport, tmp_path / "exporter.log")
     try:

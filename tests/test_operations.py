@@ -126,7 +126,8 @@ def test_status_numbers_add_up_during_a_live_run(
     make_run(tmp_path, "live", redis_url, 40, "--chunk-size", "4")
     rules = [{"mode": "stale", "times": 3}, {"mode": "slow", "seconds": 0.15, "prob": 0.5}]
     httpx.post(fresh.url + "/admin/faults", json={"rules": rules}).raise_for_status()
-    w = start_worker(tmp_path, "live", fresh, redis_url, name="live-w")
+    # A stale dump is caught when the request's own dump times out: keep that short.
+    w = start_worker(tmp_path, "live", fresh, redis_url, "--dump-timeout", "3", name="live-w")
     snapshots = []
     try:
         deadline = time.monotonic() + 120
