@@ -213,13 +213,22 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
                 [promtool, "check", "metrics"], input=text, text=True, capture_output=True
             )
             assert lint.returncode == 0, lint.stdout + lint.stderr
-        empty = []
-        for title, expr in dashboard_queries():
-            q = expr.replace("$__rate_interval", "30s").replace('run=~"$run"', 'run=~".*"')
-            assert "$" not in q, q
-            if not query(prom, q):
-                empty.append(f"{title}: {q}")
-        assert not empty, "panels without data:\n" + "\n".join(empty)
+
+        def empty_panels() -> list[str]:
+            empty = []
+            for title, expr in dashboard_queries():
+                q = expr.replace("$__rate_interval", "30s").replace('run=~"$run"', 'run=~".*"')
+                assert "$" not in q, q
+                if not query(prom, q):
+                    empty.append(f"{title}: {q}")
+            return empty
+
+        # A rate needs two scrapes of the worker, which file-based discovery may find only
+        # seconds into a short run: the worker stays up, so wait for them.
+        try:
+            wait_until(lambda: not empty_panels(), 45, interval=1.0)
+        except AssertionError:
+            raise AssertionError("panels without data:\n" + "\n".join(empty_panels())) from None
         up = query(prom, 'up{job="hsq-worker"} == 1')
         assert up and query(prom, 'up{job="hsq-exporter"} == 1')
         assert query(prom, 'hsq_worker_mismatches_total{reason="stale_dump"} >= 1')
