@@ -1,6 +1,6 @@
 """All of hsq's Redis traffic. Keys come from hsq.keys, jobs are RQ jobs.
 
-Nothing else in hsq imports redis or rq (workers/ and the test harness aside). Every public
+Nothing else imports redis or rq (the test harness that starts redis-server aside). Every public
 method turns Redis errors into hsq errors: StoreUnavailableError (unreachable or timing out:
 transient) or StoreError; a write to a run that was purged or re-created since this store
 read its config raises RunChangedError.
@@ -166,11 +166,6 @@ return 0
 """
 
 
-class _Unavailable(StoreUnavailableError, redis.exceptions.ConnectionError):
-    """A StoreUnavailableError that is also redis's ConnectionError: code that still catches
-    redis's type (workers/ before its rewrite) keeps working. Drop once nothing does."""
-
-
 @contextlib.contextmanager
 def _redis_errors() -> Iterator[None]:
     try:
@@ -178,7 +173,7 @@ def _redis_errors() -> Iterator[None]:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise _Unavailable(f"Redis unavailable: {exc}") from exc
+        raise StoreUnavailableError(f"Redis unavailable: {exc}") from exc
     except redis.exceptions.NoPermissionError as exc:
         raise StoreError(f"the Redis user lacks a permission hsq needs: {exc}") from exc
     except redis.exceptions.RedisError as exc:
@@ -237,7 +232,7 @@ def connect(url: str) -> redis.Redis:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials in the URL: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise _Unavailable(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+        raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
     except redis.exceptions.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)}: {exc}") from exc
     except (ValueError, TypeError) as exc:

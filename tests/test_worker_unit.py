@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from hsq import errors
 from hsq.dataset import IndexEntry
@@ -42,7 +41,6 @@ from workers.startup import check_dump_dir
         (errors.ServerUnavailableError("x"), Kind.PAUSE, "server_unavailable"),
         (errors.OutputError("x"), Kind.PAUSE, "output_unwritable"),
         (errors.StoreUnavailableError("x"), Kind.PAUSE, "store_unavailable"),
-        (redis.exceptions.ConnectionError("x"), Kind.PAUSE, "store_unavailable"),
         (errors.RunChangedError("x"), Kind.RUN_CHANGED, "run_changed"),
         (AttributeError("'int' object has no attribute 'get'"), Kind.SAMPLE, "internal_error"),
     ],
