@@ -226,11 +226,6 @@ def server_breakdown(log: Path) -> str:
     return ", ".join(f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in vals.items())
 
 
-def disk_bandwidth(directory: Path, total_mb: int = 1024, file_mb: int = 64) -> float:
-    """The disk's best durable write rate (bytes/s) over the designs bench/disk.py tries."""
-    return float(probe(directory, total_mb, file_mb, with_stfile=False)["best_bytes_s"])  # type: ignore[arg-type]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")

@@ -486,7 +486,7 @@ class Worker:
 
     def _check_run(self) -> None:
         """An idle worker writes nothing, so no fenced write tells it the run is gone
-        (FLUSHALL, purge) or was re-created: look now and then (issue 15, D10)."""
+        (FLUSHALL, purge) or was re-created: look now and then."""
         try:
             cfg = self.store.load_config()
         except (TypeError, ValueError) as exc:  # a hash holding only pins, or garbage
