@@ -185,7 +185,7 @@ def hsq_run(
     )
     rc = w.proc.wait(3600)
     calls = redis_calls(client) - c0 - 1
-    done = store.count(store.k.done)
+    done = store.count(store.keys.done)
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     finished = [e for e in events if e.get("event") == "sample_done"]
     stopped = next(e for e in events if e.get("event") == "worker_stopped")

@@ -56,7 +56,7 @@ def main() -> None:
             rc = w.proc.wait(600)
             elapsed = time.perf_counter() - t0
             calls = redis_calls(client) - c0 - 1
-            done = store.count(store.k.done)
+            done = store.count(store.keys.done)
             rows.append(
                 {
                     "chunk_size": size,

@@ -174,7 +174,7 @@ def serve_reference(
     serve(settings)
 
 
-def _tls_env(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     # connect() reads these, here and in the processes this one starts.
     if value:
         from hsq.store import TLS_ENV
@@ -796,7 +796,7 @@ def verify(
     cfg = st.require_config()
     root = (out or Path(cfg.out)) / run
     with tqdm(
-        total=st.count(st.k.done),
+        total=st.count(st.keys.done),
         unit="file",
         desc="verifying",
         disable=no_progress,
@@ -890,7 +890,7 @@ def export(
         raise ConfigError("--format specforge needs --to DIR")
     layers = _layers(expect_layers)
     with tqdm(
-        total=st.count(st.k.done),
+        total=st.count(st.keys.done),
         unit="file",
         desc="exporting",
         disable=no_progress,
@@ -951,7 +951,7 @@ def purge(run: str, redis_url: str, yes: bool) -> None:
     st = _store(redis_url, run)
     if not yes:
         click.confirm(
-            f"delete every Redis key of run {run!r} ({st.count(st.k.done)} done entries)?",
+            f"delete every Redis key of run {run!r} ({st.count(st.keys.done)} done entries)?",
             abort=True,
         )
     n = do_purge(st)
@@ -1036,7 +1036,7 @@ def launch_sglang(
     """
     import shlex
 
-    from sglang_server.sglang_hook.launcher import run_checked
+    from sglang_server.sglang_hook.launch_sglang import run_checked
 
     sys.exit(
         run_checked(

@@ -112,10 +112,10 @@ class RunStatus:
 
 def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set[str], set[str]]:
     """(index ids, outstanding id -> place, done ids, dead sample ids, dead line keys)."""
-    index = set(store.iter_hash_keys(store.k.index))
+    index = set(store.iter_hash_keys(store.keys.index))
     outstanding = store.outstanding_samples()
-    done = set(store.iter_hash_keys(store.k.done))
-    dead_keys = set(store.iter_hash_keys(store.k.dead))
+    done = set(store.iter_hash_keys(store.keys.done))
+    dead_keys = set(store.iter_hash_keys(store.keys.dead))
     dead_lines = {k for k in dead_keys if k.startswith("line:")}
     return index, outstanding, done, dead_keys - dead_lines, dead_lines
 

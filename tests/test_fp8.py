@@ -266,7 +266,7 @@ def test_fp8_run_end_to_end_with_real_processes(
     assert st.require_config().store_dtype == "fp8-e4m3"
     w = start_worker(tmp_path, "f8", server, redis_url, "--burst")
     assert w.proc.wait(120) == 0, w.log_tail()
-    assert st.count(st.k.done) == 12 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 12 and st.count(st.keys.dead) == 0
 
     torch.set_num_threads(2)
     model = load_model(
@@ -333,7 +333,7 @@ def test_fp8_run_end_to_end_with_real_processes(
             "store_dtype": "bf16",
         }
     )
-    st.r.hset(st.k.done, sid, mixed.to_json())
+    st.client.hset(st.keys.done, sid, mixed.to_json())
     proc = hsq("verify", "--run", "f8", "--redis", redis_url, "--deep")
     assert proc.returncode == 1
     assert f"corrupt  {sid}: stored as bf16, the run stores fp8-e4m3" in proc.stdout

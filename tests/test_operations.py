@@ -264,4 +264,4 @@ def test_redis_url_comes_from_the_environment(tmp_path: Path, redis_url: str) ->
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == 2
-    assert store(redis_url, "env").count(store(redis_url, "env").k.index) == 2
+    assert store(redis_url, "env").count(store(redis_url, "env").keys.index) == 2

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import torch
 from safetensors.torch import load_file
 
 from hsq.outputs import output_relpath
@@ -51,7 +52,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
     st = store(redis_url, "rec")
     w = start_worker(tmp_path, "rec", server, redis_url, name="before")
     try:
-        wait_until(lambda: st.count(st.k.done) >= 8, timeout=120)
+        wait_until(lambda: st.count(st.keys.done) >= 8, timeout=120)
         redis.Redis.from_url(redis_url).flushall()
         time.sleep(0.5)  # let the worker try (and fail) to write into the wiped run
     finally:
@@ -65,7 +66,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
               "--chunk-size", "2", "--no-progress", check=True)  # fmt: skip
     recovered = int(rec.stdout.split("recovered")[1].split()[0])
     assert recovered == len(on_disk), rec.stdout
-    assert st.count(st.k.done) == len(on_disk)
+    assert st.count(st.keys.done) == len(on_disk)
 
     finish_burst(tmp_path, "rec", server, redis_url, "after")
     status = json.loads(
@@ -94,7 +95,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
             ), (sid, name)
 
 
-def _raw(t: object) -> object:
+def _raw(t: object) -> torch.dtype:
     import torch
 
     assert isinstance(t, torch.Tensor)

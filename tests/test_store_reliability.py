@@ -7,7 +7,7 @@ import ast
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
     assert worker.mark_done("a", manifest("a"))
     assert hsq("purge", "--run", "fenced", "--yes", "--redis", redis_url).returncode == 0
 
-    writes = {
+    writes: dict[str, Callable[[], object]] = {
         "mark_done": lambda: worker.mark_done("b", manifest("b")),
         "finish": lambda: worker.finish("w1", job),
         "give_back": lambda: worker.give_back("w1", job),
@@ -64,14 +64,14 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
     for name, write in writes.items():
         with pytest.raises(RunChangedError):
             write()
-        assert worker.r.keys("hsq:run:fenced:*") == [], name
-        assert worker.r.keys("rq:queue:hsq-fenced*") == [], name
+        assert worker.client.keys("hsq:run:fenced:*") == [], name
+        assert worker.client.keys("rq:queue:hsq-fenced*") == [], name
 
     # Re-created under the same name: a new generation, so the old holder is still refused.
     fresh_run(redis_url, "fenced", tmp_path)
     with pytest.raises(RunChangedError):
         worker.mark_done("b", manifest("b"))
-    assert worker.count(worker.k.done) == 0
+    assert worker.count(worker.keys.done) == 0
     worker.require_config()  # re-reading the config takes the new generation
     assert worker.mark_done("b", manifest("b"))
 
@@ -159,11 +159,11 @@ def test_redis_errors_become_hsq_errors(tmp_path: Path) -> None:
     srv = RedisServer(tmp_path / "r", password="pw").wait_ready()
     try:
         st = RunStore(connect(srv.url), "gone")
-        st.count(st.k.done)
+        st.count(st.keys.done)
     finally:
         srv.stop()
     with pytest.raises(StoreUnavailableError):
-        st.count(st.k.done)
+        st.count(st.keys.done)
     with pytest.raises(StoreUnavailableError):
         connect(srv.url)
 
@@ -212,7 +212,7 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     assert (status.total, status.done, status.dead) == (fig.total, fig.done, fig.dead) == (7, 1, 1)
     metrics = {
         (m.name, s.labels.get("state")): s.value
-        for m in RedisCollector(st.r).collect()
+        for m in RedisCollector(st.client).collect()
         for s in m.samples
         if s.labels.get("run") == "figs"
     }
@@ -339,16 +339,16 @@ def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
     st = store(redis_url, "purged")
     w = start_worker(tmp_path, "purged", server, redis_url, name="pw")
     try:
-        wait_until(lambda: st.count(st.k.done) >= 2, timeout=120)
+        wait_until(lambda: st.count(st.keys.done) >= 2, timeout=120)
         assert hsq("purge", "--run", "purged", "--yes", "--redis", redis_url).returncode == 0
         # The worker holds a chunk and keeps extracting it; wait until it was refused.
         wait_until(lambda: "was purged or re-created" in w.log_path.read_text(), timeout=120)
     finally:
         w.stop()
         httpx.delete(server.url + "/admin/faults").raise_for_status()
-    assert st.r.keys("hsq:run:purged:*") == []
-    assert st.r.keys("rq:queue:hsq-purged*") == []
-    assert "purged" not in list_runs(st.r)
+    assert st.client.keys("hsq:run:purged:*") == []
+    assert st.client.keys("rq:queue:hsq-purged*") == []
+    assert "purged" not in list_runs(st.client)
 
 
 def test_a_run_created_before_generations_gets_one_and_keeps_working(
@@ -357,7 +357,7 @@ def test_a_run_created_before_generations_gets_one_and_keeps_working(
     """Upgrade path of the D1 fence: a config without `generation` (written by older hsq)
     is given one on first read, so its workers' writes are not refused forever."""
     st = fresh_run(redis_url, "legacy", tmp_path)
-    st.r.hdel(st.k.config, "generation")
+    st.client.hdel(st.keys.config, "generation")
     old = RunStore(connect(redis_url), "legacy")
     other = RunStore(connect(redis_url), "legacy")
     assert old.require_config().generation == other.require_config().generation is not None

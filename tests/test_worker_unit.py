@@ -263,7 +263,7 @@ def client_for(handler: httpx.MockTransport) -> ServerClient:
 
 def test_generate_answer_over_the_size_limit_is_refused() -> None:
     big = b'{"meta_info": {"prompt_tokens": 3}, "pad": "' + b"x" * MAX_ANSWER_BYTES + b'"}'
-    c = client_for(httpx.MockTransport(lambda r: httpx.Response(200, content=big)))
+    c = client_for(httpx.MockTransport(lambda _r: httpx.Response(200, content=big)))
     with pytest.raises(errors.ServerRejectedError) as info:
         c.prefill([1, 2, 3], "r")
     assert info.value.status_code == 502 and "over" in str(info.value)
