@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -215,12 +213,7 @@ def test_runs_purge_and_exit_codes(tmp_path: Path, redis_url: str) -> None:
     make_run(tmp_path, "old", redis_url, 3)
     assert "old  done 0/3" in hsq("runs", "--redis", redis_url, check=True).stdout
     # No terminal to confirm on: purge refuses.
-    refused = subprocess.run(
-        [sys.executable, "-m", "hsq", "purge", "--run", "old", "--redis", redis_url],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
+    refused = hsq("purge", "--run", "old", "--redis", redis_url)
     assert refused.returncode == 1
     assert (
         "purged run old"
@@ -256,12 +249,8 @@ def test_every_command_has_help_with_an_example(cmd: str) -> None:
 
 def test_redis_url_comes_from_the_environment(tmp_path: Path, redis_url: str) -> None:
     make_run(tmp_path, "env", redis_url, 2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsq", "status", "--run", "env", "--json"],
-        capture_output=True,
-        text=True,
-        env={"REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"},
-    )
+    env = {"REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    proc = hsq("status", "--run", "env", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == 2
     assert store(redis_url, "env").count(store(redis_url, "env").keys.index) == 2

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers import hsq
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,18 +23,12 @@ def test_compose_parses_and_its_build_context_exists() -> None:
 
 
 def test_cli_help_lists_commands() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "hsq", "--help"], capture_output=True, text=True, check=True
-    ).stdout
+    out = hsq("--help", check=True).stdout
     assert "serve-reference" in out
 
 
 def test_cli_bad_flag_is_a_usage_error() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsq", "serve-reference", "--dump-dir", "/tmp/x", "--port", "x"],
-        capture_output=True,
-        text=True,
-    )
+    proc = hsq("serve-reference", "--dump-dir", "/tmp/x", "--port", "x")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
 

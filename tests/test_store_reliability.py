@@ -21,7 +21,7 @@ from hsq.procs import RedisServer
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, list_runs
 from hsq.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, store
+from tests.helpers import enqueue, hsq, hsq_argv, store
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = IndexEntry(0, 10, 0, 3)
@@ -292,13 +292,12 @@ def test_two_enqueues_started_together_queue_each_sample_once(
     with different --out. Old code: both succeeded, every sample was queued twice and one
     --out was silently ignored. Now exactly one succeeds; the other exits 2 and says why."""
     import subprocess
-    import sys
 
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 20000, seed=9, min_len=4, max_len=8)
 
     def start(out: str) -> subprocess.Popen[str]:
-        argv = [sys.executable, "-m", "hsq", "enqueue", str(ds), "--run", "race"]
+        argv = hsq_argv("enqueue", str(ds), "--run", "race")
         argv += ["--out", str(tmp_path / out), "--redis", redis_url, "--no-progress"]
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

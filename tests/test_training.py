@@ -456,14 +456,25 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     assert len(list(dest.rglob("*.ckpt"))) == 10
 
 
-def test_manifest_entries_from_redis_are_not_trusted_as_paths() -> None:
-    good = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
-    assert checked_entry("s1", good) is good
-    assert ckpt_path(Path("/d"), "s1") == Path("/d") / Path(good.path).parent / "s1.ckpt"
-    for sid, entry in [
+GOOD_ENTRY = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
+
+
+def test_a_good_manifest_entry_is_used_as_is() -> None:
+    assert checked_entry("s1", GOOD_ENTRY) is GOOD_ENTRY
+    want = Path("/d") / Path(GOOD_ENTRY.path).parent / "s1.ckpt"
+    assert ckpt_path(Path("/d"), "s1") == want
+
+
+@pytest.mark.parametrize(
+    ("sid", "entry"),
+    [
         ("s1", None),
         ("s1", ManifestEntry("../../../etc/s1.safetensors", 3, 10, "crc32:0", "w", 0.0, 0)),
-        ("../s1", good),
-    ]:
-        with pytest.raises(OutputError):
-            checked_entry(sid, entry)
+        ("../s1", GOOD_ENTRY),
+    ],
+)
+def test_manifest_entries_from_redis_are_not_trusted_as_paths(
+    sid: str, entry: ManifestEntry | None
+) -> None:
+    with pytest.raises(OutputError):
+        checked_entry(sid, entry)

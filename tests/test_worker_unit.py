@@ -60,16 +60,21 @@ def test_sample_faults_retry_then_die_after_max_attempts() -> None:
     assert last.outcome is Outcome.DEAD and last.attempts == 3
 
 
-def test_transient_faults_never_reach_the_dead_letter_whatever_the_attempt() -> None:
-    for exc in (
+@pytest.mark.parametrize(
+    "exc",
+    [
         errors.DatasetError("x", "dataset_unreadable"),
         OSError(errno.EIO, "eio"),
         errors.ServerUnavailableError("x"),
         errors.OutputError("x"),
         errors.StoreUnavailableError("x"),
-    ):
-        d = decide(classify(exc), attempt=99, max_attempts=1)
-        assert d.outcome is Outcome.HAND_BACK and d.pause is not None
+    ],
+)
+def test_transient_faults_never_reach_the_dead_letter_whatever_the_attempt(
+    exc: Exception,
+) -> None:
+    d = decide(classify(exc), attempt=99, max_attempts=1)
+    assert d.outcome is Outcome.HAND_BACK and d.pause is not None
 
 
 def test_server_failures_use_the_crash_budget_not_attempts() -> None:
