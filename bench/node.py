@@ -28,8 +28,8 @@ import torch
 
 from bench.disk import probe
 from bench.pipeline import bare, capacity, load_samples
-from hsq.demo import redis_calls
-from hsq.procs import (
+from hsq.app.demo import redis_calls
+from hsq.harness.procs import (
     ManagedProcess,
     RedisServer,
     ReferenceServer,
@@ -38,9 +38,9 @@ from hsq.procs import (
     wait_http_ok,
     worker_process,
 )
+from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 ROOT = Path(__file__).resolve().parents[1]

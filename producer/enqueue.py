@@ -193,7 +193,7 @@ def _recover_outputs(
     report: EnqueueReport,
     progress: bool,
 ) -> None:
-    from hsq.ops import adopt_output
+    from hsq.adopt import adopt_output
 
     out_root = Path(cfg.out) / cfg.run
     dataset = Path(cfg.dataset)

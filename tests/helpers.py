@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hsq.procs import ManagedProcess, ReferenceServer, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
 from hsq.store import RunStore, connect
 
 

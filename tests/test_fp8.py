@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from hsq import quant, stfile
 from hsq.dataset import Sample
 from hsq.errors import ConfigError, NonFiniteDumpError
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
-from hsq.procs import ReferenceServer
 from hsq.protocol import (
     AUX_TENSOR,
     LAST_TENSOR,
@@ -29,7 +30,6 @@ from hsq.protocol import (
     write_dump,
 )
 from hsq.runconfig import RunConfig
-from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, start_worker, store
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsq.ops import run_status, verify
-from hsq.procs import ReferenceServer
-from hsq.synthetic import write_synthetic
+from hsq.app.ops import run_status, verify
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.conftest import generate
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until

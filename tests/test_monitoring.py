@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from hsq.procs import (
+from hsq.harness.procs import (
     ManagedProcess,
     ReferenceServer,
     exporter_process,
@@ -24,7 +24,7 @@ from hsq.procs import (
     wait_http_ok,
     worker_process,
 )
-from hsq.synthetic import write_synthetic
+from hsq.harness.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, store, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

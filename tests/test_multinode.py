@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hsq.ops import verify
-from hsq.procs import (
+from hsq.app.ops import verify
+from hsq.harness.procs import (
     ManagedProcess,
     RedisServer,
     ReferenceServer,
@@ -24,7 +24,7 @@ from hsq.procs import (
     hsq_command,
     worker_process,
 )
-from hsq.synthetic import write_synthetic
+from hsq.harness.synthetic import write_synthetic
 from tests.helpers import enqueue, log_events, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]

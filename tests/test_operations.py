@@ -13,10 +13,10 @@ import httpx
 import pytest
 import redis
 
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
-from hsq.procs import ReferenceServer
 from hsq.protocol import fingerprint
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]

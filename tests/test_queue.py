@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from hsq.app.ops import verify
 from hsq.dataset import IndexEntry
-from hsq.ops import verify
-from hsq.procs import ReferenceServer
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import fingerprint
-from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from hsq.errors import HookInactiveError
-from hsq.procs import ReferenceServer
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import (
     FORMAT_VERSION,
     READY_FILE,
@@ -28,7 +29,6 @@ from hsq.protocol import (
     read_ready,
     write_ready,
 )
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, start_worker, store
 from workers.readiness import await_hook, check_marker
 

@@ -14,9 +14,9 @@ import redis
 import torch
 from safetensors.torch import load_file
 
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import output_relpath
-from hsq.procs import ReferenceServer
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from hsq.errors import StoreError
-from hsq.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.store import connect
-from hsq.synthetic import write_synthetic
 from tests.helpers import hsq
 
 Factory = Callable[..., ReferenceServer]

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
+from hsq.app.ops import RunStatus, run_figures, run_status
 from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreUnavailableError
-from hsq.ops import RunStatus, run_figures, run_status
+from hsq.harness.procs import RedisServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry
-from hsq.procs import RedisServer
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, list_runs
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, hsq_argv, store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,8 +195,8 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     tmp_path: Path, redis_url: str
 ) -> None:
     """Issue 16: run_status returns a dataclass; the exporter's sample figures are the ones
-    status prints (one function, hsq.ops.run_figures)."""
-    from hsq.exporter import RedisCollector
+    status prints (one function, hsq.app.ops.run_figures)."""
+    from hsq.app.exporter import RedisCollector
 
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 6, seed=2)
@@ -223,8 +223,8 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
 
 def test_only_the_store_imports_redis_or_rq() -> None:
     """Issue 16 item 1: nothing outside hsq/store.py imports redis or rq (workers/ is being
-    rewritten on its own branch; hsq/procs.py is the test harness starting a server)."""
-    allowed = {"hsq/store.py", "hsq/procs.py"}
+    rewritten on its own branch; hsq/harness/procs.py is the test harness starting a server)."""
+    allowed = {"hsq/store.py", "hsq/harness/procs.py"}
     offenders = []
     for path in [*ROOT.glob("hsq/**/*.py"), *ROOT.glob("producer/**/*.py")]:
         rel = str(path.relative_to(ROOT))
@@ -259,7 +259,7 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
     import httpx
     import psutil
 
-    from hsq.procs import ManagedProcess, free_port, hsq_command
+    from hsq.harness.procs import ManagedProcess, free_port, hsq_command
     from tests.helpers import wait_until
 
     port = free_port()

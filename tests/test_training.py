@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from hsq.app.export import checked_entry, ckpt_path
 from hsq.data import HiddenStateDataset, collate
 from hsq.errors import OutputError
-from hsq.export import checked_entry, ckpt_path
+from hsq.harness.procs import RedisServer, ReferenceServer, hsq_command
 from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.procs import RedisServer, ReferenceServer, hsq_command
 from tests.helpers import hsq, start_worker, store, wait_until
 
 try:
@@ -84,7 +84,7 @@ def walk(
 ) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("walk")
     url = redis_server.url
-    subprocess.run([sys.executable, "-m", "hsq.toytok", str(base / "tok")], check=True)
+    subprocess.run([sys.executable, "-m", "hsq.harness.toytok", str(base / "tok")], check=True)
     src = base / "chats.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chats()))
     tokens = base / "tokens.jsonl"

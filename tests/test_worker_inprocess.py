@@ -25,6 +25,7 @@ import torch
 from hsq import protocol
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, RunChangedError
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry
 from hsq.protocol import (
     AUX_TENSOR,
@@ -40,7 +41,6 @@ from hsq.protocol import (
 )
 from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, SampleRef
-from hsq.synthetic import write_synthetic
 from workers.client import ServerClient
 from workers.lock import DumpDirLock
 from workers.runview import RunView

@@ -36,7 +36,7 @@ from deploy_helpers import (
     wait_for,
 )
 
-from hsq.procs import ManagedProcess
+from hsq.harness.procs import ManagedProcess
 
 SAMPLES = 48
 # What the cpu profile listens on with host networking (docker-compose.yml).

@@ -16,11 +16,11 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from hsq.ops import verify
-from hsq.procs import RedisServer, ReferenceServer, worker_process
+from hsq.app.ops import verify
+from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 

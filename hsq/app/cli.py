@@ -498,7 +498,7 @@ def recover(
     elif dataset is None or out is None:
         raise ConfigError(f"run {run!r} is not in Redis: give DATASET and --out to recover it")
     else:
-        from hsq.ops import detect_store_dtype
+        from hsq.adopt import detect_store_dtype
 
         root = out.resolve()
         cfg = RunConfig(
@@ -661,7 +661,7 @@ def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
     Example:
       hsq demo --samples 300
     """
-    from hsq.demo import run_demo
+    from hsq.app.demo import run_demo
 
     sys.exit(run_demo(samples=samples, out=out, redis_url=redis_url, seed=seed))
 
@@ -691,7 +691,7 @@ def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval
     tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
     dead_by_reason, workers (docs/operations.md).
     """
-    from hsq.ops import dumps_json, run_status, status_text
+    from hsq.app.ops import dumps_json, run_status, status_text
     from hsq.store import RunStore, connect, list_runs
 
     client = connect(redis_url)
@@ -741,8 +741,8 @@ def requeue(
       hsq requeue --run kimi-v1 --sample s000042 --sample s000043
       hsq requeue --run kimi-v1 --missing
     """
-    from hsq.ops import requeue as do_requeue
-    from hsq.ops import select_for_requeue
+    from hsq.app.ops import requeue as do_requeue
+    from hsq.app.ops import select_for_requeue
 
     if not (failed or reason or samples or missing):
         raise click.UsageError("say what to requeue: --failed, --reason, --sample or --missing")
@@ -789,8 +789,8 @@ def verify(
     """
     from tqdm import tqdm
 
-    from hsq.ops import repair
-    from hsq.ops import verify as do_verify
+    from hsq.app.ops import repair
+    from hsq.app.ops import verify as do_verify
 
     st = _store(redis_url, run)
     cfg = st.require_config()
@@ -878,7 +878,7 @@ def export(
     """
     from tqdm import tqdm
 
-    from hsq.export import export_manifest, export_specforge
+    from hsq.app.export import export_manifest, export_specforge
 
     st = _store(redis_url, run)
     root = (out or Path(st.require_config().out)) / run
@@ -923,7 +923,7 @@ def runs(redis_url: str) -> None:
     Example:
       hsq runs --redis redis://:pw@head:6379/0
     """
-    from hsq.ops import run_figures
+    from hsq.app.ops import run_figures
     from hsq.store import RunStore, connect, list_runs
 
     client = connect(redis_url)
@@ -946,7 +946,7 @@ def purge(run: str, redis_url: str, yes: bool) -> None:
     Example:
       hsq purge --run old-run --yes
     """
-    from hsq.ops import purge as do_purge
+    from hsq.app.ops import purge as do_purge
 
     st = _store(redis_url, run)
     if not yes:
@@ -977,7 +977,7 @@ def exporter(redis_url: str, port: int, host: str) -> None:
     Example:
       hsq exporter --redis redis://:pw@head:6379/0 --port 9640 --metrics-host 0.0.0.0
     """
-    from hsq.exporter import run_exporter
+    from hsq.app.exporter import run_exporter
 
     run_exporter(redis_url, host, port)
 

@@ -33,7 +33,7 @@ from hsq.outputs import ManifestEntry, open_output, output_relpath
 if TYPE_CHECKING:
     from hsq.store import RunStore
 
-log = structlog.get_logger("hsq.export")
+log = structlog.get_logger("hsq.app.export")
 
 CKPT = ".ckpt"
 SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
