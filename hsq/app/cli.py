@@ -15,8 +15,10 @@ from typing import Any
 import click
 
 from hsq import __version__
+from hsq.app.options import settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
+from workers.settings import WorkerSettings
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -202,11 +204,11 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--redis",
         "redis_url",
-        envvar="REDIS_URL",
+        envvar=["HSQ_REDIS_URL", "REDIS_URL"],
+        show_envvar=True,
         default="redis://127.0.0.1:6379/0",
         show_default=True,
-        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for "
-        "TLS); env REDIS_URL",
+        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for TLS)",
     )(f)
 
 
@@ -516,123 +518,18 @@ def recover(
 
 
 @cli.command("worker")
-@click.option("--run", required=True, envvar="HSQ_RUN")
-@click.option("--server", required=True, envvar="HSQ_SERVER", help="inference server URL")
-@click.option(
-    "--dump-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    envvar="SGLANG_HS_DUMP_DIR",
-    help="the server's dump dir, owned by this worker",
-)
 @_redis_option
-@click.option(
-    "--name", default=None, help="stable name for logs and metrics; a unique suffix is added"
-)
-@click.option("--burst", is_flag=True, help="exit when the run has nothing queued or held")
-@click.option(
-    "--dump-timeout",
-    default=60.0,
-    show_default=True,
-    type=float,
-    help="seconds to wait for a dump's `done` after the server answered",
-)
-@click.option("--request-timeout", default=600.0, show_default=True, type=float)
-@click.option(
-    "--persist-depth",
-    default=2,
-    show_default=True,
-    type=int,
-    help="validated dumps waiting for the persist stage (bounds memory)",
-)
-@click.option(
-    "--persist-threads",
-    default=2,
-    show_default=True,
-    type=int,
-    help="threads writing outputs (overlap one sample's fsync with the next's copy)",
-)
-@click.option("--max-server-crashes", default=3, show_default=True, type=int)
-@click.option(
-    "--metrics-port",
-    default=None,
-    type=int,
-    envvar="HSQ_METRICS_PORT",
-    help="serve Prometheus metrics on this port [default: off]",
-)
-@click.option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="HSQ_METRICS_HOST",
-    help="bind address of the metrics endpoint (0.0.0.0 exposes it to the network)",
-)
-@click.option(
-    "--inflight",
-    default=4,
-    show_default=True,
-    type=int,
-    envvar="HSQ_INFLIGHT",
-    help="requests in flight on the server at once; dumps are matched by rid (1: one at a time)",
-)
-@click.option(
-    "--max-inflight-tokens",
-    default=None,
-    type=int,
-    envvar="HSQ_MAX_INFLIGHT_TOKENS",
-    help="cap on the tokens of the requests in flight [default: only --inflight caps it]",
-)
-@click.option(
-    "--dump-dir-force",
-    is_flag=True,
-    help="use a dump dir that looks shared (sticky, or owned by another user)",
-)
-def worker(
-    run: str,
-    server: str,
-    dump_dir: Path,
-    redis_url: str,
-    name: str | None,
-    burst: bool,
-    dump_timeout: float,
-    request_timeout: float,
-    persist_depth: int,
-    persist_threads: int,
-    max_server_crashes: int,
-    metrics_port: int | None,
-    metrics_host: str,
-    inflight: int,
-    max_inflight_tokens: int | None,
-    dump_dir_force: bool,
-) -> None:
+@settings_options(WorkerSettings, skip=("redis_url",))
+def worker(**values: Any) -> None:
     """Extract samples of a run through one inference server.
 
     \b
     Example:
       hsq worker --run kimi-v1 --server http://127.0.0.1:30000 --dump-dir /dev/shm/hsq0
     """
-    from workers.settings import WorkerSettings
     from workers.worker import run_worker
 
-    settings = WorkerSettings(
-        run=run,
-        server=server,
-        dump_dir=dump_dir,
-        redis_url=redis_url,
-        name=name,
-        burst=burst,
-        dump_timeout_s=dump_timeout,
-        request_timeout_s=request_timeout,
-        persist_depth=persist_depth,
-        persist_threads=persist_threads,
-        max_server_crashes=max_server_crashes,
-        metrics_port=metrics_port,
-        metrics_host=metrics_host,
-        inflight=inflight,
-        max_inflight_tokens=max_inflight_tokens,
-        dump_dir_force=dump_dir_force,
-    )
-    sys.exit(run_worker(settings))
+    sys.exit(run_worker(WorkerSettings(**values)))
 
 
 @cli.command("demo")
