@@ -33,6 +33,14 @@ class SettingDoc:
     """How --help shows a default computed later (None: the field's default)."""
 
 
+def int_tuple(text: str) -> tuple[int, ...]:
+    """ "2,4,5" -> (2, 4, 5)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, not {text!r}") from None
+
+
 def setting(
     default: Any = dataclasses.MISSING,
     *,

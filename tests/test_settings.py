@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from hsq.app import cli
 from hsq.app.options import settings_options
 from hsq.settings import env_names, setting_doc
+from sglang_server.reference.settings import ReferenceSettings
 from workers.settings import WorkerSettings
 
 # Flags that docs, compose files, Slurm recipes and tests already use: they must keep working.
@@ -103,3 +104,80 @@ def test_bad_worker_settings_are_refused_by_name() -> None:
     bad = dataclasses.replace(parse(REQUIRED), reap_interval_s=0)
     with pytest.raises(Exception, match="--reap-interval must be > 0"):
         bad.validate()
+
+
+REFERENCE_FLAGS = [
+    "--model", "--device", "--dtype", "--dump-dtype", "--layers", "--dump-dir", "--host",
+    "--port", "--max-tokens", "--max-batch-requests", "--max-batch-tokens", "--warmup-shapes",
+    "--warmup", "--counter-start", "--fault", "--seed", "--writer-depth", "--no-fsync",
+    "--threads",
+]  # fmt: skip
+
+
+def parse_reference(args: list[str], env: dict[str, str] | None = None) -> ReferenceSettings:
+    seen: list[ReferenceSettings] = []
+
+    @click.command()
+    @settings_options(ReferenceSettings)
+    def cmd(**values: Any) -> None:
+        seen.append(ReferenceSettings(**values))
+
+    res = CliRunner().invoke(cmd, ["--dump-dir", "/d", *args], env=env or {})
+    assert res.exit_code == 0, res.output
+    return seen[0]
+
+
+def test_reference_help_keeps_every_flag() -> None:
+    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    for flag in REFERENCE_FLAGS:
+        assert flag in res.output, flag
+    for f in dataclasses.fields(ReferenceSettings):
+        doc = setting_doc(f)
+        assert doc is not None and doc.help, f.name
+        if not doc.hidden:
+            assert env_names(f)[0] in res.output, f.name
+
+
+def test_reference_defaults_come_from_the_dataclass() -> None:
+    assert parse_reference([]) == ReferenceSettings(dump_dir=Path("/d"))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "field", "value"),
+    [
+        (["--no-fsync"], {}, "fsync", False),
+        ([], {"HSQ_FSYNC": "0"}, "fsync", False),
+        (["--no-ready-marker"], {}, "ready_marker", False),
+        (
+            ["--fault", "slow:seconds=1", "--fault", "error"],
+            {},
+            "faults",
+            ("slow:seconds=1", "error"),
+        ),
+        (["--layers", "2,4,5"], {}, "layers", (2, 4, 5)),
+        ([], {"HSQ_LAYERS": "1,3"}, "layers", (1, 3)),
+        ([], {"HSQ_PORT": "31000"}, "port", 31000),
+        (["--max-batch-requests", "4"], {}, "max_batch_requests", 4),
+    ],
+)
+def test_a_reference_setting_from_a_flag_or_its_env_variable(
+    args: list[str], env: dict[str, str], field: str, value: object
+) -> None:
+    assert getattr(parse_reference(args, env), field) == value
+
+
+def test_bad_layers_are_a_usage_error() -> None:
+    @click.command()
+    @settings_options(ReferenceSettings)
+    def cmd(**_values: Any) -> None:
+        raise AssertionError("not reached")
+
+    res = CliRunner().invoke(cmd, ["--dump-dir", "/d", "--layers", "2,x"], env={})
+    assert res.exit_code == 2 and "comma-separated integers" in res.output
+
+
+def test_the_compute_dtype_follows_the_device_unless_given() -> None:
+    assert ReferenceSettings(dump_dir=Path("/d")).compute_dtype == "float32"
+    assert ReferenceSettings(dump_dir=Path("/d"), device="cuda").compute_dtype == "bfloat16"
+    assert ReferenceSettings(dump_dir=Path("/d"), dtype="float16").compute_dtype == "float16"

@@ -18,6 +18,8 @@ from hsq import __version__
 from hsq.app.options import settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
+from hsq.settings import int_tuple
+from sglang_server.reference.settings import ReferenceSettings
 from workers.settings import WorkerSettings
 
 EXIT_OK = 0
@@ -30,9 +32,9 @@ def _layers(value: str | None) -> tuple[int, ...] | None:
     if not value:
         return None
     try:
-        return tuple(int(x) for x in value.split(","))
+        return int_tuple(value)
     except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from exc
+        raise click.BadParameter(str(exc)) from exc
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -47,101 +49,8 @@ def cli(log_level: str, log_format: str) -> None:
 
 
 @cli.command("serve-reference")
-@click.option(
-    "--model",
-    default="tiny",
-    show_default=True,
-    help="`tiny` (seeded random Llama for CPU), `llama-8b` (random weights, 8B "
-    "shape) or a local HF checkpoint path.",
-)
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N")
-@click.option(
-    "--dtype", default=None, help="compute dtype [default: float32 on cpu, bfloat16 on cuda]"
-)
-@click.option("--dump-dtype", default="bfloat16", show_default=True)
-@click.option(
-    "--layers",
-    default=None,
-    help="aux layer ids in HF hidden_states indexing [default: EAGLE-3's 2,L//2,L-3]",
-)
-@click.option(
-    "--dump-dir", type=click.Path(path_type=Path), required=True, envvar="SGLANG_HS_DUMP_DIR"
-)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=30000, show_default=True, type=int)
-@click.option("--max-tokens", default=8192, show_default=True, type=int)
-@click.option(
-    "--max-batch-requests",
-    default=None,
-    type=int,
-    help="concurrent requests gathered into one forward (1: one request at a time) "
-    "[default: 8 on cuda, 1 on cpu, where a batch costs its rows and padding]",
-)
-@click.option(
-    "--max-batch-tokens",
-    default=16384,
-    show_default=True,
-    type=int,
-    help="tokens per batched forward (a longer single request still runs, alone)",
-)
-@click.option(
-    "--warmup-shapes",
-    is_flag=True,
-    help="on CUDA, run every padded batch shape once at start (first-use cost)",
-)
-@click.option(
-    "--warmup",
-    default=0,
-    show_default=True,
-    type=int,
-    help="requests the server sends itself at start; each creates a dump",
-)
-@click.option(
-    "--counter-start",
-    default=0,
-    show_default=True,
-    type=int,
-    help="first req_<N> index (simulates a counter moved by earlier requests)",
-)
-@click.option(
-    "--fault",
-    "faults",
-    multiple=True,
-    help="fault rule MODE[:key=value,...], repeatable; see docs/reference-server.md",
-)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option(
-    "--writer-depth",
-    default=2,
-    show_default=True,
-    type=int,
-    help="dumps queued for the writer thread before requests block",
-)
-@click.option("--no-fsync", is_flag=True, help="skip fsync of dumps (tmpfs dump dirs)")
-@click.option("--threads", default=None, type=int, help="torch CPU threads")
-@click.option("--no-ready-marker", is_flag=True, hidden=True)  # tests: a hookless server
-def serve_reference(
-    model: str,
-    device: str,
-    dtype: str | None,
-    dump_dtype: str,
-    layers: str | None,
-    dump_dir: Path,
-    host: str,
-    port: int,
-    max_tokens: int,
-    max_batch_requests: int | None,
-    max_batch_tokens: int,
-    warmup_shapes: bool,
-    warmup: int,
-    counter_start: int,
-    faults: tuple[str, ...],
-    seed: int,
-    writer_depth: int,
-    no_fsync: bool,
-    threads: int | None,
-    no_ready_marker: bool,
-) -> None:
+@settings_options(ReferenceSettings)
+def serve_reference(**values: Any) -> None:
     """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
 
     \b
@@ -149,31 +58,9 @@ def serve_reference(
       hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
       hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
     """
-    from sglang_server.reference.app import ReferenceSettings, serve
+    from sglang_server.reference.app import serve
 
-    settings = ReferenceSettings(
-        model=model,
-        device=device,
-        dtype=dtype or ("float32" if device == "cpu" else "bfloat16"),
-        dump_dtype=dump_dtype,
-        layers=_layers(layers),
-        dump_dir=dump_dir,
-        host=host,
-        port=port,
-        max_tokens=max_tokens,
-        max_batch_requests=max_batch_requests,
-        max_batch_tokens=max_batch_tokens,
-        warmup_shapes=warmup_shapes,
-        warmup=warmup,
-        counter_start=counter_start,
-        faults=faults,
-        seed=seed,
-        writer_depth=writer_depth,
-        fsync=not no_fsync,
-        threads=threads,
-        ready_marker=not no_ready_marker,
-    )
-    serve(settings)
+    serve(ReferenceSettings(**values))
 
 
 def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
