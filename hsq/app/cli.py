@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from hsq import __version__
-from hsq.app.options import settings_options
+from hsq.app.options import F, settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
 from hsq.settings import int_tuple
@@ -61,6 +61,25 @@ def serve_reference(**values: Any) -> None:
     from sglang_server.reference.app import serve
 
     serve(ReferenceSettings(**values))
+
+
+def _out_root_option(text: str, *, required: bool = False) -> Callable[[F], F]:
+    """--out: the root under which a run's files live (OUT/RUN/)."""
+    return click.option(
+        "--out",
+        type=click.Path(file_okay=False, path_type=Path),
+        required=required,
+        help=text,
+    )
+
+
+_run_option = click.option(
+    "--run",
+    required=True,
+    envvar="HSQ_RUN",
+    show_envvar=True,
+    help="run name ([A-Za-z0-9_-])",
+)
 
 
 def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -202,13 +221,8 @@ def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw
 
 @cli.command("enqueue")
 @click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--run", required=True, envvar="HSQ_RUN", help="run name ([A-Za-z0-9_-])")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="output root; files go to OUT/RUN/",
-)
+@_run_option
+@_out_root_option("output root; files go to OUT/RUN/", required=True)
 @_redis_option
 @click.option("--max-attempts", default=3, show_default=True, type=int)
 @click.option(
@@ -333,12 +347,9 @@ def enqueue(
 @click.argument(
     "dataset", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
 )
-@click.option("--run", required=True, envvar="HSQ_RUN", help="run name ([A-Za-z0-9_-])")
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]",
+@_run_option
+@_out_root_option(
+    "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
 @click.option("--chunk-size", default=16, show_default=True, type=int)
@@ -500,7 +511,7 @@ def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval
 
 
 @cli.command("requeue")
-@click.option("--run", required=True, envvar="HSQ_RUN")
+@_run_option
 @_redis_option
 @click.option("--failed", is_flag=True, help="every sample in the dead letter")
 @click.option("--reason", default=None, help="dead-letter samples with this reason")
@@ -542,8 +553,22 @@ def requeue(
         click.echo(f"skipped {len(sids)}: {why}: {shown}")
 
 
+def _mounted_out_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--out (the run's output root as mounted here) and --no-progress, for commands that
+    read a run's files."""
+    f = click.option("--no-progress", is_flag=True)(f)
+    return _out_root_option("output root if it is mounted elsewhere here [default: the run's]")(f)
+
+
+def _file_progress(total: int, desc: str, off: bool) -> Any:
+    """A progress bar over a run's files, on stderr (stdout carries the report)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="file", desc=desc, disable=off, file=sys.stderr, mininterval=0.5)
+
+
 @cli.command("verify")
-@click.option("--run", required=True, envvar="HSQ_RUN")
+@_run_option
 @_redis_option
 @click.option("--deep", is_flag=True, help="read every byte: checksum, tensors, finite values")
 @click.option(
@@ -552,13 +577,7 @@ def requeue(
     is_flag=True,
     help="un-done missing and corrupt samples (corrupt files removed) and requeue",
 )
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="output root if it is mounted elsewhere here [default: the run's]",
-)
-@click.option("--no-progress", is_flag=True)
+@_mounted_out_option
 def verify(
     run: str, redis_url: str, deep: bool, do_requeue: bool, out: Path | None, no_progress: bool
 ) -> None:
@@ -571,7 +590,6 @@ def verify(
     Example:
       hsq verify --run kimi-v1 --deep --requeue
     """
-    from tqdm import tqdm
 
     from hsq.app.ops import repair
     from hsq.app.ops import verify as do_verify
@@ -579,14 +597,7 @@ def verify(
     st = _store(redis_url, run)
     cfg = st.require_config()
     root = (out or Path(cfg.out)) / run
-    with tqdm(
-        total=st.count(st.keys.done),
-        unit="file",
-        desc="verifying",
-        disable=no_progress,
-        file=sys.stderr,
-        mininterval=0.5,
-    ) as bar:
+    with _file_progress(st.count(st.keys.done), "verifying", no_progress) as bar:
         res = do_verify(st, root, deep=deep, on_progress=bar.update)
     click.echo(
         f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
@@ -608,7 +619,7 @@ def verify(
 
 
 @cli.command("export")
-@click.option("--run", required=True, envvar="HSQ_RUN")
+@_run_option
 @_redis_option
 @click.option(
     "--format",
@@ -632,13 +643,7 @@ def verify(
     default=None,
     help="refuse unless the run captured these layer ids (HF hidden_states indices)",
 )
-@click.option(
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="output root if it is mounted elsewhere here [default: the run's]",
-)
-@click.option("--no-progress", is_flag=True)
+@_mounted_out_option
 def export(
     run: str,
     redis_url: str,
@@ -660,7 +665,6 @@ def export(
       hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8
       specforge train --config cfg.yaml   # data.hidden_states_path: /shared/specforge/q3
     """
-    from tqdm import tqdm
 
     from hsq.app.export import export_manifest, export_specforge
 
@@ -673,14 +677,7 @@ def export(
     if dest is None:
         raise ConfigError("--format specforge needs --to DIR")
     layers = _layers(expect_layers)
-    with tqdm(
-        total=st.count(st.keys.done),
-        unit="file",
-        desc="exporting",
-        disable=no_progress,
-        file=sys.stderr,
-        mininterval=0.5,
-    ) as bar:
+    with _file_progress(st.count(st.keys.done), "exporting", no_progress) as bar:
         report = export_specforge(
             st,
             root,
@@ -840,6 +837,16 @@ def launch_sglang(
     )
 
 
+# Expected failures: one line on stderr and an exit code (docs/operations.md), never a
+# traceback. The first matching class wins: ConfigError and StoreError are HsqErrors.
+_EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, EXIT_USAGE),
+    (StoreError, EXIT_REDIS),
+    (HsqError, EXIT_PROBLEMS),
+    (OSError, EXIT_PROBLEMS),
+)
+
+
 def main() -> None:
     try:
         cli(standalone_mode=False)
@@ -849,18 +856,9 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(EXIT_USAGE)
-    except ConfigError as exc:
+    except (HsqError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
-    except StoreError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_REDIS)
-    except HsqError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_PROBLEMS)
-    except OSError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_PROBLEMS)
+        sys.exit(next(code for kind, code in _EXIT_CODES if isinstance(exc, kind)))
 
 
 if __name__ == "__main__":
