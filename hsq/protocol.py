@@ -41,6 +41,7 @@ from hsq import stfile
 from hsq.errors import (
     CorruptDumpError,
     HookInactiveError,
+    HsqError,
     IncompleteDumpError,
     MetaMismatchError,
     MultipleDumpsError,
@@ -129,12 +130,7 @@ class DumpMeta:
     @classmethod
     def from_json(cls, text: str | bytes) -> DumpMeta:
         """Parse and type-check meta.json (written by a server: untrusted)."""
-        if len(text) > MAX_META_BYTES:
-            raise CorruptDumpError(f"meta.json is {len(text)} bytes, over {MAX_META_BYTES}")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
+        raw = _bounded_json(text, MAX_META_BYTES, "meta.json", CorruptDumpError)
         if not isinstance(raw, dict):
             raise CorruptDumpError("meta.json is malformed: not an object")
         _check_fields("meta.json", raw, _META_TYPES, _META_OPTIONAL)
@@ -148,6 +144,16 @@ class DumpMeta:
                 f"dump format_version {meta.format_version}, this hsq reads {FORMAT_VERSION}"
             )
         return meta
+
+
+def _bounded_json(text: str | bytes, limit: int, what: str, error: type[HsqError]) -> object:
+    """JSON a server wrote (untrusted): refused over `limit` bytes, then parsed."""
+    if len(text) > limit:
+        raise error(f"{what} is {len(text)} bytes, over {limit}")
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is malformed: {exc}") from exc
 
 
 def _is_int(v: object) -> bool:
@@ -534,12 +540,7 @@ class ReadyMarker:
     @classmethod
     def from_json(cls, text: str | bytes) -> ReadyMarker:
         """Strict: exact keys, exact types, bounded sizes; HookInactiveError otherwise."""
-        if len(text) > READY_MAX_BYTES:
-            raise HookInactiveError(f"{READY_FILE} is larger than {READY_MAX_BYTES} bytes")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HookInactiveError(f"{READY_FILE} is not JSON: {exc}") from exc
+        raw = _bounded_json(text, READY_MAX_BYTES, READY_FILE, HookInactiveError)
         obj = _ready_obj(raw, {f.name for f in fields(cls)}, READY_FILE)
         model = _ready_obj(obj["model"], {f.name for f in fields(ModelIdentity)}, "model")
         layers = obj["layer_ids"]
@@ -636,9 +637,6 @@ def read_ready(dump_dir: Path) -> ReadyMarker | None:
 # Protocol v2 lets a worker keep several requests in flight on one server. A dump is
 # attributed *only* by the rid in its meta.json (then validated as in v1); the server's
 # req_<N> counter is never predicted nor used. See docs/dump-protocol.md.
-
-# A meta.json is a few hundred bytes; anything far larger is not one of ours.
-MAX_META_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

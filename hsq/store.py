@@ -72,52 +72,28 @@ _FENCE = """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return -1 end
 """
 
+
+def _fenced_once(first: str, then: str) -> str:
+    """A fenced script: run `first`; only if it changed something, run `then`; 1 or 0."""
+    return _FENCE + f"if {first} == 1 then\n{then}\n  return 1\nend\nreturn 0\n"
+
+
 # Un-marks a sample (verify --requeue) and takes it out of the totals, exactly once.
-_UNDO_DONE = (
-    _FENCE
-    + """
-if redis.call('HDEL', KEYS[2], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))
-  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))
-  return 1
-end
-return 0
-"""
+_UNDO_DONE = _fenced_once(
+    "redis.call('HDEL', KEYS[2], ARGV[2])",
+    "  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))\n"
+    "  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))",
 )
-
 # Ownership-checked job moves: act only if the job is still in this worker's wip list.
-_FINISH = (
-    _FENCE
-    + """
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
-  redis.call('DEL', KEYS[3])
-  return 1
-end
-return 0
-"""
+_FINISH = _fenced_once("redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('DEL', KEYS[3])")
+_GIVE_BACK = _fenced_once(
+    "redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('LPUSH', KEYS[3], ARGV[2])"
 )
-_GIVE_BACK = (
-    _FENCE
-    + """
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
-  redis.call('LPUSH', KEYS[3], ARGV[2])
-  return 1
-end
-return 0
-"""
-)
-
 # Marks a sample done exactly once and keeps the run's totals in step with the done hash.
-_MARK_DONE = (
-    _FENCE
-    + """
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
-  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])
-  return 1
-end
-return 0
-"""
+_MARK_DONE = _fenced_once(
+    "redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3])",
+    "  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])\n"
+    "  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])",
 )
 
 _HSET = _FENCE + "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) return 1"

@@ -18,6 +18,8 @@ from hsq import __version__
 from hsq.app.options import F, settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
+from hsq.quant import STORE_DTYPES
+from hsq.runconfig import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_ATTEMPTS
 from hsq.settings import int_tuple
 from sglang_server.reference.settings import ReferenceSettings
 from workers.settings import WorkerSettings
@@ -224,10 +226,16 @@ def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw
 @_run_option
 @_out_root_option("output root; files go to OUT/RUN/", required=True)
 @_redis_option
-@click.option("--max-attempts", default=3, show_default=True, type=int)
+@click.option(
+    "--max-attempts",
+    default=DEFAULT_MAX_ATTEMPTS,
+    show_default=True,
+    type=int,
+    help="tries of a sample before it goes to the dead letter",
+)
 @click.option(
     "--chunk-size",
-    default=16,
+    default=DEFAULT_CHUNK_SIZE,
     show_default=True,
     type=int,
     help="samples per queue job (queue cost is paid per job)",
@@ -245,7 +253,7 @@ def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw
 @click.option("--max-tokens", default=None, type=int, help="reject longer samples up front")
 @click.option(
     "--store-dtype",
-    type=click.Choice(["bf16", "fp8-e4m3"]),
+    type=click.Choice(STORE_DTYPES),
     default=None,
     help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
     "bytes); a run keeps one [default: bf16, or what an existing run recorded]",
@@ -352,10 +360,10 @@ def enqueue(
     "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
-@click.option("--chunk-size", default=16, show_default=True, type=int)
+@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=int)
 @click.option(
     "--store-dtype",
-    type=click.Choice(["bf16", "fp8-e4m3"]),
+    type=click.Choice(STORE_DTYPES),
     default=None,
     help="the run's storage format when Redis no longer knows it [default: read from the "
     "first output file found, else bf16]",
