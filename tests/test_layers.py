@@ -4,7 +4,8 @@
     services   workers/, producer/,        import contracts and their own package
                sglang_server/
     harness    hsq/harness/                imports contracts, services and itself
-    shell      hsq/app/, hsq/__main__.py   may import everything
+    shell      hsq/app/, hsq/__main__.py,  may import everything
+               hsq/cli.py (old entry point)
 
 Imports inside functions count too: a lazy import is still a dependency.
 """
@@ -24,8 +25,8 @@ SERVICES = ("workers", "producer", "sglang_server")
 def layer(module: str) -> str:
     """The layer of a first-party module (dotted name); "" for anything else."""
     top = module.split(".")[0]
-    if module in ("hsq.app", "hsq.__main__") or module.startswith("hsq.app."):
-        return "shell"  # __main__: `python -m hsq`, the shell's entry point
+    if module in ("hsq.app", "hsq.__main__", "hsq.cli") or module.startswith("hsq.app."):
+        return "shell"  # entry points: `python -m hsq`, and hsq.cli for old console scripts
     if module == "hsq.harness" or module.startswith("hsq.harness."):
         return "harness"
     if top == "hsq":

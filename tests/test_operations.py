@@ -11,12 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
 from hsq.protocol import fingerprint
+from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]
@@ -59,7 +59,7 @@ def test_a_wiped_queue_is_recovered_by_requeue_missing(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
     make_run(tmp_path, "wipe", redis_url, 20, "--chunk-size", "3")
-    redis.Redis.from_url(redis_url).delete(rq_queue_key("hsq-wipe"))  # the queue is lost
+    connect(redis_url).delete(rq_queue_key("hsq-wipe"))  # the queue is lost
     st = status("wipe", redis_url)
     assert (st["total"], st["queued"], st["missing"], st["done"]) == (20, 0, 20, 0)
     assert sum(st[k] for k in SUMMED) == st["total"]
@@ -219,7 +219,7 @@ def test_runs_purge_and_exit_codes(tmp_path: Path, redis_url: str) -> None:
         "purged run old"
         in hsq("purge", "--run", "old", "--yes", "--redis", redis_url, check=True).stdout
     )
-    assert redis.Redis.from_url(redis_url).keys("hsq:run:old:*") == []
+    assert connect(redis_url).keys("hsq:run:old:*") == []
     gone = hsq("status", "--run", "old", "--redis", redis_url)
     assert gone.returncode == 2 and "does not exist" in gone.stderr
     assert hsq("requeue", "--run", "old", "--redis", redis_url).returncode == 2
