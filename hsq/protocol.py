@@ -41,7 +41,6 @@ from hsq import stfile
 from hsq.errors import (
     CorruptDumpError,
     HookInactiveError,
-    HsqError,
     IncompleteDumpError,
     MetaMismatchError,
     MultipleDumpsError,
@@ -130,7 +129,12 @@ class DumpMeta:
     @classmethod
     def from_json(cls, text: str | bytes) -> DumpMeta:
         """Parse and type-check meta.json (written by a server: untrusted)."""
-        raw = _bounded_json(text, MAX_META_BYTES, "meta.json", CorruptDumpError)
+        if len(text) > MAX_META_BYTES:
+            raise CorruptDumpError(f"meta.json is {len(text)} bytes, over {MAX_META_BYTES}")
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
         if not isinstance(raw, dict):
             raise CorruptDumpError("meta.json is malformed: not an object")
         _check_fields("meta.json", raw, _META_TYPES, _META_OPTIONAL)
@@ -144,16 +148,6 @@ class DumpMeta:
                 f"dump format_version {meta.format_version}, this hsq reads {FORMAT_VERSION}"
             )
         return meta
-
-
-def _bounded_json(text: str | bytes, limit: int, what: str, error: type[HsqError]) -> object:
-    """JSON a server wrote (untrusted): refused over `limit` bytes, then parsed."""
-    if len(text) > limit:
-        raise error(f"{what} is {len(text)} bytes, over {limit}")
-    try:
-        return json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise error(f"{what} is malformed: {exc}") from exc
 
 
 def _is_int(v: object) -> bool:
@@ -540,7 +534,12 @@ class ReadyMarker:
     @classmethod
     def from_json(cls, text: str | bytes) -> ReadyMarker:
         """Strict: exact keys, exact types, bounded sizes; HookInactiveError otherwise."""
-        raw = _bounded_json(text, READY_MAX_BYTES, READY_FILE, HookInactiveError)
+        if len(text) > READY_MAX_BYTES:
+            raise HookInactiveError(f"{READY_FILE} is larger than {READY_MAX_BYTES} bytes")
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HookInactiveError(f"{READY_FILE} is not JSON: {exc}") from exc
         obj = _ready_obj(raw, {f.name for f in fields(cls)}, READY_FILE)
         model = _ready_obj(obj["model"], {f.name for f in fields(ModelIdentity)}, "model")
         layers = obj["layer_ids"]
