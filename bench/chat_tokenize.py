@@ -1,7 +1,7 @@
 """Tokenizing chat rows: `hsq tokenize`'s rate with one process and with every core.
 
 Synthetic ShareGPT rows (1-4 user/assistant exchanges of 20-200 words each), the offline
-ChatML tokenizer from hsq.toytok; the same file through tokenize_file with --jobs 1 and
+ChatML tokenizer from hsq.harness.toytok; the same file through tokenize_file with --jobs 1 and
 with --jobs = cores, checking that both outputs are byte-identical.
 
     python bench/chat_tokenize.py --rows 100000 --single-rows 20000
@@ -16,7 +16,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from hsq.toytok import build_chatml_tokenizer
+from hsq.harness.toytok import build_chatml_tokenizer
 from producer.tokenize import TokenizeSettings, tokenize_file
 
 WORDS = [

@@ -191,7 +191,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--write-threads", default="4", help="comma list: one run per value")
     ap.add_argument(
         "--varlen",
         action="store_true",
@@ -220,14 +219,13 @@ def main() -> None:
         varlen_probe(model, args.device)
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for threads, n in [(int(t), n) for t in args.write_threads.split(",") for n in lengths]:
+    for n in lengths:
         writer = DumpWriter(
             dump_dir,
             depth=2,
             fsync=False,
             device=model.device,
             max_bytes=max(lengths) * per_token + 256,
-            write_threads=threads,
         )
         engine = Engine(model, writer, FaultPlan(), max_tokens=1 << 20)
         ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
@@ -264,7 +262,6 @@ def main() -> None:
         writer.close()
         rows.append(
             {
-                "write_threads": threads,
                 "tokens": n,
                 "forward_ms": round(times["forward"] * 1e3, 2),
                 "with_copy_ms": round(times["copy"] * 1e3, 2),
@@ -280,12 +277,12 @@ def main() -> None:
         )
     print(f"server-side dump cost: {args.model} on {args.device}")
     print(
-        f"{'threads':>7} {'tokens':>7} {'forward ms':>11} {'+copy ms':>9} {'+dump ms':>9} "
+        f"{'tokens':>7} {'forward ms':>11} {'+copy ms':>9} {'+dump ms':>9} "
         f"{'copy':>7} {'dump':>7} {'prefill tok/s':>14}"
     )
     for r in rows:
         print(
-            f"{r['write_threads']:>7} {r['tokens']:>7} {r['forward_ms']:>11} "
+            f"{r['tokens']:>7} {r['forward_ms']:>11} "
             f"{r['with_copy_ms']:>9} {r['with_dump_ms']:>9} {r['copy_overhead']:>7.2%} "
             f"{r['dump_overhead']:>7.2%} {r['prefill_tok_s']:>14,.0f}"
         )

@@ -28,8 +28,8 @@ import torch
 
 from bench.disk import probe
 from bench.pipeline import bare, capacity, load_samples
-from hsq.demo import redis_calls
-from hsq.procs import (
+from hsq.app.demo import redis_calls
+from hsq.harness.procs import (
     ManagedProcess,
     RedisServer,
     ReferenceServer,
@@ -38,9 +38,9 @@ from hsq.procs import (
     wait_http_ok,
     worker_process,
 )
+from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,11 +107,11 @@ def hsq_phase(
         for i, s in enumerate(servers[:n])
     ]
     snapshot: list[str] = []
-    total = store.count(store.k.index)
+    total = store.count(store.keys.index)
     started = time.monotonic()
     while any(w.alive() for w in workers):
         # The dashboard as an operator sees it mid-run, once 60% is done.
-        done_now = store.count(store.k.done)
+        done_now = store.count(store.keys.done)
         late = done_now >= 0.6 * total and time.monotonic() - started > 8
         if prom and not snapshot and (late or done_now >= 0.9 * total):
             snapshot = dashboard_values(prom)
@@ -120,7 +120,7 @@ def hsq_phase(
     wall = time.perf_counter() - t0
     calls, cpu = redis_calls(client) - c0 - 1, redis_cpu(client) - cpu0
     secs, tokens, nbytes = worker_window([w.log_path for w in workers])
-    done = store.count(store.k.done)
+    done = store.count(store.keys.done)
     return {
         "gpus": n,
         "rc": rcs,

@@ -39,13 +39,13 @@ from typing import Any
 import httpx
 
 from bench.disk import probe
+from hsq.app.demo import redis_calls
 from hsq.dataset import read_sample, scan_dataset
-from hsq.demo import redis_calls
-from hsq.procs import RedisServer, ReferenceServer, worker_process
+from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, scan, wait_for_dump
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 
@@ -185,7 +185,7 @@ def hsq_run(
     )
     rc = w.proc.wait(3600)
     calls = redis_calls(client) - c0 - 1
-    done = store.count(store.k.done)
+    done = store.count(store.keys.done)
     events = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
     finished = [e for e in events if e.get("event") == "sample_done"]
     stopped = next(e for e in events if e.get("event") == "worker_stopped")
@@ -224,11 +224,6 @@ def server_breakdown(log: Path) -> str:
             if key in e:
                 vals.setdefault(key, []).append(float(e[key]))
     return ", ".join(f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in vals.items())
-
-
-def disk_bandwidth(directory: Path, total_mb: int = 1024, file_mb: int = 64) -> float:
-    """The disk's best durable write rate (bytes/s) over the designs bench/disk.py tries."""
-    return float(probe(directory, total_mb, file_mb, with_stfile=False)["best_bytes_s"])  # type: ignore[arg-type]
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsq.demo import redis_calls
-from hsq.procs import RedisServer, ReferenceServer, worker_process
+from hsq.app.demo import redis_calls
+from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 
@@ -56,7 +56,7 @@ def main() -> None:
             rc = w.proc.wait(600)
             elapsed = time.perf_counter() - t0
             calls = redis_calls(client) - c0 - 1
-            done = store.count(store.k.done)
+            done = store.count(store.keys.done)
             rows.append(
                 {
                     "chunk_size": size,

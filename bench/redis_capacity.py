@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from hsq.app.demo import redis_calls
 from hsq.dataset import IndexEntry
-from hsq.demo import redis_calls
+from hsq.harness.procs import RedisServer
 from hsq.outputs import ManifestEntry
-from hsq.procs import RedisServer
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, chunked, connect
 

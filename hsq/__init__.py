@@ -1,3 +1,172 @@
-"""hsq: hidden-state queue. Extract an LLM's hidden states at scale for EAGLE-3 drafters."""
+"""hsq: hidden-state queue. Extract an LLM's hidden states at scale for EAGLE-3 drafters.
+
+The public API is `__all__`: the dump protocol (what a server writes and a worker reads),
+the exception tree, and the readers of a run's outputs. Names load on first use (PEP 562),
+so `import hsq` stays cheap: operator commands start without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from hsq.data import (
+        HiddenStateDataset,
+        collate,
+    )
+    from hsq.dataset import (
+        Sample,
+    )
+    from hsq.errors import (
+        CachedTokensError,
+        ConfigError,
+        CorruptDumpError,
+        DatasetError,
+        DumpError,
+        HookInactiveError,
+        HsqError,
+        IncompleteDumpError,
+        MetaMismatchError,
+        MultipleDumpsError,
+        NoDumpError,
+        NonFiniteDumpError,
+        OutputError,
+        RunChangedError,
+        ServerError,
+        ServerRejectedError,
+        ServerUnavailableError,
+        StaleDumpError,
+        StoreError,
+        StoreUnavailableError,
+        WrongLengthError,
+    )
+    from hsq.outputs import (
+        ManifestEntry,
+        OutputSample,
+        open_output,
+        output_relpath,
+    )
+    from hsq.protocol import (
+        Dump,
+        DumpMeta,
+        Expected,
+        ReadyMarker,
+        fingerprint,
+        read_dump,
+        read_ready,
+        wait_for_dump,
+        write_dump,
+        write_ready,
+    )
+    from hsq.quant import (
+        logical_tensors,
+    )
+    from hsq.runconfig import (
+        RunConfig,
+    )
+
+# public name -> the module that defines it
+_WHERE: dict[str, str] = {
+    "DumpMeta": "hsq.protocol",
+    "Expected": "hsq.protocol",
+    "Dump": "hsq.protocol",
+    "fingerprint": "hsq.protocol",
+    "write_dump": "hsq.protocol",
+    "read_dump": "hsq.protocol",
+    "wait_for_dump": "hsq.protocol",
+    "ReadyMarker": "hsq.protocol",
+    "write_ready": "hsq.protocol",
+    "read_ready": "hsq.protocol",
+    "HsqError": "hsq.errors",
+    "ConfigError": "hsq.errors",
+    "DatasetError": "hsq.errors",
+    "StoreError": "hsq.errors",
+    "StoreUnavailableError": "hsq.errors",
+    "RunChangedError": "hsq.errors",
+    "OutputError": "hsq.errors",
+    "DumpError": "hsq.errors",
+    "NoDumpError": "hsq.errors",
+    "MultipleDumpsError": "hsq.errors",
+    "IncompleteDumpError": "hsq.errors",
+    "StaleDumpError": "hsq.errors",
+    "WrongLengthError": "hsq.errors",
+    "CachedTokensError": "hsq.errors",
+    "MetaMismatchError": "hsq.errors",
+    "CorruptDumpError": "hsq.errors",
+    "NonFiniteDumpError": "hsq.errors",
+    "ServerError": "hsq.errors",
+    "ServerUnavailableError": "hsq.errors",
+    "ServerRejectedError": "hsq.errors",
+    "HookInactiveError": "hsq.errors",
+    "ManifestEntry": "hsq.outputs",
+    "OutputSample": "hsq.outputs",
+    "open_output": "hsq.outputs",
+    "output_relpath": "hsq.outputs",
+    "HiddenStateDataset": "hsq.data",
+    "collate": "hsq.data",
+    "logical_tensors": "hsq.quant",
+    "Sample": "hsq.dataset",
+    "RunConfig": "hsq.runconfig",
+}
+
+__all__ = [
+    "CachedTokensError",
+    "ConfigError",
+    "CorruptDumpError",
+    "DatasetError",
+    "Dump",
+    "DumpError",
+    "DumpMeta",
+    "Expected",
+    "HiddenStateDataset",
+    "HookInactiveError",
+    "HsqError",
+    "IncompleteDumpError",
+    "ManifestEntry",
+    "MetaMismatchError",
+    "MultipleDumpsError",
+    "NoDumpError",
+    "NonFiniteDumpError",
+    "OutputError",
+    "OutputSample",
+    "ReadyMarker",
+    "RunChangedError",
+    "RunConfig",
+    "Sample",
+    "ServerError",
+    "ServerRejectedError",
+    "ServerUnavailableError",
+    "StaleDumpError",
+    "StoreError",
+    "StoreUnavailableError",
+    "WrongLengthError",
+    "__version__",
+    "collate",
+    "fingerprint",
+    "logical_tensors",
+    "open_output",
+    "output_relpath",
+    "read_dump",
+    "read_ready",
+    "wait_for_dump",
+    "write_dump",
+    "write_ready",
+]
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above; unknown names stay errors
+
+    def __getattr__(name: str) -> Any:
+        module = _WHERE.get(name)
+        if module is None:
+            raise AttributeError(f"module 'hsq' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # resolved once
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

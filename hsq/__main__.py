@@ -1,3 +1,3 @@
-from hsq.cli import main
+from hsq.app.cli import main
 
 main()

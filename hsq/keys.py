@@ -53,46 +53,46 @@ class RunKeys:
             )
 
     @property
-    def _p(self) -> str:
+    def _prefix(self) -> str:
         return f"hsq:run:{self.run}:"
 
     @property
     def config(self) -> str:
-        return self._p + "config"
+        return self._prefix + "config"
 
     @property
     def index(self) -> str:
-        return self._p + "index"
+        return self._prefix + "index"
 
     @property
     def done(self) -> str:
-        return self._p + "done"
+        return self._prefix + "done"
 
     @property
     def dead(self) -> str:
-        return self._p + "dead"
+        return self._prefix + "dead"
 
     @property
     def stats(self) -> str:
-        return self._p + "stats"
+        return self._prefix + "stats"
 
     @property
     def crashes(self) -> str:
-        return self._p + "crashes"
+        return self._prefix + "crashes"
 
     @property
     def workers(self) -> str:
-        return self._p + "workers"
+        return self._prefix + "workers"
 
     @property
     def enqueue_lock(self) -> str:
-        return self._p + "enqueue-lock"
+        return self._prefix + "enqueue-lock"
 
     def worker(self, worker_id: str) -> str:
-        return self._p + "worker:" + worker_id
+        return self._prefix + "worker:" + worker_id
 
     def wip(self, worker_id: str) -> str:
-        return self._p + "wip:" + worker_id
+        return self._prefix + "wip:" + worker_id
 
     @property
     def main_queue(self) -> str:

@@ -1,8 +1,10 @@
 """The dump protocol: the one contract between an inference server and a worker.
 
 Every server implementation (the reference server, the SGLang hook) writes dumps with
-:func:`write_dump`; every reader uses :func:`wait_for_dump` and :func:`read_dump`.
-docs/dump-protocol.md is the prose version of this module.
+:func:`write_dump`. The worker finds its dumps by rid with :class:`RidMatcher` (several
+requests in flight), checks them with :func:`check_meta` and maps the tensors with
+:func:`open_dump_tensors`; :func:`wait_for_dump` and :func:`read_dump` serve tools and tests
+that send one request at a time. docs/dump-protocol.md is the prose version of this module.
 
 Layout of a dump directory owned by exactly one worker::
 
@@ -12,8 +14,8 @@ Layout of a dump directory owned by exactly one worker::
         meta.json                   DumpMeta
         done                        written and fsynced last
 
-N is the server's own counter. A client never predicts it: it clears the directory,
-sends one request and expects exactly one dump to appear, which it validates against
+N is the server's own counter. A client never predicts it: it names each request with a
+rid of its own, finds the dump whose meta.json carries that rid, and validates it against
 what it sent (rid, fingerprint of the input ids, token count).
 """
 
@@ -28,7 +30,6 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -59,10 +60,6 @@ DONE_FILE = "done"
 AUX_TENSOR = "aux_hidden_states"
 LAST_TENSOR = "last_hidden_state"
 LAYER_CONVENTION = "hf_hidden_states"
-LAYER_CONVENTION_DOC = (
-    "layer id i is HF hidden_states[i]: the residual stream entering decoder layer i "
-    "(0 = embeddings); aux_hidden_states concatenates them in layer_ids order along the last dim"
-)
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -244,7 +241,6 @@ def write_dump(
     mark_done: bool = True,
     fsync: bool = True,
     before_done: Callable[[Path], None] | None = None,
-    pool: Executor | None = None,
 ) -> Path:
     """Write one dump atomically: req_<N>.tmp/ -> files -> done -> rename to req_<N>/.
 
@@ -640,9 +636,6 @@ def read_ready(dump_dir: Path) -> ReadyMarker | None:
 # Protocol v2 lets a worker keep several requests in flight on one server. A dump is
 # attributed *only* by the rid in its meta.json (then validated as in v1); the server's
 # req_<N> counter is never predicted nor used. See docs/dump-protocol.md.
-
-# A meta.json is a few hundred bytes; anything far larger is not one of ours.
-MAX_META_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -424,27 +424,6 @@ def write(
             _write_all(fd, src)
             total += memoryview(src).nbytes
     return total, value
-
-
-def write_parallel(
-    fd: int,
-    header: bytes,
-    sources: Sequence[memoryview],
-    pool: Executor,
-    chunk_bytes: int = 8 * 2**20,
-) -> int:
-    """Like `write` for in-memory sources, in chunks written concurrently with pwrite
-    (tmpfs copies scale with threads; os.pwrite releases the GIL). No crc."""
-    jobs: list[tuple[memoryview | bytes, int]] = [(header, 0)]
-    offset = len(header)
-    for src in sources:
-        view = memoryview(src).cast("B")
-        for start in range(0, len(view), chunk_bytes):
-            jobs.append((view[start : start + chunk_bytes], offset + start))
-        offset += len(view)
-    for f in [pool.submit(_pwrite_all, fd, data, at) for data, at in jobs]:
-        f.result()
-    return offset
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, at: int) -> None:

@@ -1,6 +1,6 @@
 """All of hsq's Redis traffic. Keys come from hsq.keys, jobs are RQ jobs.
 
-Nothing else in hsq imports redis or rq (workers/ and the test harness aside). Every public
+Nothing else imports redis or rq (the test harness that starts redis-server aside). Every public
 method turns Redis errors into hsq errors: StoreUnavailableError (unreachable or timing out:
 transient) or StoreError; a write to a run that was purged or re-created since this store
 read its config raises RunChangedError.
@@ -72,52 +72,28 @@ _FENCE = """
 if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return -1 end
 """
 
+
+def _fenced_once(first: str, then: str) -> str:
+    """A fenced script: run `first`; only if it changed something, run `then`; 1 or 0."""
+    return _FENCE + f"if {first} == 1 then\n{then}\n  return 1\nend\nreturn 0\n"
+
+
 # Un-marks a sample (verify --requeue) and takes it out of the totals, exactly once.
-_UNDO_DONE = (
-    _FENCE
-    + """
-if redis.call('HDEL', KEYS[2], ARGV[2]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))
-  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))
-  return 1
-end
-return 0
-"""
+_UNDO_DONE = _fenced_once(
+    "redis.call('HDEL', KEYS[2], ARGV[2])",
+    "  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))\n"
+    "  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))",
 )
-
 # Ownership-checked job moves: act only if the job is still in this worker's wip list.
-_FINISH = (
-    _FENCE
-    + """
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
-  redis.call('DEL', KEYS[3])
-  return 1
-end
-return 0
-"""
+_FINISH = _fenced_once("redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('DEL', KEYS[3])")
+_GIVE_BACK = _fenced_once(
+    "redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('LPUSH', KEYS[3], ARGV[2])"
 )
-_GIVE_BACK = (
-    _FENCE
-    + """
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 1 then
-  redis.call('LPUSH', KEYS[3], ARGV[2])
-  return 1
-end
-return 0
-"""
-)
-
 # Marks a sample done exactly once and keeps the run's totals in step with the done hash.
-_MARK_DONE = (
-    _FENCE
-    + """
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])
-  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])
-  return 1
-end
-return 0
-"""
+_MARK_DONE = _fenced_once(
+    "redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3])",
+    "  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])\n"
+    "  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])",
 )
 
 _HSET = _FENCE + "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) return 1"
@@ -166,11 +142,6 @@ return 0
 """
 
 
-class _Unavailable(StoreUnavailableError, redis.exceptions.ConnectionError):
-    """A StoreUnavailableError that is also redis's ConnectionError: code that still catches
-    redis's type (workers/ before its rewrite) keeps working. Drop once nothing does."""
-
-
 @contextlib.contextmanager
 def _redis_errors() -> Iterator[None]:
     try:
@@ -178,7 +149,7 @@ def _redis_errors() -> Iterator[None]:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise _Unavailable(f"Redis unavailable: {exc}") from exc
+        raise StoreUnavailableError(f"Redis unavailable: {exc}") from exc
     except redis.exceptions.NoPermissionError as exc:
         raise StoreError(f"the Redis user lacks a permission hsq needs: {exc}") from exc
     except redis.exceptions.RedisError as exc:
@@ -237,7 +208,7 @@ def connect(url: str) -> redis.Redis:
     except redis.exceptions.AuthenticationError as exc:
         raise StoreError(f"Redis refused the credentials in the URL: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise _Unavailable(f"cannot reach Redis at {redact(url)}: {exc}") from exc
+        raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
     except redis.exceptions.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)}: {exc}") from exc
     except (ValueError, TypeError) as exc:
@@ -318,10 +289,10 @@ def _job_kwargs(
 @_translate_public
 class RunStore:
     def __init__(self, client: redis.Redis, run: str) -> None:
-        self.r = client
+        self.client = client
         self.run = run
         try:
-            self.k = RunKeys(run)
+            self.keys = RunKeys(run)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self._generation: str | None = None  # as stored (JSON), for the fence
@@ -342,19 +313,19 @@ class RunStore:
         self._extend = reg(_EXTEND)
         self._queues = {
             name: Queue(name, connection=client, serializer=JSONSerializer)
-            for name in (self.k.main_queue, self.k.retry_queue)
+            for name in (self.keys.main_queue, self.keys.retry_queue)
         }
 
     # ------------------------------------------------------------------ config and index
     def load_config(self) -> RunConfig | None:
         """The run's config (None if there is none); refreshes the generation we hold."""
-        raw = self.r.hgetall(self.k.config)
+        raw = self.client.hgetall(self.keys.config)
         if not raw:
             return None
         cfg = RunConfig.from_redis(raw)  # type: ignore[arg-type]
         if cfg.generation is None:
             # A run created before generations existed gets one now (once, atomically).
-            self._adopt(keys=[self.k.config], args=[json.dumps(secrets.token_hex(8))])
+            self._adopt(keys=[self.keys.config], args=[json.dumps(secrets.token_hex(8))])
             return self.load_config()
         self._generation = json.dumps(cfg.generation)
         return cfg
@@ -374,7 +345,7 @@ class RunStore:
         concurrent creators one wins). Returns (the recorded config, whether we created it)."""
         fresh = replace(cfg, generation=secrets.token_hex(8))
         flat = [x for kv in fresh.to_redis().items() for x in kv]
-        created = bool(self._create(keys=[self.k.config, RUNS], args=[self.run, *flat]))
+        created = bool(self._create(keys=[self.keys.config, RUNS], args=[self.run, *flat]))
         return self.require_config(), created
 
     def save_config(self, cfg: RunConfig) -> None:
@@ -388,7 +359,7 @@ class RunStore:
         return self._generation
 
     def _fenced(self, script: Any, keys: list[str], args: list[Any]) -> int:
-        res = int(script(keys=[self.k.config, *keys], args=[self._fence_args(), *args]))
+        res = int(script(keys=[self.keys.config, *keys], args=[self._fence_args(), *args]))
         if res == -1:
             raise RunChangedError(
                 f"run {self.run!r} was purged or re-created (generation {self.generation} "
@@ -419,7 +390,7 @@ class RunStore:
         }
         pairs = [x for name, value in values.items() for x in (name, json.dumps(value))]
         self._fenced(self._pin, [], pairs)  # never pins into a purged or re-created run
-        recorded = self.r.hmget(self.k.config, list(values))
+        recorded = self.client.hmget(self.keys.config, list(values))
         return {
             name: json.loads(raw) if raw is not None else None
             for name, raw in zip(values, recorded, strict=True)
@@ -431,11 +402,11 @@ class RunStore:
         for sid, e in entries:
             buf[sid] = e.encode()
             if len(buf) >= batch:
-                self.r.hset(self.k.index, mapping=buf)  # type: ignore[arg-type]
+                self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
                 n += len(buf)
                 buf = {}
         if buf:
-            self.r.hset(self.k.index, mapping=buf)  # type: ignore[arg-type]
+            self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
             n += len(buf)
         return n
 
@@ -444,12 +415,12 @@ class RunStore:
         items = list(fields)
         n = 0
         for i in range(0, len(items), batch):
-            n += int(self.r.hdel(key, *items[i : i + batch]))
+            n += int(self.client.hdel(key, *items[i : i + batch]))
         return n
 
     def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
-        self.r.hset(
-            self.k.stats,
+        self.client.hset(
+            self.keys.stats,
             mapping={
                 "total_samples": samples,
                 "total_tokens": tokens,
@@ -458,12 +429,12 @@ class RunStore:
         )
 
     def stats(self) -> dict[str, int]:
-        return {_s(k): int(v) for k, v in self.r.hgetall(self.k.stats).items()}
+        return {_s(k): int(v) for k, v in self.client.hgetall(self.keys.stats).items()}
 
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:
         if not ids:
             return {}
-        vals = self.r.hmget(self.k.index, ids)
+        vals = self.client.hmget(self.keys.index, ids)
         out: dict[str, IndexEntry] = {}
         for sid, v in zip(ids, vals, strict=True):
             if v:
@@ -473,20 +444,20 @@ class RunStore:
 
     def iter_hash_keys(self, key: str) -> Iterator[str]:
         # HSCAN NOVALUES needs Redis 7.4; values are small here.
-        for field, _ in self.r.hscan_iter(key, count=10000):
+        for field, _ in self.client.hscan_iter(key, count=10000):
             yield _s(field)
 
     def iter_done(self) -> Iterator[tuple[str, bytes]]:
         """(sample id, raw manifest entry) of every done sample; entries are untrusted."""
-        for field, value in self.r.hscan_iter(self.k.done, count=1000):
+        for field, value in self.client.hscan_iter(self.keys.done, count=1000):
             yield _s(field), value
 
     def count(self, key: str) -> int:
-        return int(self.r.hlen(key))
+        return int(self.client.hlen(key))
 
     def snapshot(self) -> Snapshot:
-        k = self.k
-        p = self.r.pipeline(transaction=False)
+        k = self.keys
+        p = self.client.pipeline(transaction=False)
         p.hlen(k.index)
         p.hlen(k.done)
         p.hlen(k.dead)
@@ -497,7 +468,7 @@ class RunStore:
         p.hget(k.config, "out")
         index, done, dead, main, retry, stats, wids, out = p.execute()
         st = {_s(a): int(b) for a, b in stats.items()}
-        p = self.r.pipeline(transaction=False)
+        p = self.client.pipeline(transaction=False)
         for w in wids:
             p.exists(k.worker(_s(w)))
             p.llen(k.wip(_s(w)))
@@ -522,14 +493,14 @@ class RunStore:
     def done_among(self, ids: list[str]) -> set[str]:
         if not ids:
             return set()
-        vals = self.r.hmget(self.k.done, ids)
+        vals = self.client.hmget(self.keys.done, ids)
         return {sid for sid, v in zip(ids, vals, strict=True) if v is not None}
 
     def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         """True if this call made the sample done; False if it already was."""
         res = self._fenced(
             self._mark_done,
-            [self.k.done, self.k.stats],
+            [self.keys.done, self.keys.stats],
             [sample_id, entry.to_json(), entry.num_tokens, entry.bytes],
         )
         return bool(res)
@@ -537,7 +508,7 @@ class RunStore:
     def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         res = self._fenced(
             self._undo_done,
-            [self.k.done, self.k.stats],
+            [self.keys.done, self.keys.stats],
             [sample_id, entry.num_tokens, entry.bytes],
         )
         return bool(res)
@@ -545,7 +516,7 @@ class RunStore:
     def iter_manifest(self) -> Iterator[tuple[str, ManifestEntry | None]]:
         """Every done sample with its manifest entry (HSCAN: no one huge reply); None for
         an entry that does not parse (Redis is untrusted)."""
-        for field, raw in self.r.hscan_iter(self.k.done, count=1000):
+        for field, raw in self.client.hscan_iter(self.keys.done, count=1000):
             try:
                 entry: ManifestEntry | None = ManifestEntry.from_json(raw)
             except (ValueError, TypeError):
@@ -553,7 +524,7 @@ class RunStore:
             yield _s(field), entry
 
     def get_manifest(self, sample_id: str) -> ManifestEntry | None:
-        raw = self.r.hget(self.k.done, sample_id)
+        raw = self.client.hget(self.keys.done, sample_id)
         if not raw:
             return None
         try:
@@ -571,12 +542,12 @@ class RunStore:
             "worker": worker,
             "time": time.time(),
         }
-        self._fenced(self._hset, [self.k.dead], [sample_id, json.dumps(entry)])
+        self._fenced(self._hset, [self.keys.dead], [sample_id, json.dumps(entry)])
 
     def dead_entries(self) -> dict[str, dict[str, Any]]:
         """The dead letter; an unreadable entry (Redis is untrusted) reads as reason `?`."""
         out: dict[str, dict[str, Any]] = {}
-        for k, v in self.r.hgetall(self.k.dead).items():
+        for k, v in self.client.hgetall(self.keys.dead).items():
             entry: Any = None
             if len(v) <= MAX_DEAD_ENTRY:
                 with contextlib.suppress(ValueError):
@@ -588,14 +559,14 @@ class RunStore:
 
     def clear_failures(self, ids: Iterable[str]) -> None:
         """Take samples out of the dead letter and the crash counts (they were requeued)."""
-        p = self.r.pipeline(transaction=False)
+        p = self.client.pipeline(transaction=False)
         for sid in ids:
-            p.hdel(self.k.dead, sid)
-            p.hdel(self.k.crashes, sid)
+            p.hdel(self.keys.dead, sid)
+            p.hdel(self.keys.crashes, sid)
         p.execute()
 
     def record_crash(self, sample_id: str) -> int:
-        return self._fenced(self._hincr, [self.k.crashes], [sample_id])
+        return self._fenced(self._hincr, [self.keys.crashes], [sample_id])
 
     # ------------------------------------------------------------------ queues
     def enqueue(
@@ -609,7 +580,7 @@ class RunStore:
     ) -> int:
         """Enqueue chunk jobs (RQ, JSON serializer), fenced on the run's generation; returns
         the number of samples."""
-        q = self._queues[self.k.retry_queue if retry else self.k.main_queue]
+        q = self._queues[self.keys.retry_queue if retry else self.keys.main_queue]
         n = 0
         datas = []
         for chunk in chunks:
@@ -638,10 +609,10 @@ class RunStore:
         # (a model pin) only makes us try again.
         gen = self._fence_args()
         for _ in range(100):
-            with self.r.pipeline() as pipe:
+            with self.client.pipeline() as pipe:
                 try:
-                    pipe.watch(self.k.config)  # type: ignore[no-untyped-call]
-                    if pipe.hget(self.k.config, "generation") != gen.encode():
+                    pipe.watch(self.keys.config)  # type: ignore[no-untyped-call]
+                    if pipe.hget(self.keys.config, "generation") != gen.encode():
                         raise RunChangedError(
                             f"run {self.run!r} was purged or re-created; nothing enqueued"
                         )
@@ -659,22 +630,22 @@ class RunStore:
         A job already in our wip list that this store did not hand out is returned first:
         that is what a lost BLMOVE reply leaves behind (redis-py retries the command, and
         the first move's job sits in wip unknown to us)."""
-        wip = self.k.wip(worker_id)
+        wip = self.keys.wip(worker_id)
         stray = self._stray(wip)
         if stray is not None:
             return stray
-        job_id = self.r.lmove(rq_queue_key(self.k.retry_queue), wip, "LEFT", "RIGHT")
+        job_id = self.client.lmove(rq_queue_key(self.keys.retry_queue), wip, "LEFT", "RIGHT")
         if job_id is None:
             # BLMOVE: the job is never only in flight; a crash leaves it in our wip list.
-            job_id = self.r.blmove(
-                rq_queue_key(self.k.main_queue), wip, max(1, round(timeout)), "LEFT", "RIGHT"
+            job_id = self.client.blmove(
+                rq_queue_key(self.keys.main_queue), wip, max(1, round(timeout)), "LEFT", "RIGHT"
             )
         if job_id is None:
             return None
         return self._load_job(wip, _s(job_id))
 
     def _stray(self, wip: str) -> ChunkJob | None:
-        held = [_s(j) for j in self.r.lrange(wip, 0, -1)]
+        held = [_s(j) for j in self.client.lrange(wip, 0, -1)]
         with self._held_lock:
             strays = [j for j in held if j not in self._held]
         return self._load_job(wip, strays[0]) if strays else None
@@ -682,11 +653,13 @@ class RunStore:
     def _load_job(self, wip: str, jid: str) -> ChunkJob:
         with self._held_lock:
             self._held.add(jid)
-        job = Job.fetch_many([jid], connection=self.r, serializer=JSONSerializer)[0]
-        parsed = None if job is None else _parse_job(job, (self.k.main_queue, self.k.retry_queue))
+        job = Job.fetch_many([jid], connection=self.client, serializer=JSONSerializer)[0]
+        parsed = (
+            None if job is None else _parse_job(job, (self.keys.main_queue, self.keys.retry_queue))
+        )
         if parsed is None:
             # A job hash lost or unreadable: drop the id; `requeue --missing` finds its samples.
-            self.r.lrem(wip, 1, jid)
+            self.client.lrem(wip, 1, jid)
             self._forget(jid)
             raise StoreError(
                 f"job {jid} unreadable; its samples are found by `hsq requeue --missing`"
@@ -703,7 +676,7 @@ class RunStore:
         with self._held_lock:
             try:
                 res = self._fenced(
-                    self._finish, [self.k.wip(worker_id), rq_job_key(job.job_id)], [job.job_id]
+                    self._finish, [self.keys.wip(worker_id), rq_job_key(job.job_id)], [job.job_id]
                 )
             finally:
                 self._held.discard(job.job_id)
@@ -716,7 +689,7 @@ class RunStore:
             try:
                 res = self._fenced(
                     self._give_back,
-                    [self.k.wip(worker_id), rq_queue_key(job.origin)],
+                    [self.keys.wip(worker_id), rq_queue_key(job.origin)],
                     [job.job_id],
                 )
             finally:
@@ -724,26 +697,28 @@ class RunStore:
         return bool(res)
 
     def queue_lengths(self) -> dict[str, int]:
-        p = self.r.pipeline(transaction=False)
-        p.llen(rq_queue_key(self.k.main_queue))
-        p.llen(rq_queue_key(self.k.retry_queue))
+        p = self.client.pipeline(transaction=False)
+        p.llen(rq_queue_key(self.keys.main_queue))
+        p.llen(rq_queue_key(self.keys.retry_queue))
         main, retry = p.execute()
         return {"main": int(main), "retry": int(retry)}
 
     def outstanding_job_ids(self) -> dict[str, list[str]]:
         """Job ids per place: "main", "retry" and "wip:<worker>"."""
         places = {
-            "main": rq_queue_key(self.k.main_queue),
-            "retry": rq_queue_key(self.k.retry_queue),
+            "main": rq_queue_key(self.keys.main_queue),
+            "retry": rq_queue_key(self.keys.retry_queue),
         }
         for wid in self.worker_ids():
-            places[f"wip:{wid}"] = self.k.wip(wid)
-        return {name: [_s(j) for j in self.r.lrange(key, 0, -1)] for name, key in places.items()}
+            places[f"wip:{wid}"] = self.keys.wip(wid)
+        return {
+            name: [_s(j) for j in self.client.lrange(key, 0, -1)] for name, key in places.items()
+        }
 
     def outstanding_samples(self) -> dict[str, str]:
         """sample id -> place ("main", "retry", "wip:<worker>") for every queued or held sample."""
         out: dict[str, str] = {}
-        queues = (self.k.main_queue, self.k.retry_queue)
+        queues = (self.keys.main_queue, self.keys.retry_queue)
         for place, job_ids in self.outstanding_job_ids().items():
             for i in range(0, len(job_ids), 500):
                 for job in self._fetch_jobs(job_ids[i : i + 500]):
@@ -755,14 +730,14 @@ class RunStore:
     def _fetch_jobs(self, job_ids: list[str]) -> list[Job | None]:
         """RQ's public bulk fetch; a damaged job hash (rq raises) reads as absent."""
         try:
-            return Job.fetch_many(job_ids, connection=self.r, serializer=JSONSerializer)
+            return Job.fetch_many(job_ids, connection=self.client, serializer=JSONSerializer)
         except redis.exceptions.RedisError:
             raise
         except Exception:  # one damaged job fails the batch: fetch one by one
             jobs: list[Job | None] = []
             for jid in job_ids:
                 try:
-                    jobs += Job.fetch_many([jid], connection=self.r, serializer=JSONSerializer)
+                    jobs += Job.fetch_many([jid], connection=self.client, serializer=JSONSerializer)
                 except redis.exceptions.RedisError:
                     raise
                 except Exception:
@@ -779,29 +754,31 @@ class RunStore:
         flat = [x for kv in _flat(info).items() for x in kv]
         self._fenced(
             self._heartbeat,
-            [self.k.workers, self.k.worker(worker_id)],
+            [self.keys.workers, self.keys.worker(worker_id)],
             [worker_id, HEARTBEAT_TTL_S, *flat],
         )
 
     def unregister(self, worker_id: str) -> None:
-        p = self.r.pipeline()
-        p.delete(self.k.worker(worker_id))
-        p.srem(self.k.workers, worker_id)
+        p = self.client.pipeline()
+        p.delete(self.keys.worker(worker_id))
+        p.srem(self.keys.workers, worker_id)
         p.execute()
 
     def worker_ids(self) -> list[str]:
-        return sorted(_s(w) for w in self.r.smembers(self.k.workers))
+        return sorted(_s(w) for w in self.client.smembers(self.keys.workers))
 
     def worker_info(self, worker_id: str) -> dict[str, str]:
-        raw = self.r.hgetall(self.k.worker(worker_id))
+        raw = self.client.hgetall(self.keys.worker(worker_id))
         return {_s(k): _s(v) for k, v in raw.items()}
 
     def release_wip(self, worker_id: str) -> int:
         """Move every job a worker holds back to the front of the main queue."""
         n = 0
-        main = rq_queue_key(self.k.main_queue)
+        main = rq_queue_key(self.keys.main_queue)
         with self._held_lock:
-            while (jid := self.r.lmove(self.k.wip(worker_id), main, "RIGHT", "LEFT")) is not None:
+            while (
+                jid := self.client.lmove(self.keys.wip(worker_id), main, "RIGHT", "LEFT")
+            ) is not None:
                 self._held.discard(_s(jid))
                 n += 1
         return n
@@ -810,18 +787,18 @@ class RunStore:
         """Hand the jobs of workers whose heartbeat expired back to the queue front."""
         recovered: dict[str, int] = {}
         for wid in self.worker_ids():
-            if self.r.exists(self.k.worker(wid)):
+            if self.client.exists(self.keys.worker(wid)):
                 continue
             # LMOVE is atomic per item: two reapers never move the same job twice.
             recovered[wid] = self.release_wip(wid)
-            self.r.srem(self.k.workers, wid)
+            self.client.srem(self.keys.workers, wid)
         return recovered
 
     def nothing_outstanding(self) -> bool:
         """No queued job and no job held by any worker (live or dead)."""
         if any(self.queue_lengths().values()):
             return False
-        return all(self.r.llen(self.k.wip(w)) == 0 for w in self.worker_ids())
+        return all(self.client.llen(self.keys.wip(w)) == 0 for w in self.worker_ids())
 
     # ------------------------------------------------------------------ run lifecycle
     @contextlib.contextmanager
@@ -830,8 +807,8 @@ class RunStore:
         The lock expires ENQUEUE_LOCK_TTL_S after its holder dies; a thread keeps it alive."""
         token = f"{holder}:{secrets.token_hex(4)}"
         with _redis_errors():
-            if not self.r.set(self.k.enqueue_lock, token, nx=True, ex=ENQUEUE_LOCK_TTL_S):
-                other = self.r.get(self.k.enqueue_lock)
+            if not self.client.set(self.keys.enqueue_lock, token, nx=True, ex=ENQUEUE_LOCK_TTL_S):
+                other = self.client.get(self.keys.enqueue_lock)
                 raise ConfigError(
                     f"another `hsq enqueue` or `hsq recover` of run {self.run!r} is running "
                     f"({_s(other or b'?')}); wait for it (the lock expires "
@@ -842,7 +819,7 @@ class RunStore:
         def keep_alive() -> None:
             while not stop.wait(ENQUEUE_LOCK_TTL_S / 4):
                 with contextlib.suppress(redis.exceptions.RedisError):
-                    self._extend(keys=[self.k.enqueue_lock], args=[token, ENQUEUE_LOCK_TTL_S])
+                    self._extend(keys=[self.keys.enqueue_lock], args=[token, ENQUEUE_LOCK_TTL_S])
 
         t = threading.Thread(target=keep_alive, name="enqueue-lock", daemon=True)
         t.start()
@@ -852,25 +829,25 @@ class RunStore:
             stop.set()
             t.join()
             with _redis_errors():
-                self._unlock(keys=[self.k.enqueue_lock], args=[token])
+                self._unlock(keys=[self.keys.enqueue_lock], args=[token])
 
     def purge(self) -> int:
         """Delete every Redis key of a run (outputs on disk stay). Returns keys deleted.
         The config goes first: from then on every fenced write of a worker is refused."""
-        k = self.k
-        n = int(self.r.delete(k.config))
+        k = self.keys
+        n = int(self.client.delete(k.config))
         # wip lists by SCAN too: a worker that never registered (or was reaped) holds jobs.
-        wips = {_s(key) for key in self.r.scan_iter(match=k.wip("*"), count=1000)}
+        wips = {_s(key) for key in self.client.scan_iter(match=k.wip("*"), count=1000)}
         wips |= {k.wip(w) for w in self.worker_ids()}
         jobs = [j for ids in self.outstanding_job_ids().values() for j in ids]
         for wip in wips:
-            jobs += [_s(j) for j in self.r.lrange(wip, 0, -1)]
+            jobs += [_s(j) for j in self.client.lrange(wip, 0, -1)]
         keys = [*k.all_static(), *wips]
-        keys += [_s(key) for key in self.r.scan_iter(match=k.worker("*"), count=1000)]
+        keys += [_s(key) for key in self.client.scan_iter(match=k.worker("*"), count=1000)]
         keys += [rq_job_key(j) for j in set(jobs)]
         for i in range(0, len(keys), 1000):
-            n += int(self.r.delete(*keys[i : i + 1000]))
-        self.r.srem(RUNS, self.run)
+            n += int(self.client.delete(*keys[i : i + 1000]))
+        self.client.srem(RUNS, self.run)
         return n
 
 

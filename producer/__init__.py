@@ -1,1 +1,1 @@
-"""The producer: validates a dataset and enqueues the sample ids not yet done (issue 3)."""
+"""The producer: validates a dataset and enqueues the sample ids not yet done."""

@@ -135,7 +135,7 @@ def _enqueue_locked(
     if recover:
         _recover_outputs(store, existing, valid, report, progress)
 
-    dead_ids = set(store.iter_hash_keys(store.k.dead))
+    dead_ids = set(store.iter_hash_keys(store.keys.dead))
     outstanding = store.outstanding_samples()
     todo: list[tuple[str, IndexEntry]] = []
     for i in range(0, len(valid), 5000):
@@ -171,7 +171,7 @@ def _prune(store: RunStore, valid_ids: set[str], bad_lines: set[str]) -> int:
     """Drop what no longer belongs to the dataset: index entries and done marks of removed
     ids (their files stay, `verify` lists them as orphans) and dead-letter entries of
     removed ids or of lines that are no longer invalid."""
-    k = store.k
+    k = store.keys
     gone_index = [sid for sid in store.iter_hash_keys(k.index) if sid not in valid_ids]
     n = store.delete_fields(k.index, gone_index)
     for sid in gone_index:
@@ -193,7 +193,7 @@ def _recover_outputs(
     report: EnqueueReport,
     progress: bool,
 ) -> None:
-    from hsq.ops import adopt_output
+    from hsq.adopt import adopt_output
 
     out_root = Path(cfg.out) / cfg.run
     dataset = Path(cfg.dataset)

@@ -1,1 +1,2 @@
-"""Server side of hsq: the reference server and (later) the dump hook for stock SGLang."""
+"""Server side of hsq: the reference server (reference/) and the dump hook for stock
+SGLang (sglang_hook/)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsq.procs import RedisServer, ReferenceServer
+from hsq.harness.procs import RedisServer, ReferenceServer
 from hsq.protocol import Expected, fingerprint
 
 

@@ -6,19 +6,32 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from hsq.procs import ManagedProcess, ReferenceServer, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
 from hsq.store import RunStore, connect
 
 
-def hsq(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+def hsq_argv(*args: str) -> list[str]:
+    """The command line of `hsq ARGS` in this interpreter, JSON logs on stderr."""
+    return [sys.executable, "-m", "hsq", "--log-format", "json", *args]
+
+
+def hsq(
+    *args: str,
+    timeout: float = 120,
+    check: bool = False,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`hsq ARGS` as a subprocess, no terminal on stdin (prompts refuse), output captured."""
     proc = subprocess.run(
-        [sys.executable, "-m", "hsq", "--log-format", "json", *args],
+        hsq_argv(*args),
         capture_output=True,
         text=True,
         timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=None if env is None else dict(env),
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"hsq {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")

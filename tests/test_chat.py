@@ -13,7 +13,7 @@ import pytest
 
 from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
 from hsq.errors import ConfigError, DatasetError
-from hsq.toytok import build_chatml_tokenizer
+from hsq.harness.toytok import build_chatml_tokenizer
 from producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
 
 try:

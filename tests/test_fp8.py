@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from hsq import quant, stfile
 from hsq.dataset import Sample
 from hsq.errors import ConfigError, NonFiniteDumpError
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
-from hsq.procs import ReferenceServer
 from hsq.protocol import (
     AUX_TENSOR,
     LAST_TENSOR,
@@ -29,7 +30,6 @@ from hsq.protocol import (
     write_dump,
 )
 from hsq.runconfig import RunConfig
-from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, start_worker, store
 
@@ -266,7 +266,7 @@ def test_fp8_run_end_to_end_with_real_processes(
     assert st.require_config().store_dtype == "fp8-e4m3"
     w = start_worker(tmp_path, "f8", server, redis_url, "--burst")
     assert w.proc.wait(120) == 0, w.log_tail()
-    assert st.count(st.k.done) == 12 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 12 and st.count(st.keys.dead) == 0
 
     torch.set_num_threads(2)
     model = load_model(
@@ -333,7 +333,7 @@ def test_fp8_run_end_to_end_with_real_processes(
             "store_dtype": "bf16",
         }
     )
-    st.r.hset(st.k.done, sid, mixed.to_json())
+    st.client.hset(st.keys.done, sid, mixed.to_json())
     proc = hsq("verify", "--run", "f8", "--redis", redis_url, "--deep")
     assert proc.returncode == 1
     assert f"corrupt  {sid}: stored as bf16, the run stores fp8-e4m3" in proc.stdout

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsq.ops import run_status, verify
-from hsq.procs import ReferenceServer
-from hsq.synthetic import write_synthetic
+from hsq.app.ops import run_status, verify
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.conftest import generate
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
@@ -67,7 +67,7 @@ def test_outputs_with_eight_in_flight_equal_a_single_request_forward(
     w = start_worker(tmp_path, "k8", fresh, redis_url, "--burst", "--inflight", "8")
     assert w.proc.wait(120) == 0, w.log_tail()
     st = store(redis_url, "k8")
-    assert st.count(st.k.done) == 24 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 24 and st.count(st.keys.dead) == 0
     torch.set_num_threads(2)
     model = load_model(
         "tiny", device="cpu", dtype=torch.float32, dump_dtype=torch.bfloat16, layers=None
@@ -99,7 +99,7 @@ def test_leftover_and_unknown_rid_dumps_are_removed_and_counted(
         assert log_events(w.log_path, "worker_started")[0]["cleared_dumps"] == 3
         # Someone else's request (a health check, a warm-up, an operator's curl).
         assert generate(srv.url, [5, 6, 7, 8], "intruder").status_code == 200
-        wait_until(lambda: st.count(st.k.done) == 20, 90)
+        wait_until(lambda: st.count(st.keys.done) == 20, 90)
         wait_until(lambda: bool(log_events(w.log_path, "dump_discarded")), 30)
         [ev] = log_events(w.log_path, "dump_discarded")
         assert ev["why"] == "unknown_rid" and ev["rid"] == "intruder"
@@ -113,7 +113,7 @@ def test_leftover_and_unknown_rid_dumps_are_removed_and_counted(
         assert "dumps discarded 1" in text
     finally:
         w.stop()
-    assert st.count(st.k.dead) == 0
+    assert st.count(st.keys.dead) == 0
     srv.stop()
 
 
@@ -129,7 +129,7 @@ def test_a_late_dump_after_a_timeout_fails_no_later_sample(
     )
     assert w.proc.wait(120) == 0, w.log_tail()
     st = store(redis_url, "late")
-    assert st.count(st.k.done) == 24 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 24 and st.count(st.keys.dead) == 0
     # The timed-out request's dump landed later and was thrown away, nothing else failed.
     assert not log_events(w.log_path, "sample_retry")
     handed = log_events(w.log_path, "sample_handed_back")
@@ -145,12 +145,12 @@ def test_late_dump_is_discarded_as_late(
     w = start_worker(tmp_path, "late2", fresh, redis_url, "--inflight", K, "--request-timeout", "1")
     st = store(redis_url, "late2")
     try:
-        wait_until(lambda: st.count(st.k.done) == 12, 90)
+        wait_until(lambda: st.count(st.keys.done) == 12, 90)
         wait_until(lambda: bool(log_events(w.log_path, "dump_discarded")), 30)
         assert {e["why"] for e in log_events(w.log_path, "dump_discarded")} == {"late"}
     finally:
         w.stop()
-    assert st.count(st.k.dead) == 0
+    assert st.count(st.keys.dead) == 0
 
 
 def test_two_dumps_for_one_rid_fail_that_sample_with_multiple_dumps(
@@ -162,7 +162,7 @@ def test_two_dumps_for_one_rid_fail_that_sample_with_multiple_dumps(
     w = start_worker(tmp_path, "split", fresh, redis_url, "--burst", "--inflight", K)
     assert w.proc.wait(120) == 0, w.log_tail()
     st = store(redis_url, "split")
-    assert st.count(st.k.done) == 16 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 16 and st.count(st.keys.dead) == 0
     retried = [e["reason"] for e in log_events(w.log_path, "sample_retry")]
     assert retried and set(retried) == {"multiple_dumps"}
     assert verify(st, tmp_path / "out" / "split", deep=True).ok == 16
@@ -176,7 +176,7 @@ def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
     enqueue(ds, "skill", tmp_path / "out", redis_url, "--chunk-size", "4", "--max-attempts", "1")
     st = store(redis_url, "skill")
     w = start_worker(tmp_path, "skill", srv, redis_url, "--burst", "--inflight", K)
-    wait_until(lambda: st.count(st.k.done) >= 8, 90, interval=0.05)
+    wait_until(lambda: st.count(st.keys.done) >= 8, 90, interval=0.05)
     srv.signal(signal.SIGKILL)  # every request takes 0.3 s: K of them are in flight
     srv.proc.wait(10)
     time.sleep(2)
@@ -187,7 +187,7 @@ def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         again.stop()
-    assert st.count(st.k.dead) == 0 and st.count(st.k.done) == 40
+    assert st.count(st.keys.dead) == 0 and st.count(st.keys.done) == 40
     assert log_events(w.log_path, "waiting_for_server")
     assert len(log_events(w.log_path, "sample_handed_back")) >= 2  # more than one in flight
     assert verify(st, tmp_path / "out" / "skill", deep=True).ok == 40
@@ -202,14 +202,14 @@ def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
     enqueue(ds, "wkill", out, redis_url, "--chunk-size", "4")
     st = store(redis_url, "wkill")
     a = start_worker(tmp_path, "wkill", srv, redis_url, "--inflight", K, name="victim")
-    wait_until(lambda: st.count(st.k.done) >= 8, 90, interval=0.05)
+    wait_until(lambda: st.count(st.keys.done) >= 8, 90, interval=0.05)
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
-    done_before = st.count(st.k.done)
+    done_before = st.count(st.keys.done)
     b = start_worker(tmp_path, "wkill", srv, redis_url, "--burst", "--inflight", K, name="rescuer")
     assert b.proc.wait(120) == 0, b.log_tail()
     srv.stop()
-    assert st.count(st.k.done) == 40 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 40 and st.count(st.keys.dead) == 0
     events = log_events(a.log_path, "sample_done") + log_events(b.log_path, "sample_done")
     firsts = Counter(str(e["sample"]) for e in events if e["first"])
     assert len(firsts) == 40 and set(firsts.values()) == {1}  # marked done once each

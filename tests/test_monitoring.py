@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from hsq.procs import (
+from hsq.harness.procs import (
     ManagedProcess,
     ReferenceServer,
     exporter_process,
@@ -24,7 +24,7 @@ from hsq.procs import (
     wait_http_ok,
     worker_process,
 )
-from hsq.synthetic import write_synthetic
+from hsq.harness.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, store, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
         wait_http_ok(f"http://127.0.0.1:{eport}/metrics", exporter, timeout=60)
         wait_http_ok(f"http://127.0.0.1:{wport}/metrics", worker, timeout=60)
         st = store(redis_url, "mon")
-        wait_until(lambda: st.count(st.k.done) == 80, 120)
+        wait_until(lambda: st.count(st.keys.done) == 80, 120)
         # Mid-run and final values reached Prometheus.
         wait_until(lambda: bool(query(prom, 'hsq_run_samples{state="done"} == 80')), 30)
         promtool = _tool("promtool")

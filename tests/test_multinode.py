@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hsq.ops import verify
-from hsq.procs import (
+from hsq.app.ops import verify
+from hsq.harness.procs import (
     ManagedProcess,
     RedisServer,
     ReferenceServer,
@@ -24,7 +24,7 @@ from hsq.procs import (
     hsq_command,
     worker_process,
 )
-from hsq.synthetic import write_synthetic
+from hsq.harness.synthetic import write_synthetic
 from tests.helpers import enqueue, log_events, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]
@@ -44,7 +44,7 @@ def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
     w = start_worker(tmp_path, "aof", srv, url, "--burst", name="survivor")
     redis2 = None
     try:
-        wait_until(lambda: st.count(st.k.done) >= 10, 60, interval=0.05)
+        wait_until(lambda: st.count(st.keys.done) >= 10, 60, interval=0.05)
         redis1.signal(signal.SIGKILL)  # a crash, not a clean shutdown
         redis1.proc.wait(10)
         time.sleep(8)  # longer than the client's own retries: the worker backs off itself
@@ -52,7 +52,7 @@ def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
         redis2 = RedisServer(rdir, password="pw", appendonly=True, port=redis1.port).wait_ready()
         assert w.proc.wait(120) == 0, w.log_tail()
         st = store(url, "aof")
-        assert st.count(st.k.done) == 60 and st.count(st.k.dead) == 0
+        assert st.count(st.keys.done) == 60 and st.count(st.keys.dead) == 0
         assert verify(st, tmp_path / "out" / "aof", deep=True).ok == 60
         assert log_events(w.log_path, "redis_unavailable")
     finally:
@@ -157,16 +157,16 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
     st = store(local_url, "net")
     try:
         wait_until(lambda: bool(log_events(procs["workerB"].log_path, "sample_done")), 90)
-        wait_until(lambda: st.count(st.k.done) >= 20, 90, interval=0.05)
-        assert st.count(st.k.done) < 80
+        wait_until(lambda: st.count(st.keys.done) >= 20, 90, interval=0.05)
+        assert st.count(st.keys.done) < 80
         netns.link("B", up=False)
         cut = time.monotonic()
         # C finishes everything, including what B held when its link went down.
-        wait_until(lambda: st.count(st.k.done) == 80, 120, interval=0.2)
+        wait_until(lambda: st.count(st.keys.done) == 80, 120, interval=0.2)
         recovered_in = time.monotonic() - cut
         assert recovered_in < 90
         assert log_events(procs["workerC"].log_path, "recovered_dead_worker_jobs")
-        assert st.count(st.k.dead) == 0
+        assert st.count(st.keys.dead) == 0
         done_events = log_events(procs["workerB"].log_path, "sample_done") + log_events(
             procs["workerC"].log_path, "sample_done"
         )
@@ -183,7 +183,7 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         write_synthetic(more, 120, seed=31, min_len=4, max_len=32)  # the first 80 are the same
         ds.write_text(more.read_text())
         enqueue(ds, "net", out, local_url, "--chunk-size", "2")
-        wait_until(lambda: st.count(st.k.done) == 120, 120, interval=0.2)
+        wait_until(lambda: st.count(st.keys.done) == 120, 120, interval=0.2)
         new_ids = {json.loads(x)["id"] for x in more.read_text().splitlines()[80:]}
         by_b = [
             e
@@ -191,7 +191,7 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
             if e["sample"] in new_ids
         ]
         assert by_b, "host B did not rejoin"
-        assert st.count(st.k.dead) == 0
+        assert st.count(st.keys.dead) == 0
     finally:
         for p in procs.values():
             p.stop()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +11,12 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
-from hsq.procs import ReferenceServer
 from hsq.protocol import fingerprint
-from hsq.synthetic import write_synthetic
+from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]
@@ -61,7 +59,7 @@ def test_a_wiped_queue_is_recovered_by_requeue_missing(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
     make_run(tmp_path, "wipe", redis_url, 20, "--chunk-size", "3")
-    redis.Redis.from_url(redis_url).delete(rq_queue_key("hsq-wipe"))  # the queue is lost
+    connect(redis_url).delete(rq_queue_key("hsq-wipe"))  # the queue is lost
     st = status("wipe", redis_url)
     assert (st["total"], st["queued"], st["missing"], st["done"]) == (20, 0, 20, 0)
     assert sum(st[k] for k in SUMMED) == st["total"]
@@ -216,18 +214,13 @@ def test_runs_purge_and_exit_codes(tmp_path: Path, redis_url: str) -> None:
     make_run(tmp_path, "old", redis_url, 3)
     assert "old  done 0/3" in hsq("runs", "--redis", redis_url, check=True).stdout
     # No terminal to confirm on: purge refuses.
-    refused = subprocess.run(
-        [sys.executable, "-m", "hsq", "purge", "--run", "old", "--redis", redis_url],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
+    refused = hsq("purge", "--run", "old", "--redis", redis_url)
     assert refused.returncode == 1
     assert (
         "purged run old"
         in hsq("purge", "--run", "old", "--yes", "--redis", redis_url, check=True).stdout
     )
-    assert redis.Redis.from_url(redis_url).keys("hsq:run:old:*") == []
+    assert connect(redis_url).keys("hsq:run:old:*") == []
     gone = hsq("status", "--run", "old", "--redis", redis_url)
     assert gone.returncode == 2 and "does not exist" in gone.stderr
     assert hsq("requeue", "--run", "old", "--redis", redis_url).returncode == 2
@@ -257,12 +250,8 @@ def test_every_command_has_help_with_an_example(cmd: str) -> None:
 
 def test_redis_url_comes_from_the_environment(tmp_path: Path, redis_url: str) -> None:
     make_run(tmp_path, "env", redis_url, 2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsq", "status", "--run", "env", "--json"],
-        capture_output=True,
-        text=True,
-        env={"REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"},
-    )
+    env = {"REDIS_URL": redis_url, "PATH": "/usr/bin:/bin"}
+    proc = hsq("status", "--run", "env", "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == 2
-    assert store(redis_url, "env").count(store(redis_url, "env").k.index) == 2
+    assert store(redis_url, "env").count(store(redis_url, "env").keys.index) == 2

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers import hsq
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,18 +23,12 @@ def test_compose_parses_and_its_build_context_exists() -> None:
 
 
 def test_cli_help_lists_commands() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "hsq", "--help"], capture_output=True, text=True, check=True
-    ).stdout
+    out = hsq("--help", check=True).stdout
     assert "serve-reference" in out
 
 
 def test_cli_bad_flag_is_a_usage_error() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "hsq", "serve-reference", "--dump-dir", "/tmp/x", "--port", "x"],
-        capture_output=True,
-        text=True,
-    )
+    proc = hsq("serve-reference", "--dump-dir", "/tmp/x", "--port", "x")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
 
@@ -69,7 +65,7 @@ def test_launch_sglang_prints_the_plugin_or_launcher_command_and_refuses_bad_fla
     assert "-m sglang.launch_server" in new.stdout and "--disable-radix-cache" in new.stdout
     assert "SGLANG_HS_DUMP_DIR=/tmp/hsq-dd" in new.stdout and "--tp-size 8" in new.stdout
     old = run("--sglang-version", "0.5.9")
-    assert old.returncode == 0 and "-m sglang_server.sglang_hook.launch" in old.stdout
+    assert old.returncode == 0 and "-m sglang_server.sglang_hook.legacy_launch" in old.stdout
     bad = run("--sglang-version", "0.5.23", "--", "--enable-dp-attention")
     assert bad.returncode == 2 and "not supported" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from hsq.app.ops import verify
 from hsq.dataset import IndexEntry
-from hsq.ops import verify
-from hsq.procs import ReferenceServer
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import fingerprint
-from hsq.synthetic import write_synthetic
 from sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 
@@ -53,7 +53,7 @@ def test_end_to_end_outputs_equal_a_direct_computation(
     assert w.proc.wait(120) == 0, w.log_tail()
 
     st = store(redis_url, "e2e")
-    assert st.count(st.k.done) == 24 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 24 and st.count(st.keys.dead) == 0
     torch.set_num_threads(2)
     model = load_model(
         "tiny", device="cpu", dtype=torch.float32, dump_dtype=torch.bfloat16, layers=None
@@ -135,7 +135,7 @@ def test_two_workers_on_two_servers_write_each_sample_once(
     assert len(per_sample) == 40 and set(per_sample.values()) == {1}
     assert log_events(w1.log_path, "sample_done") and log_events(w2.log_path, "sample_done")
     st = store(redis_url, "two")
-    assert st.count(st.k.done) == 40
+    assert st.count(st.keys.done) == 40
     assert len(list((out / "two").rglob("*.safetensors"))) == 40
     other.stop()
 
@@ -207,7 +207,7 @@ def test_transient_faults_succeed_on_retry_and_permanent_ones_reach_the_dead_let
     assert list(dead) == [poison["id"]]
     assert dead[poison["id"]]["reason"] == "wrong_length"
     assert dead[poison["id"]]["attempts"] == 3
-    assert st.count(st.k.done) == 11
+    assert st.count(st.keys.done) == 11
     retried = Counter(str(e["reason"]) for e in log_events(w.log_path, "sample_retry"))
     for reason in (
         "stale_dump",
@@ -235,7 +235,7 @@ def test_kill_9_mid_sample_completes_within_60s(
     enqueue(ds, "kill", out, redis_url, "--chunk-size", "4")
     st = store(redis_url, "kill")
     a = start_worker(tmp_path, "kill", fresh, redis_url, name="victim")
-    wait_until(lambda: st.count(st.k.done) >= 6, 60)
+    wait_until(lambda: st.count(st.keys.done) >= 6, 60)
     # Hold the next request in the server so the worker is surely mid-sample.
     rules = [{"mode": "slow", "seconds": 3, "times": 1}]
     httpx.post(fresh.url + "/admin/faults", json={"rules": rules}).raise_for_status()
@@ -243,11 +243,11 @@ def test_kill_9_mid_sample_completes_within_60s(
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
     killed_at = time.monotonic()
-    assert st.count(st.k.done) < 30
+    assert st.count(st.keys.done) < 30
     b = start_worker(tmp_path, "kill", fresh, redis_url, "--burst", name="rescuer")
     assert b.proc.wait(120) == 0, b.log_tail()
     assert time.monotonic() - killed_at < 60
-    assert st.count(st.k.done) == 30 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 30 and st.count(st.keys.dead) == 0
     # Exactly once: one manifest entry, one file each, no torn or temp files.
     files = list((out / "kill").rglob("*"))
     assert not [p for p in files if p.name.endswith(".tmp")]
@@ -266,7 +266,7 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     enqueue(ds, "restart", out, redis_url, "--chunk-size", "4", "--max-attempts", "1")
     st = store(redis_url, "restart")
     w = start_worker(tmp_path, "restart", srv, redis_url, "--burst")
-    wait_until(lambda: st.count(st.k.done) >= 5, 60, interval=0.05)
+    wait_until(lambda: st.count(st.keys.done) >= 5, 60, interval=0.05)
     srv.signal(signal.SIGKILL)
     srv.proc.wait(10)
     time.sleep(3)  # the worker sees the server down and backs off
@@ -277,8 +277,8 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         again.stop()
-    assert st.count(st.k.dead) == 0
-    assert st.count(st.k.done) == 30
+    assert st.count(st.keys.dead) == 0
+    assert st.count(st.keys.done) == 30
     assert log_events(w.log_path, "waiting_for_server")
 
 
@@ -316,7 +316,7 @@ def test_sigterm_hands_back_and_loses_nothing(
     enqueue(ds, "term", tmp_path / "out", redis_url, "--chunk-size", "8")
     st = store(redis_url, "term")
     w = start_worker(tmp_path, "term", fresh, redis_url)
-    wait_until(lambda: st.count(st.k.done) >= 3, 60, interval=0.05)
+    wait_until(lambda: st.count(st.keys.done) >= 3, 60, interval=0.05)
     w.signal(signal.SIGTERM)
     assert w.proc.wait(30) == 0
     done = st.done_among([json.loads(x)["id"] for x in ds.read_text().splitlines()])

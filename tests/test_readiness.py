@@ -11,13 +11,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 
 from hsq.errors import HookInactiveError
-from hsq.procs import ReferenceServer
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import (
     FORMAT_VERSION,
     READY_FILE,
@@ -28,7 +29,6 @@ from hsq.protocol import (
     read_ready,
     write_ready,
 )
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, start_worker, store
 from workers.readiness import await_hook, check_marker
 
@@ -72,7 +72,7 @@ def _mutate(data: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         del target[key]
     else:
         target[key] = value
-    return out
+    return cast(dict[str, Any], out)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_worker_refuses_a_server_without_an_active_hook(
     assert w.proc.wait(60) == 2, w.log_tail()
     assert "hook is not active" in w.log_path.read_text()
     st = store(redis_url, "hookless")
-    assert st.count(st.k.done) == 0 and st.count(st.k.dead) == 0
+    assert st.count(st.keys.done) == 0 and st.count(st.keys.dead) == 0
     assert len(st.outstanding_samples()) == 6
 
 
@@ -224,4 +224,4 @@ def test_worker_refuses_a_server_capturing_other_layers(
     assert w.proc.wait(60) == 2, w.log_tail()
     assert "the run pins" in w.log_path.read_text()
     st = store(redis_url, "pinned")
-    assert st.count(st.k.dead) == 0 and len(st.outstanding_samples()) == 4
+    assert st.count(st.keys.dead) == 0 and len(st.outstanding_samples()) == 4

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
+import torch
 from safetensors.torch import load_file
 
+from hsq.harness.procs import ReferenceServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import output_relpath
-from hsq.procs import ReferenceServer
-from hsq.synthetic import write_synthetic
+from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]
@@ -51,8 +52,8 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
     st = store(redis_url, "rec")
     w = start_worker(tmp_path, "rec", server, redis_url, name="before")
     try:
-        wait_until(lambda: st.count(st.k.done) >= 8, timeout=120)
-        redis.Redis.from_url(redis_url).flushall()
+        wait_until(lambda: st.count(st.keys.done) >= 8, timeout=120)
+        connect(redis_url).flushall()
         time.sleep(0.5)  # let the worker try (and fail) to write into the wiped run
     finally:
         w.stop()
@@ -65,7 +66,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
               "--chunk-size", "2", "--no-progress", check=True)  # fmt: skip
     recovered = int(rec.stdout.split("recovered")[1].split()[0])
     assert recovered == len(on_disk), rec.stdout
-    assert st.count(st.k.done) == len(on_disk)
+    assert st.count(st.keys.done) == len(on_disk)
 
     finish_burst(tmp_path, "rec", server, redis_url, "after")
     status = json.loads(
@@ -94,7 +95,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
             ), (sid, name)
 
 
-def _raw(t: object) -> object:
+def _raw(t: object) -> torch.dtype:
     import torch
 
     assert isinstance(t, torch.Tensor)
@@ -111,7 +112,7 @@ def test_recover_rejects_a_file_that_does_not_match_its_dataset_line(
     out = tmp_path / "out"
     enqueue(ds, "rj", out, redis_url)
     finish_burst(tmp_path, "rj", server, redis_url, "rj")
-    redis.Redis.from_url(redis_url).flushall()
+    connect(redis_url).flushall()
     other = tmp_path / "other.jsonl"
     write_synthetic(other, 4, seed=6, min_len=4, max_len=16)  # same ids, other tokens
     rec = hsq("recover", str(other), "--run", "rj", "--out", str(out), "--redis", redis_url,

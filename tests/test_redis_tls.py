@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +16,9 @@ import pytest
 import redis
 
 from hsq.errors import StoreError
-from hsq.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.store import connect
-from hsq.synthetic import write_synthetic
 from tests.helpers import hsq
 
 Factory = Callable[..., ReferenceServer]
@@ -130,10 +129,7 @@ def test_a_whole_run_over_tls_as_the_least_privileged_acl_user(
     assert w.proc.wait(180) == 0, w.log_tail()
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "hsq", *args, "--redis", url],
-            capture_output=True, text=True, env=tls_env(d), timeout=120,
-        )  # fmt: skip
+        return hsq(*args, "--redis", url, env=tls_env(d))
 
     st = cli("status", "--run", "tls", "--json")
     assert st.returncode == 0, st.stderr

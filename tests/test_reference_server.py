@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hsq import errors
-from hsq.procs import ReferenceServer
+from hsq.harness.procs import ReferenceServer
 from hsq.protocol import clear_dump_dir, read_dump, read_meta, scan, wait_for_dump
 from sglang_server.reference.engine import CRASH_EXIT_CODE
 from sglang_server.reference.model import load_model

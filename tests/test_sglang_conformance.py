@@ -77,7 +77,7 @@ def test_every_symbol_the_hook_uses_exists(version: str, source: SourceReader) -
 
 def test_the_plugin_entry_point_group_is_sglangs(version: str, source: SourceReader) -> None:
     if not compat.plugin_supported(version):
-        pytest.skip(f"sglang {version} has no plugin API; launch.py serves it")
+        pytest.skip(f"sglang {version} has no plugin API; legacy_launch.py serves it")
     text = source("sglang/srt/plugins/__init__.py")
     assert text is not None
     assert f'GENERAL_PLUGINS_GROUP = "{compat.ENTRY_POINT_GROUP}"' in text
@@ -92,7 +92,7 @@ def test_deepseek_layer_rule_matches_the_source(version: str, source: SourceRead
     assert "[2, num_layers // 2, num_layers - 3]" in body
 
 
-def test_llama_layer_rule_matches_the_source(version: str, source: SourceReader) -> None:
+def test_llama_layer_rule_matches_the_source(source: SourceReader) -> None:
     sym = Symbol("sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture")
     body = _function_source(source, sym)
     assert "[val + 1 for val in layer_ids]" in body
@@ -144,9 +144,7 @@ def _call_args(read: SourceReader, sym: Symbol, callee: str) -> list[list[str]]:
     return out
 
 
-def test_kimi_calls_the_language_model_with_input_ids_none(
-    version: str, source: SourceReader
-) -> None:
+def test_kimi_calls_the_language_model_with_input_ids_none(source: SourceReader) -> None:
     """Issue 18's root cause, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
     model with input_ids=None -> DeepseekV2 passes that None and the ForwardBatch to the
     logits processor in positions 0 and 3, where plugin.around_logits reads them."""

@@ -37,16 +37,18 @@ from hsq.protocol import (
     write_ready,
 )
 from sglang_server.sglang_hook import plugin
-from sglang_server.sglang_hook.cli import (
+from sglang_server.sglang_hook.compat import PINNED_VERSIONS
+from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
+from sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
+from sglang_server.sglang_hook.identity import model_identity
+from sglang_server.sglang_hook.launch_args import (
     check_launch_args,
     check_server_info,
     launch_command,
     refusals,
 )
-from sglang_server.sglang_hook.compat import PINNED_VERSIONS
-from sglang_server.sglang_hook.config import HookConfig
-from sglang_server.sglang_hook.identity import model_identity
-from sglang_server.sglang_hook.launcher import check_running
+from sglang_server.sglang_hook.launch_sglang import check_running
 from sglang_server.sglang_hook.layers import (
     check_effective,
     default_layer_ids,
@@ -55,8 +57,6 @@ from sglang_server.sglang_hook.layers import (
     parse_layer_ids,
 )
 from sglang_server.sglang_hook.plan import RidFilter, build_plan
-from sglang_server.sglang_hook.sink import DumpContext, DumpSink, HostCopier
-from sglang_server.sglang_hook.tap import DumpHook, batch_input_ids
 
 H = 8
 LAYERS = [3, 6, 9]
@@ -438,11 +438,11 @@ def test_glue_hands_the_plan_to_the_logits_call(server: Server) -> None:
     aux = torch.cat([s_a.aux, s_b.aux])
     calls: list[str] = []
 
-    def logits_forward(proc: object, *args: Any, **kwargs: Any) -> str:
+    def logits_forward(_proc: object, *_args: Any, **_kwargs: Any) -> str:
         calls.append("logits")
         return "logits-output"
 
-    def run_batch(sched: object, batch: object) -> str:
+    def run_batch(_sched: object, _batch: object) -> str:
         # The target model's logits call, then a second one (a draft model) sees no plan.
         out = plugin.around_logits(logits_forward, None, ids, hidden, None, None, aux)
         plugin.around_logits(logits_forward, None, ids, hidden, None, None, None)
@@ -459,7 +459,7 @@ def test_glue_hands_the_plan_to_the_logits_call(server: Server) -> None:
     plugin._hook = server.hook
     try:
         assert plugin.around_run_batch(run_batch, None, batch) == "logits-output"
-        assert plugin.around_run_batch(lambda s, b: "decoded", None, decode) == "decoded"
+        assert plugin.around_run_batch(lambda _s, _b: "decoded", None, decode) == "decoded"
     finally:
         plugin._hook = old
     assert calls == ["logits", "logits"]
@@ -492,7 +492,7 @@ def test_launch_command_picks_plugin_or_launcher() -> None:
     assert new[5:7] == ["-m", "sglang.launch_server"]
     assert "--disable-radix-cache" in new and "--disable-prefill-cuda-graph" in new
     old = launch_command("/m/llama", "/dumps", sglang_version="0.5.9", overlap_schedule=False)
-    assert "sglang_server.sglang_hook.launch" in old and "--disable-overlap-schedule" in old
+    assert "sglang_server.sglang_hook.legacy_launch" in old and "--disable-overlap-schedule" in old
     assert "--disable-piecewise-cuda-graph" in launch_command("m", "d", sglang_version="0.5.11")
     with pytest.raises(ValueError, match="dp-attention"):
         launch_command("m", "d", sglang_version="0.5.23", extra_args=["--enable-dp-attention"])
@@ -526,7 +526,7 @@ def test_check_server_info() -> None:
 
 def test_launcher_refuses_without_radix_cache_off(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_server.sglang_hook.launch", "--model-path", "m"],
+        [sys.executable, "-m", "sglang_server.sglang_hook.legacy_launch", "--model-path", "m"],
         capture_output=True,
         text=True,
         env={"SGLANG_HS_DUMP_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
@@ -550,7 +550,7 @@ if __name__ == "__main__":
 
 
 def test_spawn_reruns_a_dash_m_module_in_children(tmp_path: Path) -> None:
-    """The mechanism launch.py relies on: spawn re-runs `python -m pkg.mod`'s top level
+    """The mechanism legacy_launch.py relies on: spawn re-runs `python -m pkg.mod`'s top level
     (as __mp_main__) in each child before it runs the target."""
     pkg = tmp_path / "probepkg"
     pkg.mkdir()
@@ -631,11 +631,11 @@ def kimi_logits_call(
     )
     seen: list[tuple[Any, ...]] = []
 
-    def logits_forward(proc: object, *args: Any, **kwargs: Any) -> str:
+    def logits_forward(_proc: object, *args: Any, **_kwargs: Any) -> str:
         seen.append(args)
         return "logits"
 
-    def run_batch(sched: object, b: object) -> object:
+    def run_batch(_sched: object, _b: object) -> object:
         lm_head = object()
         return plugin.around_logits(
             logits_forward, None, None, torch.cat(hidden), lm_head, forward_batch, torch.cat(aux)
@@ -758,7 +758,7 @@ def test_each_refusal_in_the_plugin_and_server_info(
     assert runner.loads == 0
 
 
-def test_the_plugin_reads_resolved_settings_when_sglang_has_them(tmp_path: Path) -> None:
+def test_the_plugin_reads_resolved_settings_when_sglang_has_them() -> None:
     """0.5.2x resolves lazily: the raw attribute may say off while the resolved value is
     on (and the other way round); the plugin reads what /server_info reports."""
 
@@ -774,17 +774,26 @@ def test_the_plugin_reads_resolved_settings_when_sglang_has_them(tmp_path: Path)
     assert raw == GOOD_ARGS
 
 
-def test_launch_args_refusals() -> None:
-    for argv in (
+@pytest.mark.parametrize(
+    "argv",
+    [
         ["--enable-two-batch-overlap"],
         ["--moe-a2a-backend", "deepep"],
         ["--cuda-graph-backend-prefill", "breakable"],
         ["--attn-dp-size", "4"],
         ["--enable-prefill-cp"],
-    ):
-        assert check_launch_args(argv), argv
-    assert not check_launch_args(["--moe-a2a-backend", "none", "--dp-size", "1"])
-    assert not check_launch_args(["--cuda-graph-backend-prefill", "disabled"])
+    ],
+)
+def test_launch_args_refusals(argv: list[str]) -> None:
+    assert check_launch_args(argv), argv
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--moe-a2a-backend", "none", "--dp-size", "1"], ["--cuda-graph-backend-prefill", "disabled"]],
+)
+def test_launch_args_accepted(argv: list[str]) -> None:
+    assert not check_launch_args(argv)
 
 
 @pytest.mark.parametrize(
@@ -930,7 +939,7 @@ def test_model_capturing_a_layer_twice_refuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     use_plugin(monkeypatch, tmp_path)
-    runner = FakeRunner.kimi(tmp_path, rule=lambda ids: [2, 30, 30])
+    runner = FakeRunner.kimi(tmp_path, rule=lambda _ids: [2, 30, 30])
     with pytest.raises(ConfigError, match="twice"):
         plugin.around_load_model(runner.load, runner)
 
@@ -999,7 +1008,7 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sglang_server.sglang_hook.launch",
+            "sglang_server.sglang_hook.legacy_launch",
             "--model-path",
             "m",
             "--disable-radix-cache",

@@ -150,7 +150,7 @@ def test_direct_io_refused_mid_file_falls_back_to_buffered(
     through the page cache, and is not tried again."""
     import errno
 
-    def refuse(fd: int, data: memoryview | bytes, at: int) -> None:
+    def refuse(_fd: int, _data: memoryview | bytes, _at: int) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setenv("HSQ_DIRECT_IO", "1")

@@ -7,21 +7,21 @@ import ast
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hsq.app.ops import RunStatus, run_figures, run_status
 from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreUnavailableError
-from hsq.ops import RunStatus, run_figures, run_status
+from hsq.harness.procs import RedisServer
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry
-from hsq.procs import RedisServer
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, list_runs
-from hsq.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, store
+from tests.helpers import enqueue, hsq, hsq_argv, store
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = IndexEntry(0, 10, 0, 3)
@@ -51,7 +51,7 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
     assert worker.mark_done("a", manifest("a"))
     assert hsq("purge", "--run", "fenced", "--yes", "--redis", redis_url).returncode == 0
 
-    writes = {
+    writes: dict[str, Callable[[], object]] = {
         "mark_done": lambda: worker.mark_done("b", manifest("b")),
         "finish": lambda: worker.finish("w1", job),
         "give_back": lambda: worker.give_back("w1", job),
@@ -64,14 +64,14 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
     for name, write in writes.items():
         with pytest.raises(RunChangedError):
             write()
-        assert worker.r.keys("hsq:run:fenced:*") == [], name
-        assert worker.r.keys("rq:queue:hsq-fenced*") == [], name
+        assert worker.client.keys("hsq:run:fenced:*") == [], name
+        assert worker.client.keys("rq:queue:hsq-fenced*") == [], name
 
     # Re-created under the same name: a new generation, so the old holder is still refused.
     fresh_run(redis_url, "fenced", tmp_path)
     with pytest.raises(RunChangedError):
         worker.mark_done("b", manifest("b"))
-    assert worker.count(worker.k.done) == 0
+    assert worker.count(worker.keys.done) == 0
     worker.require_config()  # re-reading the config takes the new generation
     assert worker.mark_done("b", manifest("b"))
 
@@ -159,11 +159,11 @@ def test_redis_errors_become_hsq_errors(tmp_path: Path) -> None:
     srv = RedisServer(tmp_path / "r", password="pw").wait_ready()
     try:
         st = RunStore(connect(srv.url), "gone")
-        st.count(st.k.done)
+        st.count(st.keys.done)
     finally:
         srv.stop()
     with pytest.raises(StoreUnavailableError):
-        st.count(st.k.done)
+        st.count(st.keys.done)
     with pytest.raises(StoreUnavailableError):
         connect(srv.url)
 
@@ -195,8 +195,8 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     tmp_path: Path, redis_url: str
 ) -> None:
     """Issue 16: run_status returns a dataclass; the exporter's sample figures are the ones
-    status prints (one function, hsq.ops.run_figures)."""
-    from hsq.exporter import RedisCollector
+    status prints (one function, hsq.app.ops.run_figures)."""
+    from hsq.app.exporter import RedisCollector
 
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 6, seed=2)
@@ -212,7 +212,7 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     assert (status.total, status.done, status.dead) == (fig.total, fig.done, fig.dead) == (7, 1, 1)
     metrics = {
         (m.name, s.labels.get("state")): s.value
-        for m in RedisCollector(st.r).collect()
+        for m in RedisCollector(st.client).collect()
         for s in m.samples
         if s.labels.get("run") == "figs"
     }
@@ -223,8 +223,8 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
 
 def test_only_the_store_imports_redis_or_rq() -> None:
     """Issue 16 item 1: nothing outside hsq/store.py imports redis or rq (workers/ is being
-    rewritten on its own branch; hsq/procs.py is the test harness starting a server)."""
-    allowed = {"hsq/store.py", "hsq/procs.py"}
+    rewritten on its own branch; hsq/harness/procs.py is the test harness starting a server)."""
+    allowed = {"hsq/store.py", "hsq/harness/procs.py"}
     offenders = []
     for path in [*ROOT.glob("hsq/**/*.py"), *ROOT.glob("producer/**/*.py")]:
         rel = str(path.relative_to(ROOT))
@@ -259,7 +259,7 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
     import httpx
     import psutil
 
-    from hsq.procs import ManagedProcess, free_port, hsq_command
+    from hsq.harness.procs import ManagedProcess, free_port, hsq_command
     from tests.helpers import wait_until
 
     port = free_port()
@@ -292,13 +292,12 @@ def test_two_enqueues_started_together_queue_each_sample_once(
     with different --out. Old code: both succeeded, every sample was queued twice and one
     --out was silently ignored. Now exactly one succeeds; the other exits 2 and says why."""
     import subprocess
-    import sys
 
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 20000, seed=9, min_len=4, max_len=8)
 
     def start(out: str) -> subprocess.Popen[str]:
-        argv = [sys.executable, "-m", "hsq", "enqueue", str(ds), "--run", "race"]
+        argv = hsq_argv("enqueue", str(ds), "--run", "race")
         argv += ["--out", str(tmp_path / out), "--redis", redis_url, "--no-progress"]
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -339,16 +338,16 @@ def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
     st = store(redis_url, "purged")
     w = start_worker(tmp_path, "purged", server, redis_url, name="pw")
     try:
-        wait_until(lambda: st.count(st.k.done) >= 2, timeout=120)
+        wait_until(lambda: st.count(st.keys.done) >= 2, timeout=120)
         assert hsq("purge", "--run", "purged", "--yes", "--redis", redis_url).returncode == 0
         # The worker holds a chunk and keeps extracting it; wait until it was refused.
         wait_until(lambda: "was purged or re-created" in w.log_path.read_text(), timeout=120)
     finally:
         w.stop()
         httpx.delete(server.url + "/admin/faults").raise_for_status()
-    assert st.r.keys("hsq:run:purged:*") == []
-    assert st.r.keys("rq:queue:hsq-purged*") == []
-    assert "purged" not in list_runs(st.r)
+    assert st.client.keys("hsq:run:purged:*") == []
+    assert st.client.keys("rq:queue:hsq-purged*") == []
+    assert "purged" not in list_runs(st.client)
 
 
 def test_a_run_created_before_generations_gets_one_and_keeps_working(
@@ -357,7 +356,7 @@ def test_a_run_created_before_generations_gets_one_and_keeps_working(
     """Upgrade path of the D1 fence: a config without `generation` (written by older hsq)
     is given one on first read, so its workers' writes are not refused forever."""
     st = fresh_run(redis_url, "legacy", tmp_path)
-    st.r.hdel(st.k.config, "generation")
+    st.client.hdel(st.keys.config, "generation")
     old = RunStore(connect(redis_url), "legacy")
     other = RunStore(connect(redis_url), "legacy")
     assert old.require_config().generation == other.require_config().generation is not None

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from hsq.app.export import checked_entry, ckpt_path
 from hsq.data import HiddenStateDataset, collate
 from hsq.errors import OutputError
-from hsq.export import checked_entry, ckpt_path
+from hsq.harness.procs import RedisServer, ReferenceServer, hsq_command
 from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.procs import RedisServer, ReferenceServer, hsq_command
 from tests.helpers import hsq, start_worker, store, wait_until
 
 try:
@@ -84,7 +84,7 @@ def walk(
 ) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("walk")
     url = redis_server.url
-    subprocess.run([sys.executable, "-m", "hsq.toytok", str(base / "tok")], check=True)
+    subprocess.run([sys.executable, "-m", "hsq.harness.toytok", str(base / "tok")], check=True)
     src = base / "chats.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chats()))
     tokens = base / "tokens.jsonl"
@@ -149,7 +149,7 @@ def walk(
 
 def test_bad_chat_rows_reach_the_dead_letter_and_the_rest_is_done(walk: dict[str, Any]) -> None:
     st = store(walk["url"], RUN)
-    assert st.count(st.k.done) == 11
+    assert st.count(st.keys.done) == 11
     dead = st.dead_entries()
     assert sorted(e["reason"] for e in dead.values()) == [
         "empty_content",
@@ -170,6 +170,7 @@ def test_specforge_reads_every_export_and_every_tensor_equals_hsqs(walk: dict[st
     assert len(files) == 11
     assert "written   11 files" in walk["first"]
     for sid, entry in st.iter_manifest():
+        assert entry is not None
         path = walk["export"] / Path(entry.path).parent / f"{sid}.ckpt"
         assert str(path.resolve()) in files
         raw = load_feature_file(str(path))
@@ -325,7 +326,12 @@ def test_train_in_place_with_a_dataloader(walk: dict[str, Any]) -> None:
     hsq("export", "--run", RUN, "--redis", walk["url"], "--format", "manifest", check=True)
     ds = HiddenStateDataset(walk["out"], max_length=24)
     assert len(ds) == 11 and all(n > 0 for n in ds.lengths)
-    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate)
+    loader: DataLoader[dict[str, Any]] = DataLoader(
+        ds,  # type: ignore[arg-type]  # a map-style dataset; torch types it as Dataset
+        batch_size=4,
+        num_workers=2,
+        collate_fn=collate,
+    )
     seen = 0
     for batch in loader:
         b, t = batch["input_ids"].shape
@@ -393,6 +399,7 @@ def test_dataset_without_a_manifest_pickles_and_never_unpickles(walk: dict[str, 
     picked = sorted(st.iter_manifest())[:2]
     scan = walk["base"] / "scan"
     for _sid, entry in picked:
+        assert entry is not None
         (scan / Path(entry.path).parent).mkdir(parents=True, exist_ok=True)
         shutil.copy(walk["out"] / entry.path, scan / entry.path)
     ds = pickle.loads(pickle.dumps(HiddenStateDataset(scan)))  # what DataLoader workers get
@@ -411,6 +418,7 @@ def test_dataset_without_a_manifest_pickles_and_never_unpickles(walk: dict[str, 
 
 def test_open_output_refuses_damaged_files(walk: dict[str, Any], tmp_path: Path) -> None:
     sid, entry = next(store(walk["url"], RUN).iter_manifest())
+    assert entry is not None
     good = (walk["out"] / entry.path).read_bytes()
     torn = tmp_path / "torn.safetensors"
     torn.write_bytes(good[: len(good) - 7])
@@ -425,6 +433,7 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     copy = walk["base"] / "damaged"
     shutil.copytree(walk["out"], copy / RUN)
     _, entry = next(store(walk["url"], RUN).iter_manifest())
+    assert entry is not None
     victim = copy / RUN / entry.path
     victim.write_bytes(victim.read_bytes()[:100])
     dest = walk["base"] / "from-damaged"
@@ -447,14 +456,25 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     assert len(list(dest.rglob("*.ckpt"))) == 10
 
 
-def test_manifest_entries_from_redis_are_not_trusted_as_paths() -> None:
-    good = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
-    assert checked_entry("s1", good) is good
-    assert ckpt_path(Path("/d"), "s1") == Path("/d") / Path(good.path).parent / "s1.ckpt"
-    for sid, entry in [
+GOOD_ENTRY = ManifestEntry(output_relpath("s1"), 3, 10, "crc32:0", "w", 0.0, 0)
+
+
+def test_a_good_manifest_entry_is_used_as_is() -> None:
+    assert checked_entry("s1", GOOD_ENTRY) is GOOD_ENTRY
+    want = Path("/d") / Path(GOOD_ENTRY.path).parent / "s1.ckpt"
+    assert ckpt_path(Path("/d"), "s1") == want
+
+
+@pytest.mark.parametrize(
+    ("sid", "entry"),
+    [
         ("s1", None),
         ("s1", ManifestEntry("../../../etc/s1.safetensors", 3, 10, "crc32:0", "w", 0.0, 0)),
-        ("../s1", good),
-    ]:
-        with pytest.raises(OutputError):
-            checked_entry(sid, entry)
+        ("../s1", GOOD_ENTRY),
+    ],
+)
+def test_manifest_entries_from_redis_are_not_trusted_as_paths(
+    sid: str, entry: ManifestEntry | None
+) -> None:
+    with pytest.raises(OutputError):
+        checked_entry(sid, entry)

@@ -16,9 +16,9 @@ import pytest
 from hsq import stfile
 from hsq.dataset import read_sample, scan_dataset
 from hsq.errors import CorruptDumpError
+from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import DONE_FILE, META_FILE, DumpMeta, ModelIdentity, read_meta
 from hsq.store import redact
-from hsq.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,13 +123,13 @@ def test_verify_requeue_never_touches_a_path_taken_from_redis(
     paths = {"s000000": "../../victim-rel", "s000001": str(victims[1])}
     for sid, path in paths.items():
         entry = {"path": path, "num_tokens": 1, "bytes": 1, "checksum": "x", "worker": "w"}
-        st.r.hset(st.k.done, sid, json.dumps({**entry, "time": 0, "attempt": 0}))
-    st.r.hset(st.k.done, "s000002", b"\xff not json")
+        st.client.hset(st.keys.done, sid, json.dumps({**entry, "time": 0, "attempt": 0}))
+    st.client.hset(st.keys.done, "s000002", b"\xff not json")
     res = hsq("verify", "--run", "evil", "--redis", redis_url, "--requeue", "--no-progress")
     assert res.returncode == 1, res.stderr
     assert all(v.read_text() == "precious" for v in victims)
     assert "refused 3" in res.stdout, res.stdout
-    assert st.count(st.k.done) == 3  # nothing un-done on the strength of an untrusted entry
+    assert st.count(st.keys.done) == 3  # nothing un-done on the strength of an untrusted entry
 
 
 @pytest.mark.parametrize(
@@ -190,7 +190,7 @@ def test_a_fixed_dataset_prunes_index_and_dead_line_entries(tmp_path: Path, redi
         hsq("status", "--run", "prune", "--redis", redis_url, "--json", check=True).stdout
     )
     assert st.dead_entries() == {}
-    assert sorted(st.iter_hash_keys(st.k.index)) == ["s0", "s1"]
+    assert sorted(st.iter_hash_keys(st.keys.index)) == ["s0", "s1"]
     assert (status["total"], status["dead"], status["queued"]) == (2, 0, 2)
 
 

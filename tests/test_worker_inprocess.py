@@ -25,6 +25,7 @@ import torch
 from hsq import protocol
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, RunChangedError
+from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry
 from hsq.protocol import (
     AUX_TENSOR,
@@ -40,7 +41,6 @@ from hsq.protocol import (
 )
 from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, SampleRef
-from hsq.synthetic import write_synthetic
 from workers.client import ServerClient
 from workers.lock import DumpDirLock
 from workers.runview import RunView
@@ -101,7 +101,7 @@ class FakeStore:
             for key in [k for k in self.calls if k.startswith("mark:")]:
                 del self.calls[key]
 
-    def claim(self, worker_id: str, timeout: float) -> ChunkJob | None:
+    def claim(self, _worker_id: str, _timeout: float) -> ChunkJob | None:
         with self._lock:
             self.calls["claim"] += 1
             q = self.retry or self.queue
@@ -127,13 +127,13 @@ class FakeStore:
             self.done.setdefault(sample_id, entry)
             return newly
 
-    def finish(self, worker_id: str, job: ChunkJob) -> bool:
+    def finish(self, _worker_id: str, job: ChunkJob) -> bool:
         with self._lock:
             self._fence()
             self.calls["finish"] += 1
             return self.held.pop(job.job_id, None) is not None
 
-    def give_back(self, worker_id: str, job: ChunkJob) -> bool:
+    def give_back(self, _worker_id: str, job: ChunkJob) -> bool:
         with self._lock:
             self._fence()
             self.calls["give_back"] += 1
@@ -158,7 +158,7 @@ class FakeStore:
                 n += len(chunk)
             return n
 
-    def to_dead(self, sid: str, reason: str, message: str, attempts: int, worker: Any) -> None:
+    def to_dead(self, sid: str, reason: str, message: str, attempts: int, _worker: Any) -> None:
         with self._lock:
             self._fence()
             self.dead[sid] = {"reason": reason, "message": message, "attempts": attempts}
@@ -183,7 +183,7 @@ class FakeStore:
     def reap(self) -> dict[str, int]:
         return {}
 
-    def release_wip(self, worker_id: str) -> int:
+    def release_wip(self, _worker_id: str) -> int:
         with self._lock:
             jobs = list(self.held.values())
             self.held.clear()
@@ -355,7 +355,12 @@ def test_unreadable_dataset_is_handed_back_never_dead(
     store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
     away = ds.with_suffix(".away")
     ds.rename(away)
-    store.on_give_back = lambda: away.exists() and away.rename(ds)  # type: ignore[func-returns-value]
+
+    def bring_back() -> None:
+        if away.exists():
+            away.rename(ds)
+
+    store.on_give_back = bring_back
     run_worker(tmp_path, store)
     assert store.calls["give_back"] >= 1
     every_sample_marked_once(store, refs)
@@ -426,7 +431,7 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
     ds, refs = dataset
     import workers.persist
 
-    real = workers.persist.write_output
+    real = workers.persist.write_output  # type: ignore[attr-defined]  # the name persist calls
     boom = iter([True])
 
     def flaky(*a: Any, **kw: Any) -> Any:

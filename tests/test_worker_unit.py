@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from hsq import errors
 from hsq.dataset import IndexEntry
@@ -42,7 +41,6 @@ from workers.startup import check_dump_dir
         (errors.ServerUnavailableError("x"), Kind.PAUSE, "server_unavailable"),
         (errors.OutputError("x"), Kind.PAUSE, "output_unwritable"),
         (errors.StoreUnavailableError("x"), Kind.PAUSE, "store_unavailable"),
-        (redis.exceptions.ConnectionError("x"), Kind.PAUSE, "store_unavailable"),
         (errors.RunChangedError("x"), Kind.RUN_CHANGED, "run_changed"),
         (AttributeError("'int' object has no attribute 'get'"), Kind.SAMPLE, "internal_error"),
     ],
@@ -62,16 +60,21 @@ def test_sample_faults_retry_then_die_after_max_attempts() -> None:
     assert last.outcome is Outcome.DEAD and last.attempts == 3
 
 
-def test_transient_faults_never_reach_the_dead_letter_whatever_the_attempt() -> None:
-    for exc in (
+@pytest.mark.parametrize(
+    "exc",
+    [
         errors.DatasetError("x", "dataset_unreadable"),
         OSError(errno.EIO, "eio"),
         errors.ServerUnavailableError("x"),
         errors.OutputError("x"),
         errors.StoreUnavailableError("x"),
-    ):
-        d = decide(classify(exc), attempt=99, max_attempts=1)
-        assert d.outcome is Outcome.HAND_BACK and d.pause is not None
+    ],
+)
+def test_transient_faults_never_reach_the_dead_letter_whatever_the_attempt(
+    exc: Exception,
+) -> None:
+    d = decide(classify(exc), attempt=99, max_attempts=1)
+    assert d.outcome is Outcome.HAND_BACK and d.pause is not None
 
 
 def test_server_failures_use_the_crash_budget_not_attempts() -> None:
@@ -265,7 +268,7 @@ def client_for(handler: httpx.MockTransport) -> ServerClient:
 
 def test_generate_answer_over_the_size_limit_is_refused() -> None:
     big = b'{"meta_info": {"prompt_tokens": 3}, "pad": "' + b"x" * MAX_ANSWER_BYTES + b'"}'
-    c = client_for(httpx.MockTransport(lambda r: httpx.Response(200, content=big)))
+    c = client_for(httpx.MockTransport(lambda _r: httpx.Response(200, content=big)))
     with pytest.raises(errors.ServerRejectedError) as info:
         c.prefill([1, 2, 3], "r")
     assert info.value.status_code == 502 and "over" in str(info.value)

@@ -1,1 +1,1 @@
-"""Worker daemons: one per inference server, owning a private dump dir (issue 3)."""
+"""Worker daemons: one per inference server, owning a private dump dir."""

@@ -91,9 +91,6 @@ class ChunkBook:
     def pop(self, job_id: str) -> OpenChunk | None:
         return self.chunks.pop(job_id, None)
 
-    def any_open(self) -> bool:
-        return any(c.open for c in self.chunks.values())
-
     def clear(self) -> list[OpenChunk]:
         out = list(self.chunks.values())
         self.chunks.clear()

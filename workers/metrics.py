@@ -133,9 +133,6 @@ class WorkerMetrics:
         for s in STATES:
             self.state.labels(**self.labels, state=s).set(1 if s == state else 0)
 
-    def add_in_flight(self, delta: int) -> None:
-        self.in_flight.labels(**self.labels).inc(delta)
-
     def set_in_flight(self, samples: int, tokens: int) -> None:
         self.in_flight.labels(**self.labels).set(samples)
         self.in_flight_tokens.labels(**self.labels).set(tokens)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import redis
-
 from hsq.errors import (
     DatasetError,
     DumpError,
@@ -35,13 +33,9 @@ from hsq.errors import (
 )
 from workers.client import MidRequestFailure
 
-# The one place that says "Redis is unreachable" (redis-py's own errors go once the store
-# translates every one of them into StoreUnavailableError).
-STORE_DOWN: tuple[type[BaseException], ...] = (
-    StoreUnavailableError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-)
+# The one place that says "Redis is unreachable": the store translates every redis-py error
+# into the hsq tree, so this is the only type workers catch for it.
+STORE_DOWN: tuple[type[BaseException], ...] = (StoreUnavailableError,)
 
 # For the places that only log and go on (heartbeat, shutdown, settling after a fault).
 STORE_DOWN_OR_RUN_CHANGED: tuple[type[BaseException], ...] = (*STORE_DOWN, RunChangedError)

@@ -2,7 +2,7 @@
 
 Pins (model, layers, dtype, hidden size) come from the run's config or, if unset, from the
 first dump that validated *completely* (meta and tensors): a dump that fails validation
-never pins anything (issue 15, D11). A dump that disagrees with a pin fails meta_mismatch.
+never pins anything. A dump that disagrees with a pin fails meta_mismatch.
 """
 
 from __future__ import annotations

@@ -6,36 +6,66 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsq.errors import ConfigError
+from hsq.settings import setting
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    run: str
-    server: str
-    dump_dir: Path
-    redis_url: str
-    name: str | None = None
-    burst: bool = False
-    dump_timeout_s: float = 60.0
-    """How long to wait for `done` after the server answered."""
-    request_timeout_s: float = 600.0
-    claim_timeout_s: float = 1.0
-    persist_depth: int = 2
-    persist_threads: int = 2
-    backoff_max_s: float = 30.0
-    max_server_crashes: int = 3
-    """Requests of one sample that may die with the server before it is dead-lettered."""
-    reap_interval_s: float = 5.0
-    heartbeat_interval_s: float = 2.0
-    metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (None: off)."""
-    metrics_host: str = "127.0.0.1"
-    inflight: int = 4
-    """Requests in flight on the server at once (K); 1 is the v1 one-at-a-time loop."""
-    max_inflight_tokens: int | None = None
-    """Tokens in flight at once (None: only K bounds it); one larger sample still goes alone."""
-    dump_dir_force: bool = False
-    """Use a dump dir that looks shared (sticky, or owned by someone else)."""
+    """Each field is a flag of `hsq worker` and an HSQ_* variable (hsq.settings)."""
+
+    run: str = setting(help="run name")
+    server: str = setting(help="inference server URL")
+    dump_dir: Path = setting(
+        help="the server's dump dir, owned by this worker", env=("SGLANG_HS_DUMP_DIR",)
+    )
+    redis_url: str = setting(help="Redis URL (the shared --redis option)")
+    name: str | None = setting(
+        None, help="stable name for logs and metrics; a unique suffix is added"
+    )
+    burst: bool = setting(False, help="exit when the run has nothing queued or held")
+    dump_timeout_s: float = setting(
+        60.0, help="seconds to wait for a dump's `done` after the server answered"
+    )
+    request_timeout_s: float = setting(600.0, help="seconds one /generate request may take")
+    claim_timeout_s: float = setting(
+        1.0, help="seconds one claim waits for a job before the worker looks around"
+    )
+    persist_depth: int = setting(
+        2, help="validated dumps waiting for the persist stage (bounds memory)"
+    )
+    persist_threads: int = setting(
+        2, help="threads writing outputs (overlap one sample's fsync with the next's copy)"
+    )
+    backoff_max_s: float = setting(
+        30.0, help="longest wait, in seconds, between retries while a dependency is down"
+    )
+    max_server_crashes: int = setting(
+        3, help="requests of one sample that may die with the server before it is dead-lettered"
+    )
+    reap_interval_s: float = setting(
+        5.0, help="seconds between looks for dead workers' held jobs (to put them back)"
+    )
+    heartbeat_interval_s: float = setting(2.0, help="seconds between heartbeats in Redis")
+    metrics_port: int | None = setting(
+        None, help="serve Prometheus metrics on this port [default: off]"
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        help="bind address of the metrics endpoint (0.0.0.0 exposes it to the network)",
+    )
+    inflight: int = setting(
+        4,
+        help="requests in flight on the server at once; dumps are matched by rid "
+        "(1: one at a time)",
+    )
+    max_inflight_tokens: int | None = setting(
+        None,
+        help="cap on the tokens of the requests in flight [default: only --inflight caps it]; "
+        "one larger sample still goes alone",
+    )
+    dump_dir_force: bool = setting(
+        False, help="use a dump dir that looks shared (sticky, or owned by another user)"
+    )
 
     def validate(self) -> None:
         if not self.server.startswith(("http://", "https://")):
@@ -48,6 +78,14 @@ class WorkerSettings:
             raise ConfigError(
                 "--persist-depth, --persist-threads and --max-server-crashes must be >= 1"
             )
-        for name in ("dump_timeout_s", "request_timeout_s", "claim_timeout_s", "backoff_max_s"):
+        for name in (
+            "dump_timeout_s",
+            "request_timeout_s",
+            "claim_timeout_s",
+            "backoff_max_s",
+            "reap_interval_s",
+            "heartbeat_interval_s",
+        ):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0")
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ConfigError(f"{flag} must be > 0")

@@ -1,5 +1,5 @@
 """Worker start-up: validate the run, the server URL and the dump dir, then take the dump
-dir. Nothing is created, changed or deleted before every check has passed (issue 15, D7):
+dir. Nothing is created, changed or deleted before every check has passed:
 a worker pointed at a shared directory (/tmp, /dev/shm: sticky, or owned by someone else)
 refuses it unless --dump-dir-force, and only a directory it created itself is chmodded.
 """

@@ -62,7 +62,7 @@ class Worker:
     def __init__(
         self, settings: WorkerSettings, started: Started, client: ServerClient, worker_id: str
     ) -> None:
-        self.s = settings
+        self.settings = settings
         self.id = worker_id
         self.name = settings.name or self.id.rsplit(".", 1)[0]
         self.store: RunStore = started.store
@@ -125,19 +125,19 @@ class Worker:
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         # A server without an active dump hook would time every sample out: refuse at once.
-        require_hook(self.s.dump_dir, self.client.healthy, self.view.cfg, self._stop)
+        require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
         self.dispatcher.start()
         self.store.register(self.id, self._info())
         log.info(
             "worker_started",
             worker=self.id,
-            run=self.s.run,
-            server=self.s.server,
-            dump_dir=str(self.s.dump_dir),
+            run=self.settings.run,
+            server=self.settings.server,
+            dump_dir=str(self.settings.dump_dir),
             out=str(self.view.out_root),
-            inflight=self.s.inflight,
-            max_inflight_tokens=self.s.max_inflight_tokens,
-            burst=self.s.burst,
+            inflight=self.settings.inflight,
+            max_inflight_tokens=self.settings.max_inflight_tokens,
+            burst=self.settings.burst,
             cleared_dumps=self.cleared,
         )
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -149,7 +149,7 @@ class Worker:
                 try:
                     if time.monotonic() >= next_reap:
                         self._reap()
-                        next_reap = time.monotonic() + self.s.reap_interval_s
+                        next_reap = time.monotonic() + self.settings.reap_interval_s
                     if self._step():
                         break
                 except RunChangedError as exc:
@@ -188,7 +188,7 @@ class Worker:
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
-        if self.sending < self.s.inflight:
+        if self.sending < self.settings.inflight:
             nxt = self.book.peek_tokens()
             if nxt is None and self._claim():
                 nxt = self.book.peek_tokens()
@@ -199,12 +199,12 @@ class Worker:
                 return False
             if nxt is None and self._idle():
                 self.state = "idle"
-                return self.s.burst and self._run_finished()
+                return self.settings.burst and self._run_finished()
         self._wait_event(0.05)
         return False
 
     def _tokens_allow(self, tokens: int) -> bool:
-        budget = self.s.max_inflight_tokens
+        budget = self.settings.max_inflight_tokens
         if budget is None or self.sending == 0:
             return True  # one sample larger than the budget still goes, alone
         return self.sending_tokens + tokens <= budget
@@ -215,7 +215,7 @@ class Worker:
     def _claim(self) -> bool:
         # Blocks up to --claim-timeout on an empty queue; the send and persist stages keep
         # going meanwhile and their events wait on the queue.
-        job = self.store.claim(self.id, self.s.claim_timeout_s)
+        job = self.store.claim(self.id, self.settings.claim_timeout_s)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
@@ -292,7 +292,11 @@ class Worker:
         if failure.kind is Kind.SERVER_FAIL:
             crashes = self.store.record_crash(sid)
         d = decide(
-            failure, item.attempt, self.view.cfg.max_attempts, crashes, self.s.max_server_crashes
+            failure,
+            item.attempt,
+            self.view.cfg.max_attempts,
+            crashes,
+            self.settings.max_server_crashes,
         )
         msg = failure.message
         if d.outcome is Outcome.RUN_CHANGED:
@@ -316,7 +320,7 @@ class Worker:
             if d.pause is Pause.SERVER_ERRORS:  # a 5xx: give the server a moment
                 self._server_errors += 1
                 self._hold_until = time.monotonic() + backoff(
-                    self._server_errors, cap=self.s.backoff_max_s
+                    self._server_errors, cap=self.settings.backoff_max_s
                 )
         self._settled(item, routed=True)
 
@@ -380,7 +384,7 @@ class Worker:
         elif pause is Pause.STORE_DOWN:
             self._release_when_store_back()
         else:
-            delay = backoff(self._pauses, base=1.0, cap=self.s.backoff_max_s)
+            delay = backoff(self._pauses, base=1.0, cap=self.settings.backoff_max_s)
             log.error("paused_backing_off", cause=pause.value, retry_in_s=delay)
             self._stop.wait(delay)
         self._pause = None
@@ -397,7 +401,7 @@ class Worker:
             except STORE_DOWN as exc:
                 n += 1
                 log.error("redis_unavailable", error=str(exc))
-                self._stop.wait(backoff(n, cap=self.s.backoff_max_s))
+                self._stop.wait(backoff(n, cap=self.settings.backoff_max_s))
 
     def _wait_for_server(self) -> None:
         delay = 0.25
@@ -406,9 +410,11 @@ class Worker:
             was_down = True
             self.state = "server_down"
             self.metrics.set_server_up(False)
-            log.warning("waiting_for_server", server=self.s.server, retry_in_s=round(delay, 2))
+            log.warning(
+                "waiting_for_server", server=self.settings.server, retry_in_s=round(delay, 2)
+            )
             self._stop.wait(delay)
-            delay = min(delay * 2, self.s.backoff_max_s)
+            delay = min(delay * 2, self.settings.backoff_max_s)
         if self._stop.is_set():
             return
         if was_down:
@@ -422,7 +428,9 @@ class Worker:
     def _reload_run(self) -> None:
         """The run was purged or re-created: stop, drop in-flight work, re-read it."""
         reason = self._changed
-        log.error("run_changed", run=self.s.run, reason=reason, dropping_in_flight=self.sending)
+        log.error(
+            "run_changed", run=self.settings.run, reason=reason, dropping_in_flight=self.sending
+        )
         self.state = "backing_off"
         self._settle()
         n = 0
@@ -432,19 +440,19 @@ class Worker:
                 break
             except ConfigError as exc:
                 n += 1
-                log.error("run_gone_waiting", run=self.s.run, error=str(exc), attempt=n)
+                log.error("run_gone_waiting", run=self.settings.run, error=str(exc), attempt=n)
             except STORE_DOWN_OR_RUN_CHANGED as exc:
                 n += 1
-                log.error("run_reload_failed", run=self.s.run, error=str(exc), attempt=n)
-            self._stop.wait(backoff(n, base=1.0, cap=self.s.backoff_max_s))
+                log.error("run_reload_failed", run=self.settings.run, error=str(exc), attempt=n)
+            self._stop.wait(backoff(n, base=1.0, cap=self.settings.backoff_max_s))
         else:
             return
-        self.view = RunView.of(cfg, self.s.run)
+        self.view = RunView.of(cfg, self.settings.run)
         self.view.out_root.mkdir(parents=True, exist_ok=True)
         self.metrics.out_dir = self.view.out_root
         self._changed = None
         self.state = "working"
-        log.warning("run_config_reloaded", run=self.s.run, out=str(self.view.out_root))
+        log.warning("run_config_reloaded", run=self.settings.run, out=str(self.view.out_root))
 
     # ------------------------------------------------------------------ Redis chores
     def _run_finished(self) -> bool:
@@ -457,13 +465,13 @@ class Worker:
             "samples_per_s": round(samples_s, 3),
             "tokens_per_s": round(tokens_s, 1),
             "name": self.name,
-            "server": self.s.server,
+            "server": self.settings.server,
             "state": self.state,
             "last_sample": self.last_sample or "",
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "ts": time.time(),
-            "inflight": self.s.inflight,
+            "inflight": self.settings.inflight,
             "in_flight_now": self.sending + self.persisting,
             "peak_inflight_tokens": self.peak_inflight_tokens,
             "rss_mb": _peak_rss_mb(),
@@ -473,7 +481,7 @@ class Worker:
         }
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.s.heartbeat_interval_s):
+        while not self._stop.wait(self.settings.heartbeat_interval_s):
             try:
                 self.store.heartbeat(self.id, self._info())
             except STORE_TROUBLE as exc:
@@ -486,7 +494,7 @@ class Worker:
 
     def _check_run(self) -> None:
         """An idle worker writes nothing, so no fenced write tells it the run is gone
-        (FLUSHALL, purge) or was re-created: look now and then (issue 15, D10)."""
+        (FLUSHALL, purge) or was re-created: look now and then."""
         try:
             cfg = self.store.load_config()
         except (TypeError, ValueError) as exc:  # a hash holding only pins, or garbage

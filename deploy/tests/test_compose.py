@@ -36,7 +36,7 @@ from deploy_helpers import (
     wait_for,
 )
 
-from hsq.procs import ManagedProcess
+from hsq.harness.procs import ManagedProcess
 
 SAMPLES = 48
 # What the cpu profile listens on with host networking (docker-compose.yml).
@@ -81,7 +81,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def images(docker: None) -> None:
+def images(docker: None) -> None:  # noqa: ARG001 (docker: a fixture, for its daemon)
     """Local images (cached) and hsq's image through compose's own build section."""
     t0 = time.monotonic()
     sh(str(ROOT / "scripts/docker_local_images.sh"), timeout=1800,
@@ -94,7 +94,7 @@ def images(docker: None) -> None:
 
 
 @pytest.fixture
-def stack(images: None, tmp_path: Path) -> Iterator[Stack]:
+def stack(images: None, tmp_path: Path) -> Iterator[Stack]:  # noqa: ARG001 (built first)
     busy = {n: p for n, p in PORTS.items() if not port_free(p)}
     if busy:
         pytest.fail(f"ports the stack listens on are in use: {busy}")
@@ -162,7 +162,8 @@ def pinned_sglang_version() -> str:
 
 
 @pytest.mark.timeout(1800)
-def test_gpu_server_image_steps_find_the_hook(images: None, tmp_path: Path) -> None:
+@pytest.mark.usefixtures("images")
+def test_gpu_server_image_steps_find_the_hook(tmp_path: Path) -> None:
     """Dockerfile.sglang on a stand-in for the SGLang image (which cannot be pulled here):
     hsq's image with hsq removed and the pinned SGLang wheel added without its CUDA deps."""
     version = pinned_sglang_version()

@@ -32,8 +32,8 @@ from deploy_helpers import (
     wait_for,
 )
 
-from hsq.procs import ManagedProcess
-from hsq.synthetic import write_synthetic
+from hsq.harness.procs import ManagedProcess
+from hsq.harness.synthetic import write_synthetic
 
 SAMPLES = 24
 

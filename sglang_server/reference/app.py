@@ -19,10 +19,9 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -33,48 +32,10 @@ from sglang_server.reference.dumper import DumpWriter
 from sglang_server.reference.engine import Engine, InjectedServerError, RequestError
 from sglang_server.reference.faults import FaultPlan, FaultRule
 from sglang_server.reference.model import load_model
+from sglang_server.reference.settings import ReferenceSettings
 
 log = structlog.get_logger("hsq.reference.app")
 MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ReferenceSettings:
-    model: str = "tiny"
-    device: str = "cpu"
-    dtype: str = "float32"
-    dump_dtype: str = "bfloat16"
-    layers: tuple[int, ...] | None = None
-    dump_dir: Path = Path("dumps")
-    host: str = "127.0.0.1"
-    port: int = 30000
-    max_tokens: int = 8192
-    max_batch_requests: int | None = None
-    """None: 8 on CUDA, 1 on the CPU (where a batch costs its rows, padding included)."""
-    max_batch_tokens: int = 16384
-    warmup_shapes: bool = False
-    warmup: int = 0
-    counter_start: int = 0
-    faults: tuple[str, ...] = ()
-    seed: int = 0
-    writer_depth: int = 2
-    fsync: bool = True
-    threads: int | None = None
-    ready_marker: bool = True
-    """Write hsq-ready.json at start-up; off only to test workers against a hookless server."""
-
-    def validate(self) -> None:
-        for name in (self.dtype, self.dump_dtype):
-            if name not in DTYPES:
-                raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be cpu or cuda[:N], not {self.device!r}")
-        if self.max_tokens < 1 or self.warmup < 0 or self.counter_start < 0:
-            raise ConfigError("--max-tokens must be >= 1, --warmup and --counter-start >= 0")
-        if (self.max_batch_requests or 1) < 1 or self.max_batch_tokens < 1:
-            raise ConfigError("--max-batch-requests and --max-batch-tokens must be >= 1")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port {self.port} out of range")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -229,7 +190,7 @@ class ReferenceApp:
             "server": "hsq-reference",
             "model_path": s.model,
             "device": s.device,
-            "dtype": s.dtype,
+            "dtype": s.compute_dtype,
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
             "max_tokens": s.max_tokens,
@@ -253,7 +214,7 @@ def build_engine(settings: ReferenceSettings) -> Engine:
     model = load_model(
         settings.model,
         device=settings.device,
-        dtype=DTYPES[settings.dtype],
+        dtype=DTYPES[settings.compute_dtype],
         dump_dtype=DTYPES[settings.dump_dtype],
         layers=list(settings.layers) if settings.layers else None,
         seed=settings.seed,

@@ -15,7 +15,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,14 +64,12 @@ class DumpWriter:
         *,
         device: torch.device | None = None,
         max_bytes: int = 0,
-        write_threads: int = 1,
     ) -> None:
         self.dump_dir = dump_dir
         self.fsync = fsync
         self.errors = 0
         depth = max(1, depth)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=depth)
-        self._pool = ThreadPoolExecutor(max(1, write_threads), thread_name_prefix="dump-pwrite")
         self._cuda = device is not None and device.type == "cuda"
         self._free: queue.Queue[torch.Tensor] = queue.Queue()
         if self._cuda:
@@ -121,7 +118,6 @@ class DumpWriter:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
-        self._pool.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -148,7 +144,6 @@ class DumpWriter:
                         mark_done=part.mark_done,
                         fsync=self.fsync,
                         before_done=part.before_done,
-                        pool=self._pool,
                     )
                 except OSError as exc:
                     # The dump never appears; the client sees no_dump/incomplete and retries.

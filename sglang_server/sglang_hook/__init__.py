@@ -1,12 +1,16 @@
 """Hidden-state dumps from stock SGLang (no fork): a plugin for 0.5.11+, a launcher before.
 
-Everything but plugin.py and launch.py is plain Python and torch, tested on a CPU.
+Everything but plugin.py and legacy_launch.py is plain Python and torch, tested on a CPU.
 docs/sglang.md says how to use it and what has and has not been verified.
 """
 
-from sglang_server.sglang_hook.cli import check_launch_args, check_server_info, launch_command
 from sglang_server.sglang_hook.compat import PINNED_VERSIONS
 from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.launch_args import (
+    check_launch_args,
+    check_server_info,
+    launch_command,
+)
 from sglang_server.sglang_hook.layers import effective_layer_ids
 
 __all__ = [

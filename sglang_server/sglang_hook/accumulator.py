@@ -86,10 +86,6 @@ class Accumulator:
     def open_rids(self) -> list[str]:
         return [rid for rid, s in self._open.items() if not s.broken]
 
-    @property
-    def broken_rids(self) -> list[str]:
-        return [rid for rid, s in self._open.items() if s.broken]
-
     def add(self, chunk: Chunk) -> Complete | None:
         e = chunk.entry
         now = self._clock()

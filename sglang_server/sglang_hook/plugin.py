@@ -10,7 +10,7 @@
 
 ``register`` is the ``sglang.srt.plugins`` entry point (sglang >= 0.5.11: load_plugins()
 runs it in every scheduler process). ``install_patches`` does the same by assignment for
-older versions, called at the top level of launch.py. SGLang is imported lazily, inside
+older versions, called at the top level of legacy_launch.py. SGLang is imported lazily, inside
 these functions, so the module imports (and type-checks) without it.
 """
 
@@ -29,9 +29,11 @@ import hsq
 from hsq.errors import ConfigError
 from hsq.protocol import READY_FILE, ReadyMarker, write_ready
 from sglang_server.sglang_hook import compat
-from sglang_server.sglang_hook.cli import SERVER_ARG_KEYS, refusals
 from sglang_server.sglang_hook.config import ENV_LAYER_IDS, HookConfig
+from sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
+from sglang_server.sglang_hook.dump_writer import DumpContext
 from sglang_server.sglang_hook.identity import model_identity
+from sglang_server.sglang_hook.launch_args import SERVER_ARG_KEYS, refusals
 from sglang_server.sglang_hook.layers import (
     check_effective,
     effective_layer_ids,
@@ -39,8 +41,6 @@ from sglang_server.sglang_hook.layers import (
     find_capture_list,
 )
 from sglang_server.sglang_hook.plan import BatchPlan
-from sglang_server.sglang_hook.sink import DumpContext
-from sglang_server.sglang_hook.tap import DumpHook, batch_input_ids
 
 log = logging.getLogger("hsq.sglang_hook")
 _MARK = "__hsq_dump_hook__"
@@ -269,7 +269,7 @@ def register() -> None:
 
     for sym, fn, kind in HOOKS:
         if getattr(_resolve(sym.target)[2], _MARK, False):
-            continue  # launch.py patched this process already
+            continue  # legacy_launch.py patched this process already
         HookRegistry.register(sym.target, fn, getattr(HookType, kind))
     log.info("hs_dump: hooks registered, dumping to %s", cfg.dump_dir)
 

@@ -6,7 +6,7 @@ server's tiny model (vocab 32000) as they are, with no mapping. The chat templat
 ChatML as Qwen uses it (`<|im_start|>role\\n...<|im_end|>\\n`), with tools, tool calls and
 `reasoning_content`; like many real templates it refuses a system message after the first.
 
-    python -m hsq.toytok DIR
+    python -m hsq.harness.toytok DIR
 """
 
 from __future__ import annotations
@@ -73,5 +73,5 @@ def build_chatml_tokenizer(out: Path) -> Path:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m hsq.toytok DIR")
+        sys.exit("usage: python -m hsq.harness.toytok DIR")
     print(build_chatml_tokenizer(Path(sys.argv[1])))

@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hsq.app.ops import run_figures
 from hsq.errors import ConfigError, StoreError
-from hsq.ops import run_figures
 from hsq.store import Client, RunStore, connect, list_runs
 
-log = structlog.get_logger("hsq.exporter")
+log = structlog.get_logger("hsq.app.exporter")
 
 
 class RedisCollector(Collector):
@@ -83,7 +83,7 @@ class RedisCollector(Collector):
                 fig = run_figures(RunStore(self.client, run))
             except ConfigError:
                 continue  # a run name that is not ours (Redis is untrusted)
-            # The same figures `hsq status` prints (hsq.ops.run_figures).
+            # The same figures `hsq status` prints (hsq.app.ops.run_figures).
             jobs.add_metric([run, "main"], fig.queued_jobs)
             jobs.add_metric([run, "retry"], fig.retry_jobs)
             samples.add_metric([run, "total"], fig.total)

@@ -14,7 +14,7 @@ from sglang_server.sglang_hook.compat import (
 )
 from sglang_server.sglang_hook.config import HookConfig
 
-LAUNCHER_MODULE = "sglang_server.sglang_hook.launch"
+LAUNCHER_MODULE = "sglang_server.sglang_hook.legacy_launch"
 # Flags that break the one-writer, rows-in-batch-order assumptions of the hook.
 _UNSUPPORTED_FLAGS = (
     "--enable-dp-attention",

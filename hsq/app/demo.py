@@ -16,11 +16,11 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from hsq.ops import verify
-from hsq.procs import RedisServer, ReferenceServer, worker_process
+from hsq.app.ops import verify
+from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
+from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from hsq.synthetic import write_synthetic
 from producer.enqueue import enqueue_run
 
 
@@ -49,7 +49,7 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
             store, RunConfig(run=run, dataset=str(dataset), out=str(out.resolve())), progress=False
         )
         echo(f"enqueued     {report.enqueued} samples in {report.chunks} jobs (run {run})")
-        calls0 = redis_calls(store.r)
+        calls0 = redis_calls(store.client)
         polls = 0
         t0 = time.perf_counter()
         worker = worker_process(
@@ -68,13 +68,13 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
         ) as bar:
             while worker.alive():
                 polls += 1
-                bar.update(store.count(store.k.done) + store.count(store.k.dead) - bar.n)
+                bar.update(store.count(store.keys.done) + store.count(store.keys.dead) - bar.n)
                 time.sleep(0.5)
-            done = store.count(store.k.done)
+            done = store.count(store.keys.done)
             bar.update(done - bar.n)
         elapsed = time.perf_counter() - t0
         # Subtract the demo's own polling (2 per poll) and the INFO call itself.
-        calls = redis_calls(store.r) - calls0 - 2 * polls - 1
+        calls = redis_calls(store.client) - calls0 - 2 * polls - 1
         rc = worker.proc.returncode
         stats = store.stats()
         dead_entries = store.dead_entries()

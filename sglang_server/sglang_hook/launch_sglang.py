@@ -1,6 +1,6 @@
 """`hsq launch-sglang`: start a dumping SGLang server as a child and check it once it is up.
 
-The command comes from cli.launch_command (pure); this module is the I/O around it: find
+The command comes from launch_args.launch_command (pure); this module is the I/O around it: find
 the installed SGLang version, start the process, poll /health, read /server_info and the
 hook's readiness marker, and stop the server if its settings would produce wrong dumps or
 its hook is not active.
@@ -21,7 +21,7 @@ import httpx
 
 from hsq.errors import ConfigError, HookInactiveError
 from hsq.protocol import READY_FILE, ReadyMarker, read_ready
-from sglang_server.sglang_hook.cli import check_server_info, launch_command
+from sglang_server.sglang_hook.launch_args import check_server_info, launch_command
 
 EXIT_BAD_SERVER = 2
 

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsq.dataset import IndexEntry, Sample
-from hsq.errors import DatasetError, HsqError
-from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, output_relpath
+from hsq.dataset import IndexEntry
+from hsq.errors import DatasetError
+from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
 from hsq.store import RunStore, chunked
 
 MAX_MANIFEST_ENTRY = 64 * 1024
@@ -112,10 +112,10 @@ class RunStatus:
 
 def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set[str], set[str]]:
     """(index ids, outstanding id -> place, done ids, dead sample ids, dead line keys)."""
-    index = set(store.iter_hash_keys(store.k.index))
+    index = set(store.iter_hash_keys(store.keys.index))
     outstanding = store.outstanding_samples()
-    done = set(store.iter_hash_keys(store.k.done))
-    dead_keys = set(store.iter_hash_keys(store.k.dead))
+    done = set(store.iter_hash_keys(store.keys.done))
+    dead_keys = set(store.iter_hash_keys(store.keys.dead))
     dead_lines = {k for k in dead_keys if k.startswith("line:")}
     return index, outstanding, done, dead_keys - dead_lines, dead_lines
 
@@ -353,96 +353,6 @@ def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
 def purge(store: RunStore) -> int:
     """Delete every Redis key of a run (outputs on disk stay). Returns keys deleted."""
     return store.purge()
-
-
-def detect_store_dtype(out_root: Path) -> str | None:
-    """The storage format of the first readable output file under out_root (a run holds one)."""
-    from hsq.outputs import read_header
-    from hsq.quant import store_dtype_of
-
-    if not out_root.is_dir():
-        return None
-    for dirpath, _dirs, files in os.walk(out_root):
-        for name in sorted(files):
-            if name.endswith(SUFFIX):
-                try:
-                    return store_dtype_of(read_header(Path(dirpath) / name).metadata)
-                except (OSError, ValueError, HsqError):
-                    continue
-    return None
-
-
-def adopt_output(
-    out_root: Path, sample: Sample, run: str, store_dtype: str | None = None
-) -> tuple[ManifestEntry | None, str]:
-    """Check an existing output file of `sample` as `recover` does: header, every tensor,
-    token ids against the dataset line (fingerprint and values), finite states; returns
-    (a manifest entry with the file's checksum, "") or (None, why not)."""
-    from hsq.outputs import read_header
-    from hsq.protocol import fingerprint
-
-    rel = output_relpath(sample.id)
-    path = out_root / rel
-    try:
-        size = path.stat().st_size
-        meta = read_header(path).metadata
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as exc:
-        return None, f"unreadable header: {exc}"
-    n = len(sample.input_ids)
-    wanted = {
-        "sample_id": sample.id,
-        "run": run,
-        "num_tokens": str(n),
-        "input_fingerprint": fingerprint(sample.input_ids),
-    }
-    for key, want in wanted.items():
-        if meta.get(key) != want:
-            return None, f"{key} {str(meta.get(key))[:80]!r} is not {want[:80]!r}"
-    from hsq.quant import store_dtype_of
-
-    entry = ManifestEntry(
-        path=rel,
-        num_tokens=n,
-        bytes=size,
-        checksum=file_checksum(path),
-        worker="recover",
-        time=time.time(),
-        attempt=0,
-        store_dtype=store_dtype_of(meta),
-    )
-    if store_dtype is not None and entry.store_dtype != store_dtype:
-        return None, f"stored as {entry.store_dtype}, the run stores {store_dtype}"
-    problems = _tensor_problems(path, sample)
-    if not problems:  # both formats' tensor checks (fp8: scales, no NaN; bf16: finite)
-        problems = "; ".join(check_output(path, sample.id, entry, deep=True))
-    if problems:
-        return None, problems
-    return entry, ""
-
-
-def _tensor_problems(path: Path, sample: Sample) -> str:
-    import torch
-    from safetensors.torch import load_file
-
-    try:
-        t = load_file(str(path))
-    except Exception as exc:  # safetensors raises several types for damaged files
-        return f"unreadable tensors: {exc}"
-    n = len(sample.input_ids)
-    mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-    if "input_ids" not in t or t["input_ids"].tolist() != sample.input_ids:
-        return "input_ids differ from the dataset line"
-    if "loss_mask" not in t or t["loss_mask"].tolist() != mask:
-        return "loss_mask differs from the dataset line"
-    for name in ("aux_hidden_states", "last_hidden_state"):
-        x = t.get(name)
-        if x is None or x.dim() != 2 or x.shape[0] != n:
-            return f"{name} missing or of the wrong shape"
-        if x.dtype != torch.float8_e4m3fn and not bool(torch.isfinite(x).all()):
-            return f"{name} holds NaN or Inf"
-    return ""
 
 
 def status_text(st: RunStatus) -> list[str]:

@@ -14,8 +14,8 @@ import torch
 
 from sglang_server.sglang_hook.accumulator import Chunk
 from sglang_server.sglang_hook.config import HookConfig
+from sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
 from sglang_server.sglang_hook.plan import BatchPlan, ReqLike, RidFilter, build_plan
-from sglang_server.sglang_hook.sink import DumpContext, DumpSink, HostCopier
 
 log = logging.getLogger("hsq.sglang_hook")
 

@@ -33,7 +33,7 @@ from hsq.outputs import ManifestEntry, open_output, output_relpath
 if TYPE_CHECKING:
     from hsq.store import RunStore
 
-log = structlog.get_logger("hsq.export")
+log = structlog.get_logger("hsq.app.export")
 
 CKPT = ".ckpt"
 SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
@@ -62,9 +62,9 @@ class ExportReport:
 
 def check_complete(store: RunStore, partial: bool) -> None:
     """Refuse a run with samples neither done nor dead, unless `partial`."""
-    total = store.count(store.k.index)
-    done = store.count(store.k.done)
-    dead = sum(1 for k in store.iter_hash_keys(store.k.dead) if not k.startswith("line:"))
+    total = store.count(store.keys.index)
+    done = store.count(store.keys.done)
+    dead = sum(1 for k in store.iter_hash_keys(store.keys.dead) if not k.startswith("line:"))
     remaining = total - done - dead
     if remaining > 0 and not partial:
         raise ConfigError(

@@ -1,0 +1,873 @@
+"""The `hsq` command line. Thin: parse flags (with env vars), build settings, call the core.
+
+Exit codes: 0 ok, 1 problems found, 2 usage or configuration error, 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hsq import __version__
+from hsq.app.options import F, settings_options
+from hsq.errors import ConfigError, HsqError, StoreError
+from hsq.logs import configure
+from hsq.quant import STORE_DTYPES
+from hsq.runconfig import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_ATTEMPTS
+from hsq.settings import int_tuple
+from sglang_server.reference.settings import ReferenceSettings
+from workers.settings import WorkerSettings
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+
+
+def _layers(value: str | None) -> tuple[int, ...] | None:
+    if not value:
+        return None
+    try:
+        return int_tuple(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="hsq")
+@click.option("--log-level", default="INFO", envvar="HSQ_LOG_LEVEL", show_default=True)
+@click.option(
+    "--log-format", type=click.Choice(["json", "console"]), default="json", envvar="HSQ_LOG_FORMAT"
+)
+def cli(log_level: str, log_format: str) -> None:
+    """hsq: extract an LLM's hidden states at scale to train EAGLE-3 drafters."""
+    configure(log_level, log_format)
+
+
+@cli.command("serve-reference")
+@settings_options(ReferenceSettings)
+def serve_reference(**values: Any) -> None:
+    """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
+
+    \b
+    Example:
+      hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
+      hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
+    """
+    from sglang_server.reference.app import serve
+
+    serve(ReferenceSettings(**values))
+
+
+def _out_root_option(text: str, *, required: bool = False) -> Callable[[F], F]:
+    """--out: the root under which a run's files live (OUT/RUN/)."""
+    return click.option(
+        "--out",
+        type=click.Path(file_okay=False, path_type=Path),
+        required=required,
+        help=text,
+    )
+
+
+_run_option = click.option(
+    "--run",
+    required=True,
+    envvar="HSQ_RUN",
+    show_envvar=True,
+    help="run name ([A-Za-z0-9_-])",
+)
+
+
+def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # connect() reads these, here and in the processes this one starts.
+    if value:
+        from hsq.store import TLS_ENV
+
+        os.environ[TLS_ENV[str(param.name)]] = value
+
+
+def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    tls = [
+        ("--redis-ca", "ssl_ca_certs", "HSQ_REDIS_CA", "CA bundle that signed the Redis server"),
+        ("--redis-cert", "ssl_certfile", "HSQ_REDIS_CERT", "client certificate (mutual TLS)"),
+        ("--redis-key", "ssl_keyfile", "HSQ_REDIS_KEY", "client certificate's private key"),
+    ]
+    for flag, name, env, text in tls:
+        f = click.option(
+            flag,
+            name,
+            envvar=env,
+            default=None,
+            expose_value=False,
+            callback=_tls_env,
+            type=click.Path(exists=True, dir_okay=False),
+            help=f"rediss:// only: {text}; env {env} or URL query `{name}=`",
+        )(f)
+    return click.option(
+        "--redis",
+        "redis_url",
+        envvar=["HSQ_REDIS_URL", "REDIS_URL"],
+        show_envvar=True,
+        default="redis://127.0.0.1:6379/0",
+        show_default=True,
+        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for TLS)",
+    )(f)
+
+
+def _chat_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by `tokenize` and `enqueue --tokenizer` (see docs/training.md)."""
+    opts = [
+        click.option(
+            "--template",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            default=None,
+            help="Jinja chat template file [default: the tokenizer's own]",
+        ),
+        click.option("--max-length", type=int, default=None, help="cut longer rows (recorded)"),
+        click.option(
+            "--no-truncate",
+            is_flag=True,
+            help="rows longer than --max-length go to the dead letter instead",
+        ),
+        click.option("--last-turn-only", is_flag=True, help="loss on the last assistant turn only"),
+        click.option(
+            "--system-prompt", default=None, help="system message for rows that have none"
+        ),
+        click.option(
+            "--assistant-header",
+            default=None,
+            help="text opening an assistant turn [default: read off the template]",
+        ),
+        click.option(
+            "--end-of-turn",
+            default=None,
+            help="text closing an assistant turn [default: read off the template]",
+        ),
+        click.option("--jobs", type=int, default=None, help="processes [default: every core]"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
+    from hsq.chat import ChatOptions
+    from producer.tokenize import TokenizeSettings
+
+    if kw["max_length"] is not None and kw["max_length"] < 1:
+        raise ConfigError("--max-length must be >= 1")
+    return TokenizeSettings(
+        tokenizer=str(tokenizer),
+        template=str(kw["template"]) if kw["template"] else None,
+        assistant_header=kw["assistant_header"],
+        end_of_turn=kw["end_of_turn"],
+        options=ChatOptions(
+            max_length=kw["max_length"],
+            truncate=not kw["no_truncate"],
+            last_turn_only=kw["last_turn_only"],
+            system_prompt=kw["system_prompt"],
+        ),
+        jobs=kw["jobs"],
+    )
+
+
+def _looks_like_chat(path: Path) -> bool:
+    import json
+
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
+
+
+@cli.command("tokenize")
+@click.argument("chats", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--tokenizer",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="local Hugging Face tokenizer directory (nothing is downloaded)",
+)
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@_chat_options
+@click.option("--no-progress", is_flag=True)
+def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw: Any) -> None:
+    """Tokenize chat rows (ShareGPT / OpenAI messages) into `hsq enqueue`'s JSONL.
+
+    input_ids and loss_mask (1 on assistant turns, end-of-turn token included) equal
+    SpecForge 0.2.0's GeneralParser on the same tokenizer and template. Unusable rows go
+    to OUTPUT.rejects.jsonl with a reason; `hsq enqueue OUTPUT` dead-letters them.
+
+    \b
+    Example:
+      hsq tokenize chats.jsonl --tokenizer /models/qwen3-8b -o tokens.jsonl --max-length 4096
+    """
+    from producer.tokenize import rejects_path, tokenize_file
+
+    report, _ = tokenize_file(
+        chats, output, _tokenize_settings(tokenizer, kw), progress=not no_progress
+    )
+    for line in report.lines_out():
+        click.echo(line)
+    click.echo(f"wrote {output} and {rejects_path(output)}")
+
+
+@cli.command("enqueue")
+@click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_run_option
+@_out_root_option("output root; files go to OUT/RUN/", required=True)
+@_redis_option
+@click.option(
+    "--max-attempts",
+    default=DEFAULT_MAX_ATTEMPTS,
+    show_default=True,
+    type=int,
+    help="tries of a sample before it goes to the dead letter",
+)
+@click.option(
+    "--chunk-size",
+    default=DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    type=int,
+    help="samples per queue job (queue cost is paid per job)",
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="expected effective aux layer ids; default: pinned by the first valid dump",
+)
+@click.option(
+    "--model-id",
+    default=None,
+    help="expected model id (name@digest); default: pinned by the first valid dump",
+)
+@click.option("--max-tokens", default=None, type=int, help="reject longer samples up front")
+@click.option(
+    "--store-dtype",
+    type=click.Choice(STORE_DTYPES),
+    default=None,
+    help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
+    "bytes); a run keeps one [default: bf16, or what an existing run recorded]",
+)
+@click.option("--strict", is_flag=True, help="refuse the whole dataset if any line is bad")
+@click.option("--no-progress", is_flag=True)
+@click.option(
+    "--tokenizer",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="DATASET holds chat rows: tokenize them with this local HF tokenizer first",
+)
+@click.option(
+    "--tokens",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="with --tokenizer: where the tokenized JSONL goes (on storage every worker "
+    "reads) [default: DATASET's name with .tokens.jsonl, next to it]",
+)
+@_chat_options
+def enqueue(
+    dataset: Path,
+    run: str,
+    out: Path,
+    redis_url: str,
+    max_attempts: int,
+    chunk_size: int,
+    layers: str | None,
+    model_id: str | None,
+    max_tokens: int | None,
+    store_dtype: str | None,
+    strict: bool,
+    no_progress: bool,
+    tokenizer: Path | None,
+    tokens: Path | None,
+    **chat_kw: Any,
+) -> None:
+    """Validate DATASET (JSONL) and enqueue the samples that are neither done nor queued.
+
+    \b
+    Example:
+      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+      hsq enqueue chats.jsonl --tokenizer /models/qwen3-8b --run q3 --out /shared/hs
+    Running it again enqueues nothing; after a partial run it enqueues only the rest.
+    With --tokenizer, DATASET holds chat rows (see `hsq tokenize`); rows that cannot be
+    used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
+    DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
+    """
+    from hsq.errors import DatasetError
+    from hsq.runconfig import RunConfig
+    from hsq.store import RunStore, connect
+    from producer.enqueue import enqueue_run
+    from producer.tokenize import read_rejects, rejects_path, tokenize_file
+
+    if tokenizer is not None:
+        tokens = tokens or dataset.with_name(dataset.name.removesuffix(".jsonl") + ".tokens.jsonl")
+        tok_report, rejects = tokenize_file(
+            dataset, tokens, _tokenize_settings(tokenizer, chat_kw), progress=not no_progress
+        )
+        for line in tok_report.lines_out():
+            click.echo(line)
+        dataset = tokens
+    else:
+        rejects = read_rejects(rejects_path(dataset))
+    rejected = [(r.key, DatasetError(r.message, r.reason), r.id) for r in rejects]
+
+    layer_ids = _layers(layers)
+    store = RunStore(connect(redis_url), run)
+    if store_dtype is None:  # a second enqueue need not repeat it; a different one is refused
+        existing = store.load_config()
+        store_dtype = existing.store_dtype if existing is not None else "bf16"
+    cfg = RunConfig(
+        run=run,
+        dataset=str(dataset.resolve()),
+        out=str(out.resolve()),
+        max_attempts=max_attempts,
+        chunk_size=chunk_size,
+        layer_ids=list(layer_ids) if layer_ids else None,
+        model_id=model_id,
+        max_tokens=max_tokens,
+        store_dtype=store_dtype,
+    )
+    try:
+        report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
+    except DatasetError as exc:
+        if tokenizer is None and _looks_like_chat(dataset):
+            raise DatasetError(
+                f"{exc}; the lines look like chat rows: pass --tokenizer DIR (see `hsq tokenize`)",
+                exc.reason,
+            ) from exc
+        raise
+    for line in report.lines_out():
+        click.echo(line)
+    for p in report.problems[:10]:
+        click.echo(f"  invalid: {p}", err=True)
+
+
+@cli.command("recover")
+@click.argument(
+    "dataset", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@_run_option
+@_out_root_option(
+    "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
+)
+@_redis_option
+@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=int)
+@click.option(
+    "--store-dtype",
+    type=click.Choice(STORE_DTYPES),
+    default=None,
+    help="the run's storage format when Redis no longer knows it [default: read from the "
+    "first output file found, else bf16]",
+)
+@click.option("--no-progress", is_flag=True)
+def recover(
+    dataset: Path | None,
+    run: str,
+    out: Path | None,
+    redis_url: str,
+    chunk_size: int,
+    store_dtype: str | None,
+    no_progress: bool,
+) -> None:
+    """Rebuild a run's Redis state from its output files (after a Redis loss).
+
+    Every file under OUT/RUN/ is checked against its DATASET line (header, every tensor,
+    token ids, finite values); valid ones are marked done with their checksum, the rest of
+    the dataset is enqueued. Safe to run on a live run: it only adds what is missing.
+
+    \b
+    Example (Redis was wiped):
+      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+    """
+    from hsq.runconfig import RunConfig
+    from hsq.store import RunStore, connect
+    from producer.enqueue import recover_run
+
+    store = RunStore(connect(redis_url), run)
+    known = store.load_config()
+    if known is not None:
+        given = [
+            f"{name}: recorded {rec}, given {arg}"
+            for name, rec, arg in (("dataset", known.dataset, dataset), ("out", known.out, out))
+            if arg is not None and Path(rec) != arg.resolve()
+        ]
+        if given:
+            raise ConfigError(f"run {run!r} exists with other settings: " + "; ".join(given))
+        cfg = known
+    elif dataset is None or out is None:
+        raise ConfigError(f"run {run!r} is not in Redis: give DATASET and --out to recover it")
+    else:
+        from hsq.adopt import detect_store_dtype
+
+        root = out.resolve()
+        cfg = RunConfig(
+            run=run,
+            dataset=str(dataset.resolve()),
+            out=str(root),
+            chunk_size=chunk_size,
+            store_dtype=store_dtype or detect_store_dtype(root / run) or "bf16",
+        )
+    report = recover_run(store, cfg, progress=not no_progress)
+    for line in report.lines_out() + report.recover_lines():
+        click.echo(line)
+    for sid, why in list(report.rejected_files.items())[:10]:
+        click.echo(f"  rejected file of {sid}: {why}", err=True)
+
+
+@cli.command("worker")
+@_redis_option
+@settings_options(WorkerSettings, skip=("redis_url",))
+def worker(**values: Any) -> None:
+    """Extract samples of a run through one inference server.
+
+    \b
+    Example:
+      hsq worker --run kimi-v1 --server http://127.0.0.1:30000 --dump-dir /dev/shm/hsq0
+    """
+    from workers.worker import run_worker
+
+    sys.exit(run_worker(WorkerSettings(**values)))
+
+
+@cli.command("demo")
+@click.option("--samples", default=300, show_default=True, type=int)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-out"),
+    show_default=True,
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="REDIS_URL",
+    default=None,
+    help="use this Redis instead of starting a private one",
+)
+@click.option("--seed", default=0, show_default=True, type=int)
+def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
+    """Extract a synthetic dataset end to end on this machine, then verify every output.
+
+    Starts a private redis-server (unless --redis/REDIS_URL), a reference server with the
+    tiny model, the producer and a worker.
+
+    \b
+    Example:
+      hsq demo --samples 300
+    """
+    from hsq.app.demo import run_demo
+
+    sys.exit(run_demo(samples=samples, out=out, redis_url=redis_url, seed=seed))
+
+
+def _store(redis_url: str, run: str) -> Any:
+    from hsq.store import RunStore, connect
+
+    st = RunStore(connect(redis_url), run)
+    st.require_config()  # an unknown run is a usage error (exit 2), said in plain words
+    return st
+
+
+@cli.command("status")
+@click.option("--run", default=None, envvar="HSQ_RUN", help="one run [default: every run]")
+@_redis_option
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per run (stable keys)")
+@click.option("--watch", is_flag=True, help="refresh in place until Ctrl-C")
+@click.option("--interval", default=2.0, show_default=True, type=float)
+def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval: float) -> None:
+    """How far along a run is: counts, rate, ETA, workers, dead letter by reason.
+
+    \b
+    Example:
+      hsq status --run kimi-v1 --watch
+      hsq status --json | jq .done
+    JSON keys: run, total, done, queued, in_progress, retry, dead, missing, invalid_lines,
+    tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
+    dead_by_reason, workers (docs/operations.md).
+    """
+    from hsq.app.ops import dumps_json, run_status, status_text
+    from hsq.store import RunStore, connect, list_runs
+
+    client = connect(redis_url)
+    runs = [run] if run else list_runs(client)
+    if run:
+        _store(redis_url, run)
+    while True:
+        reports = [run_status(RunStore(client, r)) for r in runs]
+        if as_json:
+            out = "\n".join(dumps_json(r.to_dict()) for r in reports)
+        else:
+            out = "\n".join("\n".join(status_text(r)) for r in reports) or "no runs"
+        if watch:
+            click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out)
+            try:
+                time.sleep(interval)
+            except KeyboardInterrupt:
+                return
+        else:
+            click.echo(out)
+            return
+
+
+@cli.command("requeue")
+@_run_option
+@_redis_option
+@click.option("--failed", is_flag=True, help="every sample in the dead letter")
+@click.option("--reason", default=None, help="dead-letter samples with this reason")
+@click.option("--sample", "samples", multiple=True, help="these sample ids (repeatable)")
+@click.option("--missing", is_flag=True, help="samples in no queue, not done and not dead")
+@click.option("--dry-run", is_flag=True, help="say what would be requeued, change nothing")
+def requeue(
+    run: str,
+    redis_url: str,
+    failed: bool,
+    reason: str | None,
+    samples: tuple[str, ...],
+    missing: bool,
+    dry_run: bool,
+) -> None:
+    """Put failed, chosen or lost samples back in the queue (idempotent).
+
+    \b
+    Examples:
+      hsq requeue --run kimi-v1 --failed --dry-run
+      hsq requeue --run kimi-v1 --reason stale_dump
+      hsq requeue --run kimi-v1 --sample s000042 --sample s000043
+      hsq requeue --run kimi-v1 --missing
+    """
+    from hsq.app.ops import requeue as do_requeue
+    from hsq.app.ops import select_for_requeue
+
+    if not (failed or reason or samples or missing):
+        raise click.UsageError("say what to requeue: --failed, --reason, --sample or --missing")
+    st = _store(redis_url, run)
+    ids, res = select_for_requeue(
+        st, failed=failed, reason=reason, samples=samples, missing=missing
+    )
+    do_requeue(st, ids, res, dry_run=dry_run)
+    verb = "would requeue" if dry_run else "requeued"
+    click.echo(f"selected {res.selected}, {verb} {res.enqueued}")
+    for why, sids in res.skipped.items():
+        shown = ", ".join(sids[:10]) + (" ..." if len(sids) > 10 else "")
+        click.echo(f"skipped {len(sids)}: {why}: {shown}")
+
+
+def _mounted_out_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--out (the run's output root as mounted here) and --no-progress, for commands that
+    read a run's files."""
+    f = click.option("--no-progress", is_flag=True)(f)
+    return _out_root_option("output root if it is mounted elsewhere here [default: the run's]")(f)
+
+
+def _file_progress(total: int, desc: str, off: bool) -> Any:
+    """A progress bar over a run's files, on stderr (stdout carries the report)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="file", desc=desc, disable=off, file=sys.stderr, mininterval=0.5)
+
+
+@cli.command("verify")
+@_run_option
+@_redis_option
+@click.option("--deep", is_flag=True, help="read every byte: checksum, tensors, finite values")
+@click.option(
+    "--requeue",
+    "do_requeue",
+    is_flag=True,
+    help="un-done missing and corrupt samples (corrupt files removed) and requeue",
+)
+@_mounted_out_option
+def verify(
+    run: str, redis_url: str, deep: bool, do_requeue: bool, out: Path | None, no_progress: bool
+) -> None:
+    """Check every output file against the run's manifest; exit 1 if anything is wrong.
+
+    Reads only headers (size, names, shapes, token count) unless --deep. Reports missing
+    and corrupt files, and orphans (files no manifest entry claims).
+
+    \b
+    Example:
+      hsq verify --run kimi-v1 --deep --requeue
+    """
+
+    from hsq.app.ops import repair
+    from hsq.app.ops import verify as do_verify
+
+    st = _store(redis_url, run)
+    cfg = st.require_config()
+    root = (out or Path(cfg.out)) / run
+    with _file_progress(st.count(st.keys.done), "verifying", no_progress) as bar:
+        res = do_verify(st, root, deep=deep, on_progress=bar.update)
+    click.echo(
+        f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
+        f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}, refused {len(res.refused)}"
+    )
+    for sid in res.missing[:20]:
+        click.echo(f"  missing  {sid}")
+    for sid, problems in list(res.corrupt.items())[:20]:
+        click.echo(f"  corrupt  {sid}: {'; '.join(problems)}")
+    for rel in res.orphans[:20]:
+        click.echo(f"  orphan   {rel}")
+    for sid, why in list(res.refused.items())[:20]:
+        click.echo(f"  refused  {sid}: manifest entry not trusted ({why}); left alone")
+    if do_requeue and (res.missing or res.corrupt):
+        n = repair(st, root, res)
+        click.echo(f"requeued {n} samples")
+    if res.problems:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command("export")
+@_run_option
+@_redis_option
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["specforge", "manifest"]),
+    required=True,
+    help="specforge: <shard>/<id>.ckpt files for SpecForge's offline trainer; manifest: "
+    "OUT/RUN/manifest.jsonl for hsq.data",
+)
+@click.option(
+    "--to",
+    "dest",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="destination directory (--format specforge)",
+)
+@click.option("--jobs", default=4, show_default=True, type=int, help="files written at once")
+@click.option("--partial", is_flag=True, help="export a run that is not complete yet")
+@click.option(
+    "--expect-layers",
+    default=None,
+    help="refuse unless the run captured these layer ids (HF hidden_states indices)",
+)
+@_mounted_out_option
+def export(
+    run: str,
+    redis_url: str,
+    fmt: str,
+    dest: Path | None,
+    jobs: int,
+    partial: bool,
+    expect_layers: str | None,
+    out: Path | None,
+    no_progress: bool,
+) -> None:
+    """Write a run's outputs in the layout a trainer reads.
+
+    Resumable: files already there and valid are skipped, so running it again writes
+    nothing. A killed export leaves only dot-named .tmp files, which no trainer reads.
+
+    \b
+    Example:
+      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8
+      specforge train --config cfg.yaml   # data.hidden_states_path: /shared/specforge/q3
+    """
+
+    from hsq.app.export import export_manifest, export_specforge
+
+    st = _store(redis_url, run)
+    root = (out or Path(st.require_config().out)) / run
+    if fmt == "manifest":
+        n = export_manifest(st, root, partial=partial)
+        click.echo(f"wrote {root / 'manifest.jsonl'}: {n} samples")
+        return
+    if dest is None:
+        raise ConfigError("--format specforge needs --to DIR")
+    layers = _layers(expect_layers)
+    with _file_progress(st.count(st.keys.done), "exporting", no_progress) as bar:
+        report = export_specforge(
+            st,
+            root,
+            dest,
+            jobs=jobs,
+            partial=partial,
+            expect_layers=list(layers) if layers else None,
+            on_progress=bar.update,
+        )
+    for line in report.lines_out():
+        click.echo(line)
+    for sid, err in list(report.failed.items())[:20]:
+        click.echo(f"  failed  {sid}: {err}", err=True)
+    if report.failed:
+        sys.exit(EXIT_PROBLEMS)
+
+
+@cli.command("runs")
+@_redis_option
+def runs(redis_url: str) -> None:
+    """List runs with their progress.
+
+    \b
+    Example:
+      hsq runs --redis redis://:pw@head:6379/0
+    """
+    from hsq.app.ops import run_figures
+    from hsq.store import RunStore, connect, list_runs
+
+    client = connect(redis_url)
+    names = list_runs(client)
+    if not names:
+        click.echo("no runs")
+    for name in names:
+        fig = run_figures(RunStore(client, name))
+        click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")
+
+
+@cli.command("purge")
+@click.option("--run", required=True)
+@_redis_option
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+def purge(run: str, redis_url: str, yes: bool) -> None:
+    """Delete a run's Redis state (queues, done, dead letter). Output files stay on disk.
+
+    \b
+    Example:
+      hsq purge --run old-run --yes
+    """
+    from hsq.app.ops import purge as do_purge
+
+    st = _store(redis_url, run)
+    if not yes:
+        click.confirm(
+            f"delete every Redis key of run {run!r} ({st.count(st.keys.done)} done entries)?",
+            abort=True,
+        )
+    n = do_purge(st)
+    click.echo(f"purged run {run}: {n} keys deleted; output files untouched")
+
+
+@cli.command("exporter")
+@_redis_option
+@click.option("--port", default=9640, show_default=True, type=int, envvar="HSQ_EXPORTER_PORT")
+@click.option(
+    "--metrics-host",
+    "--host",
+    "host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="HSQ_EXPORTER_HOST",
+    help="address to bind; 0.0.0.0 to let Prometheus on another host scrape it",
+)
+def exporter(redis_url: str, port: int, host: str) -> None:
+    """Serve queue-level Prometheus metrics for every run in a Redis.
+
+    \b
+    Example:
+      hsq exporter --redis redis://:pw@head:6379/0 --port 9640 --metrics-host 0.0.0.0
+    """
+    from hsq.app.exporter import run_exporter
+
+    run_exporter(redis_url, host, port)
+
+
+@cli.command(
+    "launch-sglang",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option("--model-path", required=True)
+@click.option(
+    "--dump-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    envvar="SGLANG_HS_DUMP_DIR",
+    help="the dump dir the worker owns (node-local tmpfs)",
+)
+@click.option(
+    "--layers",
+    default=None,
+    help="EAGLE-3 aux layer ids as the drafter config names them [default: SGLang's]",
+)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--tp", "tp_size", default=1, show_default=True, type=int)
+@click.option(
+    "--sglang-version",
+    default=None,
+    help="[default: the installed one] decides plugin (>= 0.5.11) or launcher",
+)
+@click.option("--print-only", is_flag=True, help="print the command, start nothing")
+@click.option("--start-timeout", default=1800.0, show_default=True, type=float)
+@click.pass_context
+def launch_sglang(
+    ctx: click.Context,
+    model_path: str,
+    dump_dir: Path,
+    layers: str | None,
+    host: str,
+    port: int,
+    tp_size: int,
+    sglang_version: str | None,
+    print_only: bool,
+    start_timeout: float,
+) -> None:
+    """Start a stock SGLang server that dumps hidden states, then check that it does.
+
+    Sets the required flags (--disable-radix-cache, prefill CUDA graphs off) and the hook's
+    environment; extra arguments go to SGLang unchanged. Once healthy, checks /server_info
+    and the hook's readiness marker in the dump dir, and prints the effective layers to
+    pin with `hsq enqueue --layers`. Exits 2 if the server's settings would produce wrong
+    dumps or its hook is not active (docs/sglang.md).
+
+    \b
+    Example:
+      hsq launch-sglang --model-path /models/kimi-k2.5 --tp 8 --dump-dir /dev/shm/hsq0
+    """
+    import shlex
+
+    from sglang_server.sglang_hook.launch_sglang import run_checked
+
+    sys.exit(
+        run_checked(
+            model_path=model_path,
+            dump_dir=dump_dir,
+            layers=_layers(layers),
+            host=host,
+            port=port,
+            tp_size=tp_size,
+            sglang_version=sglang_version,
+            extra=list(ctx.args),
+            print_only=print_only,
+            start_timeout=start_timeout,
+            echo=click.echo,
+            quote=shlex.join,
+        )
+    )
+
+
+# Expected failures: one line on stderr and an exit code (docs/operations.md), never a
+# traceback. The first matching class wins: ConfigError and StoreError are HsqErrors.
+_EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    (ConfigError, EXIT_USAGE),
+    (StoreError, EXIT_REDIS),
+    (HsqError, EXIT_PROBLEMS),
+    (OSError, EXIT_PROBLEMS),
+)
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(EXIT_PROBLEMS)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE)
+    except (HsqError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(next(code for kind, code in _EXIT_CODES if isinstance(exc, kind)))
+
+
+if __name__ == "__main__":
+    main()

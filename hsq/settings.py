@@ -1,0 +1,74 @@
+"""Settings fields that describe themselves: one default, one help text, one flag name.
+
+A settings dataclass (workers.settings.WorkerSettings, the reference server's
+ReferenceSettings) declares each field with :func:`setting`; the CLI builds its options from
+these fields (hsq.app.options), so a default lives in one place. Every setting can be given
+as a flag or as an environment variable, ``HSQ_<FIELD>`` unless the field names others.
+No click here: contracts and services may import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+ENV_PREFIX = "HSQ_"
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingDoc:
+    """What the CLI needs to know about one field besides its type and default."""
+
+    help: str
+    flag: str | None = None
+    """The flag's name when it is not the field's (`dump_timeout_s` -> `--dump-timeout`)."""
+    env: tuple[str, ...] = ()
+    """Environment variables read when the flag is not given, first found wins; empty:
+    ``HSQ_<FIELD>`` with any `_s` unit suffix dropped."""
+    hidden: bool = False
+    parse: Callable[[str], Any] | None = None
+    """From the flag's text to the field's value (e.g. "2,4,5" -> (2, 4, 5))."""
+    default_text: str | None = None
+    """How --help shows a default computed later (None: the field's default)."""
+
+
+def int_tuple(text: str) -> tuple[int, ...]:
+    """ "2,4,5" -> (2, 4, 5)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, not {text!r}") from None
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    flag: str | None = None,
+    env: tuple[str, ...] = (),
+    hidden: bool = False,
+    parse: Callable[[str], Any] | None = None,
+    default_text: str | None = None,
+) -> Any:
+    """A dataclass field carrying its CLI description (no default: a required setting)."""
+    doc = SettingDoc(help, flag, env, hidden, parse, default_text)
+    return dataclasses.field(default=default, metadata={"setting": doc})
+
+
+def setting_doc(f: dataclasses.Field[Any]) -> SettingDoc | None:
+    doc = f.metadata.get("setting")
+    return doc if isinstance(doc, SettingDoc) else None
+
+
+def base_name(field_name: str) -> str:
+    """`dump_timeout_s` -> `dump_timeout`: units stay in the field, not in flags."""
+    return field_name.removesuffix("_s")
+
+
+def env_names(f: dataclasses.Field[Any]) -> tuple[str, ...]:
+    doc = setting_doc(f)
+    own = ENV_PREFIX + base_name(f.name).upper()
+    if doc is None or not doc.env:
+        return (own,)
+    return doc.env if own in doc.env else (own, *doc.env)

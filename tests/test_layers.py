@@ -1,0 +1,122 @@
+"""The import rules (docs/architecture.md), checked over the tree's own imports.
+
+    contracts  hsq/ (not app/, harness/)   import only contracts
+    services   workers/, producer/,        import contracts and their own package
+               sglang_server/
+    harness    hsq/harness/                imports contracts, services and itself
+    shell      hsq/app/, hsq/__main__.py,  may import everything
+               hsq/cli.py (old entry point)
+
+Imports inside functions count too: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("hsq", "workers", "producer", "sglang_server")
+SERVICES = ("workers", "producer", "sglang_server")
+
+
+def layer(module: str) -> str:
+    """The layer of a first-party module (dotted name); "" for anything else."""
+    top = module.split(".")[0]
+    if module in ("hsq.app", "hsq.__main__", "hsq.cli") or module.startswith("hsq.app."):
+        return "shell"  # entry points: `python -m hsq`, and hsq.cli for old console scripts
+    if module == "hsq.harness" or module.startswith("hsq.harness."):
+        return "harness"
+    if top == "hsq":
+        return "contracts"
+    if top in SERVICES:
+        return top
+    if top in ("tests", "bench", "deploy"):
+        return top
+    return ""
+
+
+ALLOWED: dict[str, set[str]] = {
+    "contracts": {"contracts"},
+    **{s: {"contracts", s} for s in SERVICES},
+    "harness": {"contracts", "harness", *SERVICES},
+    "shell": {"contracts", "shell", "harness", *SERVICES},
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in the tree, relative ones resolved."""
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".")
+                pkg = pkg if is_package else pkg[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            # `from hsq import stfile` imports hsq.stfile: judge the submodule's layer
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            module = module_name(path, root)
+            mine = layer(module)
+            tree = ast.parse(path.read_text(), str(path))
+            for line, target in imported(tree, module, path.name == "__init__.py"):
+                theirs = layer(target)
+                if theirs and theirs not in ALLOWED[mine]:
+                    rel = path.relative_to(root)
+                    found.append(f"{rel}:{line}: {mine} {module} imports {theirs} {target}")
+    return found
+
+
+def test_imports_follow_the_layers() -> None:
+    assert violations(ROOT) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "source"),
+    [
+        ("hsq/protocol.py", "from hsq.app.ops import run_status\n"),
+        ("hsq/protocol.py", "def f() -> None:\n    import workers.worker\n"),
+        ("hsq/stfile.py", "from hsq.harness import procs\n"),
+        ("workers/worker.py", "from producer.enqueue import enqueue\n"),
+        ("producer/enqueue.py", "from hsq.app import ops\n"),
+        ("sglang_server/app.py", "from workers import client\n"),
+        ("hsq/harness/procs.py", "from hsq.app.cli import main\n"),
+        ("workers/client.py", "from ..hsq.app import cli\n"),
+    ],
+)
+def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source: str) -> None:
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_text(source)
+    assert len(violations(tmp_path)) == 1, source
+
+
+def test_the_shell_may_import_everything(tmp_path: Path) -> None:
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "hsq/app").mkdir()
+    (tmp_path / "hsq/app/cli.py").write_text(
+        "import workers.worker\nimport producer.enqueue\nfrom hsq.harness import procs\n"
+    )
+    assert violations(tmp_path) == []

@@ -1,0 +1,183 @@
+"""Settings have one source: the CLI's options are built from the settings dataclasses
+(hsq.settings, hsq.app.options). Pure logic: click's own runner, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from hsq.app import cli
+from hsq.app.options import settings_options
+from hsq.settings import env_names, setting_doc
+from sglang_server.reference.settings import ReferenceSettings
+from workers.settings import WorkerSettings
+
+# Flags that docs, compose files, Slurm recipes and tests already use: they must keep working.
+WORKER_FLAGS = [
+    "--run", "--server", "--dump-dir", "--redis", "--name", "--burst", "--dump-timeout",
+    "--request-timeout", "--persist-depth", "--persist-threads", "--max-server-crashes",
+    "--metrics-port", "--metrics-host", "--inflight", "--max-inflight-tokens",
+    "--dump-dir-force",
+]  # fmt: skip
+REQUIRED = ["--run", "r", "--server", "http://s", "--dump-dir", "/d"]
+
+
+def parse(args: list[str], env: dict[str, str] | None = None) -> WorkerSettings:
+    seen: list[WorkerSettings] = []
+
+    @click.command()
+    @settings_options(WorkerSettings, skip=("redis_url",))
+    def cmd(**values: Any) -> None:
+        seen.append(WorkerSettings(redis_url="redis://x", **values))
+
+    res = CliRunner().invoke(cmd, args, env=env or {}, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return seen[0]
+
+
+def test_every_worker_setting_is_described() -> None:
+    for f in dataclasses.fields(WorkerSettings):
+        doc = setting_doc(f)
+        assert doc is not None and doc.help, f.name
+
+
+def test_defaults_come_from_the_dataclass() -> None:
+    got = parse(REQUIRED)
+    want = WorkerSettings(run="r", server="http://s", dump_dir=Path("/d"), redis_url="redis://x")
+    assert got == want
+
+
+def test_help_shows_every_setting_with_its_env_variable() -> None:
+    res = CliRunner().invoke(cli.cli, ["worker", "--help"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    for flag in [*WORKER_FLAGS, "--reap-interval", "--heartbeat-interval", "--claim-timeout"]:
+        assert flag in res.output, flag
+    for f in dataclasses.fields(WorkerSettings):
+        if f.name != "redis_url":
+            assert env_names(f)[0] in res.output, f.name
+    assert "HSQ_REDIS_URL" in res.output and "REDIS_URL" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "field", "value"),
+    [
+        (["--reap-interval", "0.5"], {}, "reap_interval_s", 0.5),
+        ([], {"HSQ_REAP_INTERVAL": "7"}, "reap_interval_s", 7.0),
+        (["--reap-interval", "0.5"], {"HSQ_REAP_INTERVAL": "7"}, "reap_interval_s", 0.5),
+        (["--dump-timeout", "9"], {}, "dump_timeout_s", 9.0),
+        ([], {"HSQ_INFLIGHT": "2"}, "inflight", 2),
+        ([], {"HSQ_MAX_INFLIGHT_TOKENS": "100"}, "max_inflight_tokens", 100),
+        (["--burst"], {}, "burst", True),
+        ([], {"HSQ_BURST": "1"}, "burst", True),
+        (["--metrics-port", "9100"], {}, "metrics_port", 9100),
+    ],
+)
+def test_a_setting_from_a_flag_or_its_env_variable(
+    args: list[str], env: dict[str, str], field: str, value: object
+) -> None:
+    assert getattr(parse(REQUIRED + args, env), field) == value
+
+
+def test_older_env_names_still_work() -> None:
+    got = parse(["--run", "r", "--server", "http://s"], {"SGLANG_HS_DUMP_DIR": "/legacy"})
+    assert got.dump_dir == Path("/legacy")
+    got = parse(["--run", "r", "--server", "http://s"], {"HSQ_DUMP_DIR": "/new"})
+    assert got.dump_dir == Path("/new")
+
+
+def test_a_missing_required_setting_is_a_usage_error() -> None:
+    @click.command()
+    @settings_options(WorkerSettings, skip=("redis_url",))
+    def cmd(**_values: Any) -> None:
+        raise AssertionError("not reached")
+
+    res = CliRunner().invoke(cmd, ["--server", "http://s", "--dump-dir", "/d"], env={})
+    assert res.exit_code == 2 and "--run" in res.output
+
+
+def test_bad_worker_settings_are_refused_by_name() -> None:
+    bad = dataclasses.replace(parse(REQUIRED), reap_interval_s=0)
+    with pytest.raises(Exception, match="--reap-interval must be > 0"):
+        bad.validate()
+
+
+REFERENCE_FLAGS = [
+    "--model", "--device", "--dtype", "--dump-dtype", "--layers", "--dump-dir", "--host",
+    "--port", "--max-tokens", "--max-batch-requests", "--max-batch-tokens", "--warmup-shapes",
+    "--warmup", "--counter-start", "--fault", "--seed", "--writer-depth", "--no-fsync",
+    "--threads",
+]  # fmt: skip
+
+
+def parse_reference(args: list[str], env: dict[str, str] | None = None) -> ReferenceSettings:
+    seen: list[ReferenceSettings] = []
+
+    @click.command()
+    @settings_options(ReferenceSettings)
+    def cmd(**values: Any) -> None:
+        seen.append(ReferenceSettings(**values))
+
+    res = CliRunner().invoke(cmd, ["--dump-dir", "/d", *args], env=env or {})
+    assert res.exit_code == 0, res.output
+    return seen[0]
+
+
+def test_reference_help_keeps_every_flag() -> None:
+    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    for flag in REFERENCE_FLAGS:
+        assert flag in res.output, flag
+    for f in dataclasses.fields(ReferenceSettings):
+        doc = setting_doc(f)
+        assert doc is not None and doc.help, f.name
+        if not doc.hidden:
+            assert env_names(f)[0] in res.output, f.name
+
+
+def test_reference_defaults_come_from_the_dataclass() -> None:
+    assert parse_reference([]) == ReferenceSettings(dump_dir=Path("/d"))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "field", "value"),
+    [
+        (["--no-fsync"], {}, "fsync", False),
+        ([], {"HSQ_FSYNC": "0"}, "fsync", False),
+        (["--no-ready-marker"], {}, "ready_marker", False),
+        (
+            ["--fault", "slow:seconds=1", "--fault", "error"],
+            {},
+            "faults",
+            ("slow:seconds=1", "error"),
+        ),
+        (["--layers", "2,4,5"], {}, "layers", (2, 4, 5)),
+        ([], {"HSQ_LAYERS": "1,3"}, "layers", (1, 3)),
+        ([], {"HSQ_PORT": "31000"}, "port", 31000),
+        (["--max-batch-requests", "4"], {}, "max_batch_requests", 4),
+    ],
+)
+def test_a_reference_setting_from_a_flag_or_its_env_variable(
+    args: list[str], env: dict[str, str], field: str, value: object
+) -> None:
+    assert getattr(parse_reference(args, env), field) == value
+
+
+def test_bad_layers_are_a_usage_error() -> None:
+    @click.command()
+    @settings_options(ReferenceSettings)
+    def cmd(**_values: Any) -> None:
+        raise AssertionError("not reached")
+
+    res = CliRunner().invoke(cmd, ["--dump-dir", "/d", "--layers", "2,x"], env={})
+    assert res.exit_code == 2 and "comma-separated integers" in res.output
+
+
+def test_the_compute_dtype_follows_the_device_unless_given() -> None:
+    assert ReferenceSettings(dump_dir=Path("/d")).compute_dtype == "float32"
+    assert ReferenceSettings(dump_dir=Path("/d"), device="cuda").compute_dtype == "bfloat16"
+    assert ReferenceSettings(dump_dir=Path("/d"), dtype="float16").compute_dtype == "float16"
