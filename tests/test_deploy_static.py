@@ -67,6 +67,10 @@ def test_every_compose_worker_waits_for_a_healthy_server_it_shares_a_dump_dir_wi
         dump = cmd[cmd.index("--dump-dir") + 1]
         mine = {v.split(":")[0] for v in svc["volumes"] if v.split(":")[1] == dump}
         assert mine and mine <= {v.split(":")[0] for v in services[server]["volumes"]}, name
+        # A tmpfs root is 1777 by default: the worker refuses a sticky (shared) dump dir.
+        volumes = compose("docker-compose.yml")["volumes"]
+        for vol in mine:
+            assert "mode=0700" in volumes[vol]["driver_opts"]["o"], vol
     assert services["sglang-0"]["command"][:2] == ["hsq", "launch-sglang"]
 
 
