@@ -150,6 +150,11 @@ def run_status(store: RunStore, now: float | None = None) -> RunStatus:
     now = time.time() if now is None else now
     index, outstanding, done, dead, _ = _partition(store)
     fig = run_figures(store)
+    # done and dead come from the same reads as the places below, not from `fig` (read a
+    # moment later): during a live run a sample marked done in between would otherwise
+    # count twice, and the numbers must always add up to `total`.
+    done_n = len(index & done)
+    dead_n = len((index - done) & dead) + fig.invalid_lines
     places = Counter[str]()
     for sid in index - done - dead:
         place = outstanding.get(sid, "missing")
@@ -161,12 +166,12 @@ def run_status(store: RunStore, now: float | None = None) -> RunStatus:
     eta = tokens_left / tokens_s if tokens_s > 0 else None
     return RunStatus(
         run=store.run,
-        total=fig.total,
-        done=fig.done,
+        total=len(index) + fig.invalid_lines,
+        done=done_n,
         queued=places["main"],
         in_progress=places["in_progress"],
         retry=places["retry"],
-        dead=fig.dead,
+        dead=dead_n,
         missing=places["missing"],
         invalid_lines=fig.invalid_lines,
         tokens_done=fig.tokens_done,
