@@ -236,8 +236,9 @@ def test_kill_9_mid_sample_completes_within_60s(
     st = store(redis_url, "kill")
     a = start_worker(tmp_path, "kill", fresh, redis_url, name="victim")
     wait_until(lambda: st.count(st.keys.done) >= 6, 60)
-    # Hold the next request in the server so the worker is surely mid-sample.
-    rules = [{"mode": "slow", "seconds": 3, "times": 1}]
+    # Hold the next requests in the server (the worker keeps several in flight) so it is
+    # surely mid-sample, and mid-chunk, when it is killed.
+    rules = [{"mode": "slow", "seconds": 3, "times": 8}]
     httpx.post(fresh.url + "/admin/faults", json={"rules": rules}).raise_for_status()
     time.sleep(1.0)
     a.signal(signal.SIGKILL)

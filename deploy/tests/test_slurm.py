@@ -206,7 +206,12 @@ def test_head_and_cpu_worker_node_run_a_run_and_scancel_leaves_nothing(cluster: 
             lambda: prometheus_value(prom_url, done_query) == SAMPLES,
             120, 2,
         )  # fmt: skip
-        assert prometheus_value(prom_url, f'hsq_run_samples{{run="{run}",state="done"}}') == SAMPLES
+        run_done = f'hsq_run_samples{{run="{run}",state="done"}}'
+        wait_for(  # the exporter is scraped on its own schedule
+            "the exporter's figure reaching Prometheus",
+            lambda: prometheus_value(prom_url, run_done) == SAMPLES,
+            120, 2,
+        )  # fmt: skip
     finally:
         logs = sorted((state / "logs").glob("*.log")) if state.exists() else []
         print("\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in logs))
