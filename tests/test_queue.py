@@ -234,13 +234,12 @@ def test_kill_9_mid_sample_completes_within_60s(
     out = tmp_path / "out"
     enqueue(ds, "kill", out, redis_url, "--chunk-size", "4")
     st = store(redis_url, "kill")
-    a = start_worker(tmp_path, "kill", fresh, redis_url, name="victim")
-    wait_until(lambda: st.count(st.keys.done) >= 6, 60)
-    # Hold the next requests in the server (the worker keeps several in flight) so it is
-    # surely mid-sample, and mid-chunk, when it is killed.
-    rules = [{"mode": "slow", "seconds": 3, "times": 8}]
+    # Every request is held in the server for a while, so the worker (K requests in flight)
+    # is surely mid-sample, and mid-chunk, when it is killed.
+    rules = [{"mode": "slow", "seconds": 0.3, "prob": 1.0}]
     httpx.post(fresh.url + "/admin/faults", json={"rules": rules}).raise_for_status()
-    time.sleep(1.0)
+    a = start_worker(tmp_path, "kill", fresh, redis_url, name="victim")
+    wait_until(lambda: st.count(st.keys.done) >= 6, 60, interval=0.05)
     a.signal(signal.SIGKILL)
     a.proc.wait(10)
     killed_at = time.monotonic()
