@@ -16,8 +16,11 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
+import socket
 import sys
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -173,10 +176,18 @@ def file_checksum(path: Path) -> str:
 T = TypeVar("T")
 
 
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+FOREIGN_TEMP_AGE_S = 600.0
+"""A temp file from another host this old has no live writer: one sample writes in seconds."""
+
+
 def _durably(path: Path, fill: Callable[[int], T]) -> T:
-    """temp file in the same directory, fsync, rename, fsync the directory."""
+    """temp file in the same directory, fsync, rename, fsync the directory.
+
+    The temp is named after its writer (host, pid), so whoever writes the same output next
+    can remove what a killed writer left (`_sweep_dead_temps`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -194,7 +205,50 @@ def _durably(path: Path, fill: Callable[[int], T]) -> T:
         tmp.unlink(missing_ok=True)
         what = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
         raise OutputError(f"cannot write {path}: {what}") from exc
+    _sweep_dead_temps(path)
     return result
+
+
+def _sweep_dead_temps(path: Path) -> list[Path]:
+    """Remove temps of `path` whose writer is dead (kill -9 mid-write leaves one).
+
+    Same host: the pid is gone. Another host: older than FOREIGN_TEMP_AGE_S. A live
+    duplicate writer's temp is never touched, so its rename still lands. Best effort."""
+    prefix = f".{path.name}."
+    removed: list[Path] = []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        parts = name[len(prefix) : -len(".tmp")].rsplit(".", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        host, pid = parts[0], int(parts[1])
+        temp = path.parent / name
+        try:
+            if host == _HOST:
+                if pid == os.getpid() or _alive(pid):
+                    continue
+            elif time.time() - temp.stat().st_mtime < FOREIGN_TEMP_AGE_S:
+                continue
+            temp.unlink()
+            removed.append(temp)
+        except OSError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_header(path: Path) -> Any:

@@ -1,0 +1,42 @@
+"""Output files: what a writer killed mid-write leaves is removed by the next writer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hsq import outputs
+from tests.test_fp8 import written
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_write_removes_temps_of_dead_writers_only(tmp_path: Path) -> None:
+    shard = tmp_path / "bf16"
+    shard.mkdir()
+    host = outputs._HOST
+    temps = {
+        "dead here": f".s1.safetensors.{host}.{dead_pid()}.0a0b0c0d.tmp",
+        "alive here": f".s1.safetensors.{host}.{os.getppid()}.0a0b0c0d.tmp",
+        "fresh elsewhere": ".s1.safetensors.other-host.12.0a0b0c0d.tmp",
+        "old elsewhere": ".s1.safetensors.other-host.13.0a0b0c0d.tmp",
+        "another sample": f".s2.safetensors.{host}.{dead_pid()}.0a0b0c0d.tmp",
+        "not ours": ".s1.safetensors.tmp",
+    }
+    for name in temps.values():
+        (shard / name).write_bytes(b"torn")
+    old = time.time() - outputs.FOREIGN_TEMP_AGE_S - 60
+    os.utime(shard / temps["old elsewhere"], (old, old))
+
+    path, _, _ = written(tmp_path, "bf16")
+
+    left = {what for what, name in temps.items() if (shard / name).exists()}
+    assert left == {"alive here", "fresh elsewhere", "another sample", "not ours"}
+    assert path.exists() and not list(shard.glob(f".s1.safetensors.{host}.{os.getpid()}.*"))
