@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hsq.errors import ConfigError
-from hsq.quant import BF16, check_store_dtype
+from hsq.quant import BF16, STORE_DTYPES, check_store_dtype
+from hsq.settings import int_list_or_none, setting
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
@@ -16,26 +17,43 @@ DEFAULT_CHUNK_SIZE = 16
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Fields with setting() are given to `hsq enqueue` / `hsq recover` (hsq.app.options)."""
+
     run: str
     dataset: str
     """Absolute path; readable at that path on every worker node."""
     out: str
     """Absolute output root; files go to <out>/<run>/."""
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    layer_ids: list[int] | None = None
-    """Expected effective aux layers; None: pinned by the first valid dump."""
-    model_id: str | None = None
-    """Expected model identity; None: pinned by the first valid dump."""
-    max_tokens: int | None = None
+    max_attempts: int = setting(
+        DEFAULT_MAX_ATTEMPTS, help="tries of a sample before it goes to the dead letter"
+    )
+    chunk_size: int = setting(
+        DEFAULT_CHUNK_SIZE, help="samples per queue job (queue cost is paid per job)"
+    )
+    layer_ids: list[int] | None = setting(
+        None,
+        flag="--layers",
+        parse=int_list_or_none,
+        help="expected effective aux layer ids; default: pinned by the first valid dump",
+    )
+    model_id: str | None = setting(
+        None, help="expected model id (name@digest); default: pinned by the first valid dump"
+    )
+    max_tokens: int | None = setting(None, help="reject longer samples up front")
     dump_dtype: str | None = None
     """Expected dtype of the dumped states; None: pinned by the first valid dump."""
     hidden_size: int | None = None
     """Expected hidden size; None: pinned by the first valid dump."""
     created: float = field(default_factory=time.time)
-    store_dtype: str = BF16
-    """How outputs store hidden states: bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded
-    before the field existed read as bf16, which is what they stored."""
+    store_dtype: str = setting(
+        BF16,
+        choices=STORE_DTYPES,
+        default_text="bf16, or what the run already has",
+        help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
+        "bytes); a run keeps one",
+    )
+    """bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded before the field existed read as
+    bf16, which is what they stored."""
     generation: str | None = None
     """Set by the store when the run is created; a purge and re-create changes it."""
 

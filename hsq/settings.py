@@ -1,9 +1,10 @@
 """Settings fields that describe themselves: one default, one help text, one flag name.
 
 A settings dataclass (workers.settings.WorkerSettings, the reference server's
-ReferenceSettings) declares each field with :func:`setting`; the CLI builds its options from
-these fields (hsq.app.options), so a default lives in one place. Every setting can be given
-as a flag or as an environment variable, ``HSQ_<FIELD>`` unless the field names others.
+ReferenceSettings, hsq.runconfig.RunConfig) declares each field with :func:`setting`; the
+CLI builds its options from these fields (hsq.app.options), so a default lives in one
+place. Every setting can be given as a flag or as an environment variable, ``HSQ_<FIELD>``
+unless the field names others.
 No click here: contracts and services may import this module.
 """
 
@@ -31,6 +32,8 @@ class SettingDoc:
     """From the flag's text to the field's value (e.g. "2,4,5" -> (2, 4, 5))."""
     default_text: str | None = None
     """How --help shows a default computed later (None: the field's default)."""
+    choices: tuple[str, ...] | None = None
+    """The only values allowed (shown by --help)."""
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
@@ -50,10 +53,16 @@ def setting(
     hidden: bool = False,
     parse: Callable[[str], Any] | None = None,
     default_text: str | None = None,
+    choices: tuple[str, ...] | None = None,
 ) -> Any:
     """A dataclass field carrying its CLI description (no default: a required setting)."""
-    doc = SettingDoc(help, flag, env, hidden, parse, default_text)
+    doc = SettingDoc(help, flag, env, hidden, parse, default_text, choices)
     return dataclasses.field(default=default, metadata={"setting": doc})
+
+
+def int_list_or_none(text: str) -> list[int] | None:
+    """ "2,4,5" -> [2, 4, 5]; "" -> None (not given)."""
+    return list(int_tuple(text)) or None
 
 
 def setting_doc(f: dataclasses.Field[Any]) -> SettingDoc | None:

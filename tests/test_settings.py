@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from hsq.app import cli
 from hsq.app.options import settings_options
+from hsq.runconfig import RunConfig
 from hsq.settings import env_names, setting_doc
 from sglang_server.reference.settings import ReferenceSettings
 from workers.settings import WorkerSettings
@@ -181,3 +182,60 @@ def test_the_compute_dtype_follows_the_device_unless_given() -> None:
     assert ReferenceSettings(dump_dir=Path("/d")).compute_dtype == "float32"
     assert ReferenceSettings(dump_dir=Path("/d"), device="cuda").compute_dtype == "bfloat16"
     assert ReferenceSettings(dump_dir=Path("/d"), dtype="float16").compute_dtype == "float16"
+
+
+def parse_run(args: list[str], env: dict[str, str] | None = None) -> RunConfig:
+    seen: list[RunConfig] = []
+
+    @click.command()
+    @settings_options(RunConfig, only=cli._RUN_SETTINGS)
+    def cmd(**values: Any) -> None:
+        seen.append(RunConfig(run="r", dataset="/d", out="/o", created=0.0, **values))
+
+    res = CliRunner().invoke(cmd, args, env=env or {})
+    assert res.exit_code == 0, res.output
+    return seen[0]
+
+
+def test_run_defaults_come_from_the_run_config() -> None:
+    assert parse_run([]) == RunConfig(run="r", dataset="/d", out="/o", created=0.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "field", "value"),
+    [
+        (["--layers", "2,4,5"], {}, "layer_ids", [2, 4, 5]),
+        ([], {"HSQ_LAYER_IDS": "1,3"}, "layer_ids", [1, 3]),
+        ([], {"HSQ_CHUNK_SIZE": "4"}, "chunk_size", 4),
+        (["--max-attempts", "5"], {}, "max_attempts", 5),
+        ([], {"HSQ_STORE_DTYPE": "fp8-e4m3"}, "store_dtype", "fp8-e4m3"),
+        (["--model-id", "m@abc"], {}, "model_id", "m@abc"),
+        ([], {"HSQ_MAX_TOKENS": "4096"}, "max_tokens", 4096),
+    ],
+)
+def test_a_run_setting_from_a_flag_or_its_env_variable(
+    args: list[str], env: dict[str, str], field: str, value: object
+) -> None:
+    assert getattr(parse_run(args, env), field) == value
+
+
+@pytest.mark.parametrize("command", ["enqueue", "recover"])
+def test_run_commands_show_their_settings_with_env_variables(command: str) -> None:
+    res = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    names = cli._RUN_SETTINGS if command == "enqueue" else ("chunk_size", "store_dtype")
+    for f in dataclasses.fields(RunConfig):
+        if f.name in names:
+            doc = setting_doc(f)
+            assert doc is not None and doc.help, f.name
+            assert env_names(f)[0] in res.output, f.name
+
+
+def test_an_unknown_store_dtype_is_a_usage_error() -> None:
+    @click.command()
+    @settings_options(RunConfig, only=("store_dtype",))
+    def cmd(**_values: Any) -> None:
+        raise AssertionError("not reached")
+
+    res = CliRunner().invoke(cmd, ["--store-dtype", "int4"], env={})
+    assert res.exit_code == 2 and "fp8-e4m3" in res.output

@@ -18,8 +18,7 @@ from hsq import __version__
 from hsq.app.options import F, settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure
-from hsq.quant import STORE_DTYPES
-from hsq.runconfig import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_ATTEMPTS
+from hsq.runconfig import RunConfig
 from hsq.settings import int_tuple
 from sglang_server.reference.settings import ReferenceSettings
 from workers.settings import WorkerSettings
@@ -28,6 +27,15 @@ EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 EXIT_REDIS = 3
+
+_RUN_SETTINGS = ("max_attempts", "chunk_size", "layer_ids", "model_id", "max_tokens", "store_dtype")
+"""RunConfig fields `hsq enqueue` takes as options (the rest: arguments or recorded later)."""
+
+
+def _given(param: str) -> bool:
+    """Whether the user gave `param` (flag or env var), not click's default."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source not in (None, click.core.ParameterSource.DEFAULT)
 
 
 def _layers(value: str | None) -> tuple[int, ...] | None:
@@ -226,38 +234,7 @@ def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw
 @_run_option
 @_out_root_option("output root; files go to OUT/RUN/", required=True)
 @_redis_option
-@click.option(
-    "--max-attempts",
-    default=DEFAULT_MAX_ATTEMPTS,
-    show_default=True,
-    type=int,
-    help="tries of a sample before it goes to the dead letter",
-)
-@click.option(
-    "--chunk-size",
-    default=DEFAULT_CHUNK_SIZE,
-    show_default=True,
-    type=int,
-    help="samples per queue job (queue cost is paid per job)",
-)
-@click.option(
-    "--layers",
-    default=None,
-    help="expected effective aux layer ids; default: pinned by the first valid dump",
-)
-@click.option(
-    "--model-id",
-    default=None,
-    help="expected model id (name@digest); default: pinned by the first valid dump",
-)
-@click.option("--max-tokens", default=None, type=int, help="reject longer samples up front")
-@click.option(
-    "--store-dtype",
-    type=click.Choice(STORE_DTYPES),
-    default=None,
-    help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
-    "bytes); a run keeps one [default: bf16, or what an existing run recorded]",
-)
+@settings_options(RunConfig, only=_RUN_SETTINGS)
 @click.option("--strict", is_flag=True, help="refuse the whole dataset if any line is bad")
 @click.option("--no-progress", is_flag=True)
 @click.option(
@@ -279,17 +256,11 @@ def enqueue(
     run: str,
     out: Path,
     redis_url: str,
-    max_attempts: int,
-    chunk_size: int,
-    layers: str | None,
-    model_id: str | None,
-    max_tokens: int | None,
-    store_dtype: str | None,
     strict: bool,
     no_progress: bool,
     tokenizer: Path | None,
     tokens: Path | None,
-    **chat_kw: Any,
+    **kw: Any,
 ) -> None:
     """Validate DATASET (JSONL) and enqueue the samples that are neither done nor queued.
 
@@ -303,7 +274,6 @@ def enqueue(
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
     from hsq.errors import DatasetError
-    from hsq.runconfig import RunConfig
     from hsq.store import RunStore, connect
     from producer.enqueue import enqueue_run
     from producer.tokenize import read_rejects, rejects_path, tokenize_file
@@ -311,7 +281,7 @@ def enqueue(
     if tokenizer is not None:
         tokens = tokens or dataset.with_name(dataset.name.removesuffix(".jsonl") + ".tokens.jsonl")
         tok_report, rejects = tokenize_file(
-            dataset, tokens, _tokenize_settings(tokenizer, chat_kw), progress=not no_progress
+            dataset, tokens, _tokenize_settings(tokenizer, kw), progress=not no_progress
         )
         for line in tok_report.lines_out():
             click.echo(line)
@@ -320,22 +290,13 @@ def enqueue(
         rejects = read_rejects(rejects_path(dataset))
     rejected = [(r.key, DatasetError(r.message, r.reason), r.id) for r in rejects]
 
-    layer_ids = _layers(layers)
     store = RunStore(connect(redis_url), run)
-    if store_dtype is None:  # a second enqueue need not repeat it; a different one is refused
+    settings = {name: kw[name] for name in _RUN_SETTINGS}
+    if not _given("store_dtype"):  # a second enqueue need not repeat it; a different one is refused
         existing = store.load_config()
-        store_dtype = existing.store_dtype if existing is not None else "bf16"
-    cfg = RunConfig(
-        run=run,
-        dataset=str(dataset.resolve()),
-        out=str(out.resolve()),
-        max_attempts=max_attempts,
-        chunk_size=chunk_size,
-        layer_ids=list(layer_ids) if layer_ids else None,
-        model_id=model_id,
-        max_tokens=max_tokens,
-        store_dtype=store_dtype,
-    )
+        if existing is not None:
+            settings["store_dtype"] = existing.store_dtype
+    cfg = RunConfig(run=run, dataset=str(dataset.resolve()), out=str(out.resolve()), **settings)
     try:
         report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
     except DatasetError as exc:
@@ -360,14 +321,7 @@ def enqueue(
     "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
-@click.option("--chunk-size", default=DEFAULT_CHUNK_SIZE, show_default=True, type=int)
-@click.option(
-    "--store-dtype",
-    type=click.Choice(STORE_DTYPES),
-    default=None,
-    help="the run's storage format when Redis no longer knows it [default: read from the "
-    "first output file found, else bf16]",
-)
+@settings_options(RunConfig, only=("chunk_size", "store_dtype"))
 @click.option("--no-progress", is_flag=True)
 def recover(
     dataset: Path | None,
@@ -375,7 +329,7 @@ def recover(
     out: Path | None,
     redis_url: str,
     chunk_size: int,
-    store_dtype: str | None,
+    store_dtype: str,
     no_progress: bool,
 ) -> None:
     """Rebuild a run's Redis state from its output files (after a Redis loss).
@@ -388,7 +342,6 @@ def recover(
     Example (Redis was wiped):
       hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
     """
-    from hsq.runconfig import RunConfig
     from hsq.store import RunStore, connect
     from producer.enqueue import recover_run
 
@@ -409,12 +362,14 @@ def recover(
         from hsq.adopt import detect_store_dtype
 
         root = out.resolve()
+        if not _given("store_dtype"):  # the files say what the run stored
+            store_dtype = detect_store_dtype(root / run) or store_dtype
         cfg = RunConfig(
             run=run,
             dataset=str(dataset.resolve()),
             out=str(root),
             chunk_size=chunk_size,
-            store_dtype=store_dtype or detect_store_dtype(root / run) or "bf16",
+            store_dtype=store_dtype,
         )
     report = recover_run(store, cfg, progress=not no_progress)
     for line in report.lines_out() + report.recover_lines():

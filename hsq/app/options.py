@@ -25,7 +25,9 @@ def _plain_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _click_type(hint: Any) -> Any:
+def _click_type(hint: Any, choices: tuple[str, ...] | None) -> Any:
+    if choices is not None:
+        return click.Choice(choices)
     if hint is Path:
         return click.Path(path_type=Path)
     if hint in (int, float, str):
@@ -75,7 +77,7 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     return click.option(
         flag,
         f.name,
-        type=_click_type(kind),
+        type=_click_type(kind, doc.choices),
         required=required,
         show_default=show,
         callback=callback,
@@ -83,12 +85,20 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     )
 
 
-def settings_options(cls: type, *, skip: Iterable[str] = ()) -> Callable[[F], F]:
+def settings_options(
+    cls: type, *, skip: Iterable[str] = (), only: Iterable[str] | None = None
+) -> Callable[[F], F]:
     """Decorate a command with one option per field of `cls` (in field order), except
-    `skip` (fields the command provides otherwise, e.g. the shared --redis option)."""
+    `skip` (fields the command provides otherwise, e.g. the shared --redis option); with
+    `only`, just those fields (a command that sets a few fields of a larger record)."""
     hints = typing.get_type_hints(cls)
     skipped = set(skip)
     fields = [f for f in dataclasses.fields(cls) if f.name not in skipped and f.init]
+    if only is not None:
+        wanted = set(only)
+        if unknown := wanted - {f.name for f in fields}:
+            raise TypeError(f"{cls.__name__} has no settings {sorted(unknown)}")
+        fields = [f for f in fields if f.name in wanted]
 
     def decorate(fn: F) -> F:
         for f in reversed(fields):  # click lists options in decoration order, bottom up
