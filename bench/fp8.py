@@ -29,36 +29,27 @@ from typing import Any
 
 import torch
 
+from hsq import protocol as proto
 from hsq import quant
 from hsq.dataset import Sample
 from hsq.outputs import write_output
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    DumpMeta,
-    ModelIdentity,
-    expected_shapes,
-    fingerprint,
-    open_dump_tensors,
-    write_dump,
-)
 from sglang_server.reference.model import eagle3_default_layers, load_model, shape_config
 
 FORMATS = ("bf16", "fp8-e4m3")
 
 
-def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[DumpMeta, list[int]]:
+def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[proto.DumpMeta, list[int]]:
     ids = [(7 * i + index) % 32000 for i in range(n)]
-    ident = ModelIdentity("bench", "LlamaModel", 32, h, "0" * 64)
-    meta = DumpMeta(
+    ident = proto.ModelIdentity("bench", "LlamaModel", 32, h, "0" * 64)
+    meta = proto.DumpMeta(
         f"r{index}",
         n,
-        fingerprint(ids),
+        proto.fingerprint(ids),
         layers,
         h,
         "bfloat16",
         ident,
-        expected_shapes(n, len(layers), h),
+        proto.expected_shapes(n, len(layers), h),
         index,
     )
     return meta, ids
@@ -66,7 +57,7 @@ def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[DumpMeta, list
 
 def make_dumps(
     where: Path, shape: str, count: int, length: int
-) -> list[tuple[Path, DumpMeta, list[int]]]:
+) -> list[tuple[Path, proto.DumpMeta, list[int]]]:
     """Dumps as the server writes them, with states of a hidden-state-like spread (a few
     large channels, as real residual streams have); the content only matters for cost."""
     cfg = shape_config(shape)
@@ -77,14 +68,17 @@ def make_dumps(
         aux = torch.randn(length, len(layers) * h, generator=gen)
         aux[:, :: max(1, h // 8)] *= 20
         last = torch.randn(length, h, generator=gen)
-        tensors = {AUX_TENSOR: aux.to(torch.bfloat16), LAST_TENSOR: last.to(torch.bfloat16)}
+        tensors = {
+            proto.AUX_TENSOR: aux.to(torch.bfloat16),
+            proto.LAST_TENSOR: last.to(torch.bfloat16),
+        }
         meta, ids = _meta(length, layers, h, i)
-        out.append((write_dump(where, i, meta, tensors, fsync=False), meta, ids))
+        out.append((proto.write_dump(where, i, meta, tensors, fsync=False), meta, ids))
     return out
 
 
 def persist_one(
-    dump: tuple[Path, DumpMeta, list[int]],
+    dump: tuple[Path, proto.DumpMeta, list[int]],
     out: Path,
     fmt: str,
     name: str,
@@ -94,7 +88,7 @@ def persist_one(
     # The worker's validation, finite check included (fp8 may skip it: the quantizer
     # refuses NaN and Inf itself; --skip-finite measures what that would save).
     check = not (skip_finite and fmt == quant.FP8)
-    tensors = open_dump_tensors(path, meta, check_finite=check)
+    tensors = proto.open_dump_tensors(path, meta, check_finite=check)
     try:
         sample = Sample(name, ids, None)
         nbytes, _ = write_output(out / f"{name}.safetensors", sample, meta, tensors, "bench", fmt)
@@ -143,10 +137,10 @@ def bench_error(model_name: str, device: str, lengths: list[int]) -> dict[str, A
         ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
         cap = model.forward(ids)
         aux, last = cap.aux.cpu(), cap.last.cpu()  # quantized on the CPU, as the worker does
-        for name, x, groups in ((AUX_TENSOR, aux, len(layers)), (LAST_TENSOR, last, 1)):
+        for name, x, groups in ((proto.AUX_TENSOR, aux, len(layers)), (proto.LAST_TENSOR, last, 1)):
             y = quant.dequantize(*quant.quantize(x, groups))
             for g in range(groups):
-                key = f"aux layer {layers[g]}" if name == AUX_TENSOR else name
+                key = f"aux layer {layers[g]}" if name == proto.AUX_TENSOR else name
                 sl = slice(g * h, (g + 1) * h)
                 per.setdefault(key, []).append((x[:, sl], y[:, sl]))
     return {

@@ -28,19 +28,10 @@ import torch
 
 from bench.disk import probe
 from bench.pipeline import bare, capacity, load_samples
-from hsq.app.demo import redis_calls
-from hsq.harness.procs import (
-    ManagedProcess,
-    RedisServer,
-    ReferenceServer,
-    exporter_process,
-    free_port,
-    wait_http_ok,
-    worker_process,
-)
+from hsq.harness import procs
 from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect
+from hsq.store import RunStore, connect, redis_calls
 from producer.enqueue import enqueue_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +65,7 @@ def redis_cpu(client: Any) -> float:
 
 def hsq_phase(
     n: int,
-    servers: list[ReferenceServer],
+    servers: list[procs.ReferenceServer],
     redis_url: str,
     ds: Path,
     out: Path,
@@ -89,7 +80,7 @@ def hsq_phase(
     enqueue_run(store, RunConfig(run=run, dataset=str(ds), out=str(out)), progress=False)
     c0, cpu0, t0 = redis_calls(client), redis_cpu(client), time.perf_counter()
     workers = [
-        worker_process(
+        procs.worker_process(
             run,
             s.url,
             s.dump_dir,
@@ -139,7 +130,7 @@ def prometheus_report(
     work: Path,
     metrics_ports: list[int],
     exporter_port: int,
-) -> tuple[ManagedProcess, str]:
+) -> tuple[procs.ManagedProcess, str]:
     conf = work / "prom"
     (conf / "targets/workers").mkdir(parents=True)
     (conf / "targets/exporter").mkdir(parents=True)
@@ -155,8 +146,8 @@ def prometheus_report(
     )
     (conf / "prometheus.yml").write_text(text)
     (conf / "alerts.yml").write_text((ROOT / "deploy/prometheus/alerts.yml").read_text())
-    port = free_port()
-    proc = ManagedProcess(
+    port = procs.free_port()
+    proc = procs.ManagedProcess(
         [
             binary,
             f"--config.file={conf / 'prometheus.yml'}",
@@ -166,7 +157,7 @@ def prometheus_report(
         work / "prom.log",
     )
     url = f"http://127.0.0.1:{port}"
-    wait_http_ok(url + "/-/ready", proc, timeout=60)
+    procs.wait_http_ok(url + "/-/ready", proc, timeout=60)
     return proc, url
 
 
@@ -216,13 +207,13 @@ def main() -> None:
         max_len=args.max_len,
         vocab=vocab,
     )
-    redis_srv = RedisServer(
+    redis_srv = procs.RedisServer(
         work / "redis", password=secrets.token_hex(8), appendonly=True
     ).wait_ready()
-    eport = free_port()
-    exporter = exporter_process(redis_srv.url, eport, work / "exp.log")
+    eport = procs.free_port()
+    exporter = procs.exporter_process(redis_srv.url, eport, work / "exp.log")
     servers = [
-        ReferenceServer(
+        procs.ReferenceServer(
             dumps / f"d{i}",
             work / f"server{i}.log",
             args=[
@@ -240,7 +231,7 @@ def main() -> None:
         )
         for i in range(n)
     ]
-    mports = [free_port() for _ in range(n)]
+    mports = [procs.free_port() for _ in range(n)]
     prom = None
     try:
         for s in servers:

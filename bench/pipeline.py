@@ -39,13 +39,12 @@ from typing import Any
 import httpx
 
 from bench.disk import probe
-from hsq.app.demo import redis_calls
 from hsq.dataset import read_sample, scan_dataset
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, scan, wait_for_dump
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect
+from hsq.store import RunStore, connect, redis_calls
 from producer.enqueue import enqueue_run
 
 

@@ -17,11 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsq.app.demo import redis_calls
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect
+from hsq.store import RunStore, connect, redis_calls
 from producer.enqueue import enqueue_run
 
 

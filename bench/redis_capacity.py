@@ -17,12 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsq.app.demo import redis_calls
 from hsq.dataset import IndexEntry
 from hsq.harness.procs import RedisServer
 from hsq.outputs import ManifestEntry
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, chunked, connect
+from hsq.store import RunStore, chunked, connect, redis_calls
 
 RUN = "cap"
 

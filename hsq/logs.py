@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 
@@ -28,4 +29,20 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
         # PrintLogger flushes every line, so logs are unbuffered even under a pipe.
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
+    )
+
+
+def progress(total: int, unit: str, desc: str, *, enabled: bool = True) -> Any:
+    """A progress bar for long work, on stderr (stdout carries reports); `unit="B"` counts
+    bytes (shown scaled), e.g. of a dataset being read."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit=unit,
+        unit_scale=unit == "B",
+        desc=desc,
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=0.5,
     )

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -108,6 +109,19 @@ class ModelIdentity:
         return f"{self.name}@{self.config_digest[:16]}"
 
 
+def _load_bounded(
+    text: str | bytes, limit: int, what: str, error: Callable[[str], Exception]
+) -> Any:
+    """json.loads of a file a server wrote (untrusted): size-checked first; anything
+    malformed raises `error` naming `what`."""
+    if len(text) > limit:
+        raise error(f"{what} is {len(text)} bytes, over {limit}")
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is malformed: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class DumpMeta:
     rid: str
@@ -129,12 +143,7 @@ class DumpMeta:
     @classmethod
     def from_json(cls, text: str | bytes) -> DumpMeta:
         """Parse and type-check meta.json (written by a server: untrusted)."""
-        if len(text) > MAX_META_BYTES:
-            raise CorruptDumpError(f"meta.json is {len(text)} bytes, over {MAX_META_BYTES}")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
+        raw = _load_bounded(text, MAX_META_BYTES, META_FILE, CorruptDumpError)
         if not isinstance(raw, dict):
             raise CorruptDumpError("meta.json is malformed: not an object")
         _check_fields("meta.json", raw, _META_TYPES, _META_OPTIONAL)
@@ -534,12 +543,7 @@ class ReadyMarker:
     @classmethod
     def from_json(cls, text: str | bytes) -> ReadyMarker:
         """Strict: exact keys, exact types, bounded sizes; HookInactiveError otherwise."""
-        if len(text) > READY_MAX_BYTES:
-            raise HookInactiveError(f"{READY_FILE} is larger than {READY_MAX_BYTES} bytes")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HookInactiveError(f"{READY_FILE} is not JSON: {exc}") from exc
+        raw = _load_bounded(text, READY_MAX_BYTES, READY_FILE, HookInactiveError)
         obj = _ready_obj(raw, {f.name for f in fields(cls)}, READY_FILE)
         model = _ready_obj(obj["model"], {f.name for f in fields(ModelIdentity)}, "model")
         layers = obj["layer_ids"]

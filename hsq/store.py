@@ -143,17 +143,18 @@ return 0
 
 
 @contextlib.contextmanager
-def _redis_errors() -> Iterator[None]:
+def _redis_errors(where: str = "Redis") -> Iterator[None]:
+    """Redis exceptions as hsq errors: unreachable is transient, the rest is not."""
     try:
         yield
     except redis.exceptions.AuthenticationError as exc:
-        raise StoreError(f"Redis refused the credentials: {exc}") from exc
+        raise StoreError(f"{where} refused the credentials: {exc}") from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise StoreUnavailableError(f"Redis unavailable: {exc}") from exc
+        raise StoreUnavailableError(f"cannot reach {where}: {exc}") from exc
     except redis.exceptions.NoPermissionError as exc:
-        raise StoreError(f"the Redis user lacks a permission hsq needs: {exc}") from exc
+        raise StoreError(f"the user of {where} lacks a permission hsq needs: {exc}") from exc
     except redis.exceptions.RedisError as exc:
-        raise StoreError(f"Redis: {exc}") from exc
+        raise StoreError(f"{where}: {exc}") from exc
 
 
 def _translated(fn: Callable[P, R]) -> Callable[P, R]:
@@ -195,22 +196,17 @@ def connect(url: str) -> redis.Redis:
             if opt not in query and os.environ.get(env):
                 kwargs[opt] = os.environ[env]
     try:
-        client = redis.Redis.from_url(
-            url,
-            socket_connect_timeout=5,
-            socket_timeout=30,
-            health_check_interval=15,
-            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
-            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
-            **kwargs,
-        )
-        client.ping()
-    except redis.exceptions.AuthenticationError as exc:
-        raise StoreError(f"Redis refused the credentials in the URL: {exc}") from exc
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from exc
-    except redis.exceptions.RedisError as exc:
-        raise StoreError(f"Redis at {redact(url)}: {exc}") from exc
+        with _redis_errors(f"Redis at {redact(url)}"):
+            client = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=5,
+                socket_timeout=30,
+                health_check_interval=15,
+                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
+                retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+                **kwargs,
+            )
+            client.ping()
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"bad Redis URL {redact(url)}: {exc}") from exc
     return client

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from tqdm import tqdm
 
+from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
 from hsq.runconfig import RunConfig
@@ -202,26 +202,28 @@ def _recover_outputs(
     for i in range(0, len(ids), 5000):
         already |= store.done_among(ids[i : i + 5000])
     pinned: tuple[str, list[int]] | None = None
-    for sid, entry in tqdm(valid, unit="file", desc="recovering", disable=not progress):
-        if sid in already:
-            continue
-        try:
-            sample = read_sample(dataset, sid, entry)
-        except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
-            report.rejected_files[sid] = str(exc)
-            continue
-        manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
-        if manifest is None:
-            if why != "missing":
-                report.rejected_files[sid] = why
-            continue
-        if pinned is None:
-            pinned = _pin_from_file(store, out_root / manifest.path)
-        if pinned != _identity(out_root / manifest.path):
-            report.rejected_files[sid] = f"model or layers differ from the run's {pinned}"
-            continue
-        if store.mark_done(sid, manifest):
-            report.recovered += 1
+    with logs.progress(len(valid), "file", "recovering", enabled=progress) as bar:
+        for sid, entry in valid:
+            bar.update()
+            if sid in already:
+                continue
+            try:
+                sample = read_sample(dataset, sid, entry)
+            except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
+                report.rejected_files[sid] = str(exc)
+                continue
+            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
+            if manifest is None:
+                if why != "missing":
+                    report.rejected_files[sid] = why
+                continue
+            if pinned is None:
+                pinned = _pin_from_file(store, out_root / manifest.path)
+            if pinned != _identity(out_root / manifest.path):
+                report.rejected_files[sid] = f"model or layers differ from the run's {pinned}"
+                continue
+            if store.mark_done(sid, manifest):
+                report.recovered += 1
     for sid, why in list(report.rejected_files.items())[:20]:
         log.warning("recover_rejected_file", sample=sid, why=why)
 
@@ -266,14 +268,7 @@ def _scan(
 ) -> tuple[list[tuple[str, IndexEntry]], Bad]:
     valid: list[tuple[str, IndexEntry]] = []
     bad: Bad = []
-    with tqdm(
-        total=path.stat().st_size,
-        unit="B",
-        unit_scale=True,
-        desc="validating",
-        disable=not progress,
-        mininterval=0.5,
-    ) as bar:
+    with logs.progress(path.stat().st_size, "B", "validating", enabled=progress) as bar:
         for item in scan_dataset(path, max_tokens):
             report.lines += 1
             if item.entry is not None and item.sample_id is not None:

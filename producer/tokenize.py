@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from tqdm import tqdm
 
+from hsq import logs
 from hsq.chat import ChatOptions, ChatTokenizer, Markers, infer_markers, load_tokenizer
 from hsq.errors import DatasetError
 
@@ -189,14 +189,7 @@ def tokenize_file(
             _mapper(jobs, settings, chat) as mapper,
             open(tmp, "w") as out,
             open(rtmp, "w") as rout,
-            tqdm(
-                total=src.stat().st_size,
-                unit="B",
-                unit_scale=True,
-                desc="tokenizing",
-                disable=not progress,
-                mininterval=0.5,
-            ) as bar,
+            logs.progress(src.stat().st_size, "B", "tokenizing", enabled=progress) as bar,
         ):
             batches = _batches(src)
             sizes: list[int] = []

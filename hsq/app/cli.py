@@ -17,7 +17,7 @@ import click
 from hsq import __version__
 from hsq.app.options import F, settings_options
 from hsq.errors import ConfigError, HsqError, StoreError
-from hsq.logs import configure
+from hsq.logs import configure, progress
 from hsq.runconfig import RunConfig
 from hsq.settings import int_tuple
 from sglang_server.reference.settings import ReferenceSettings
@@ -525,9 +525,7 @@ def _mounted_out_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def _file_progress(total: int, desc: str, off: bool) -> Any:
     """A progress bar over a run's files, on stderr (stdout carries the report)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="file", desc=desc, disable=off, file=sys.stderr, mininterval=0.5)
+    return progress(total, "file", desc, enabled=not off)
 
 
 @cli.command("verify")

@@ -7,18 +7,17 @@ synthetic dataset, the producer and one worker; then every output is verified.
 from __future__ import annotations
 
 import secrets
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from hsq.app.ops import verify
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
+from hsq.logs import progress
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
 from producer.enqueue import enqueue_run
@@ -63,9 +62,7 @@ def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> in
             "demo-w0",
         )
         stack.callback(worker.stop)
-        with tqdm(
-            total=report.valid, unit="sample", desc="extracting", file=sys.stderr, mininterval=0.5
-        ) as bar:
+        with progress(report.valid, "sample", "extracting") as bar:
             while worker.alive():
                 polls += 1
                 bar.update(store.count(store.keys.done) + store.count(store.keys.dead) - bar.n)
