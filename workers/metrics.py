@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -22,6 +24,7 @@ from prometheus_client import (
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PHASES = ("request", "wait_done", "validate", "persist")
 STATES = ("starting", "working", "idle", "server_down", "backing_off", "stopping")
+M = TypeVar("M", Counter, Gauge)
 
 
 class WorkerMetrics:
@@ -29,64 +32,44 @@ class WorkerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"run": run, "worker": worker}
         self.out_dir = out_dir
-        lab = ["run", "worker"]
-        r = self.registry
-        self.samples = Counter(
+        counter, gauge = self._declare(Counter), self._declare(Gauge)
+        self.samples = counter(
             "hsq_worker_samples",
             "Samples handled, by outcome (done, retry, dead, handed_back)",
-            [*lab, "outcome"],
-            registry=r,
+            "outcome",
         )
-        self.tokens = Counter("hsq_worker_tokens", "Tokens of samples done", lab, registry=r)
-        self.bytes = Counter(
-            "hsq_worker_written_bytes", "Output bytes written durably", lab, registry=r
-        )
+        self.tokens = counter("hsq_worker_tokens", "Tokens of samples done")
+        self.bytes = counter("hsq_worker_written_bytes", "Output bytes written durably")
         self.phase = Histogram(
             "hsq_worker_phase_seconds",
             "Latency of each phase of a sample",
-            [*lab, "phase"],
+            [*self.labels, "phase"],
             buckets=PHASE_BUCKETS,
-            registry=r,
+            registry=self.registry,
         )
-        self.mismatches = Counter(
-            "hsq_worker_mismatches", "Failed samples by reason", [*lab, "reason"], registry=r
+        self.mismatches = counter("hsq_worker_mismatches", "Failed samples by reason", "reason")
+        self.server_up = gauge(
+            "hsq_worker_server_up", "1 if the worker's inference server is healthy"
         )
-        self.server_up = Gauge(
-            "hsq_worker_server_up", "1 if the worker's inference server is healthy", lab, registry=r
-        )
-        self.in_flight = Gauge(
+        self.in_flight = gauge(
             "hsq_worker_in_flight_samples",
             "Samples between request and done (bounded by --inflight + persist depth + threads)",
-            lab,
-            registry=r,
         )
-        self.in_flight_tokens = Gauge(
+        self.in_flight_tokens = gauge(
             "hsq_worker_in_flight_tokens",
             "Tokens of the requests in flight on the server (bounded by --max-inflight-tokens)",
-            lab,
-            registry=r,
         )
-        self.dumps_discarded = Counter(
+        self.dumps_discarded = counter(
             "hsq_worker_dumps_discarded",
             "Dumps removed without being attributed (unknown_rid, late, unreadable)",
-            [*lab, "why"],
-            registry=r,
+            "why",
         )
-        self.last_success = Gauge(
-            "hsq_worker_last_success_timestamp_seconds",
-            "Unix time of the last sample done",
-            lab,
-            registry=r,
+        self.last_success = gauge(
+            "hsq_worker_last_success_timestamp_seconds", "Unix time of the last sample done"
         )
-        self.state = Gauge(
-            "hsq_worker_state", "1 for the worker's current state", [*lab, "state"], registry=r
-        )
-        self.free = Gauge(
-            "hsq_worker_output_free_bytes", "Free bytes on the output filesystem", lab, registry=r
-        )
-        self.size = Gauge(
-            "hsq_worker_output_size_bytes", "Size of the output filesystem", lab, registry=r
-        )
+        self.state = gauge("hsq_worker_state", "1 for the worker's current state", "state")
+        self.free = gauge("hsq_worker_output_free_bytes", "Free bytes on the output filesystem")
+        self.size = gauge("hsq_worker_output_size_bytes", "Size of the output filesystem")
         self.free.labels(**self.labels).set_function(lambda: self._disk(free=True))
         self.size.labels(**self.labels).set_function(lambda: self._disk(free=False))
         for outcome in ("done", "retry", "dead", "handed_back"):
@@ -96,6 +79,14 @@ class WorkerMetrics:
         self.tokens.labels(**self.labels)
         self.bytes.labels(**self.labels)
         self.set_state("starting")
+
+    def _declare(self, kind: type[M]) -> Callable[..., M]:
+        """A metric of `kind` on this registry, labelled run and worker plus `extra`."""
+
+        def make(name: str, doc: str, *extra: str) -> M:
+            return kind(name, doc, [*self.labels, *extra], registry=self.registry)
+
+        return make
 
     def _disk(self, free: bool) -> float:
         if self.out_dir is None:
