@@ -127,14 +127,23 @@ def test_two_workers_on_two_servers_write_each_sample_once(
     out = tmp_path / "out"
     enqueue(ds, "two", out, redis_url, "--chunk-size", "3")
     enqueue(ds, "two", out, redis_url, "--chunk-size", "3")  # twice: still each once
+    # Worker a's server answers slowly until worker b has done a sample, so a cannot drain
+    # the queue while b is still starting (it did on a loaded CI machine), and b starts only
+    # once a holds work: both write samples whatever the start-up times.
+    slow = [{"mode": "slow", "seconds": 1.0, "prob": 1.0}]
+    httpx.post(fresh.url + "/admin/faults", json={"rules": slow}).raise_for_status()
+    st = store(redis_url, "two")
+    chunks = st.queue_lengths()["main"]
     w1 = start_worker(tmp_path, "two", fresh, redis_url, "--burst", name="a")
+    wait_until(lambda: st.queue_lengths()["main"] < chunks, 60, interval=0.05)  # a holds work
     w2 = start_worker(tmp_path, "two", other, redis_url, "--burst", name="b")
+    wait_until(lambda: bool(log_events(w2.log_path, "sample_done")), 60)
+    httpx.delete(fresh.url + "/admin/faults").raise_for_status()
     assert w1.proc.wait(120) == 0 and w2.proc.wait(120) == 0
     done_events = log_events(w1.log_path, "sample_done") + log_events(w2.log_path, "sample_done")
     per_sample = Counter(str(e["sample"]) for e in done_events)
     assert len(per_sample) == 40 and set(per_sample.values()) == {1}
     assert log_events(w1.log_path, "sample_done") and log_events(w2.log_path, "sample_done")
-    st = store(redis_url, "two")
     assert st.count(st.keys.done) == 40
     assert len(list((out / "two").rglob("*.safetensors"))) == 40
     other.stop()
