@@ -177,8 +177,14 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         assert not [p for p in files if p.name.endswith(".tmp")]
         assert verify(st, out / "net", deep=True).ok == 80
 
-        # B comes back and rejoins: it takes work again.
+        # B comes back and rejoins: it takes work again. New work is enqueued once B's
+        # heartbeat is back in Redis (C reaped it), or C alone might finish it first.
         netns.link("B", up=True)
+
+        def b_is_back() -> bool:
+            return any(w.startswith("hostB.") and st.worker_info(w) for w in st.worker_ids())
+
+        wait_until(b_is_back, 120)
         more = tmp_path / "more.jsonl"
         write_synthetic(more, 120, seed=31, min_len=4, max_len=32)  # the first 80 are the same
         ds.write_text(more.read_text())
