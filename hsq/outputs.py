@@ -121,7 +121,7 @@ def write_output(
         (dump.fd, aux.start, aux.nbytes),
         (dump.fd, last.start, last.nbytes),
     ]
-    nbytes, crc = _durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
+    nbytes, crc = write_durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
     return nbytes, f"crc32:{crc:08x}"
 
 
@@ -161,7 +161,7 @@ def _write_fp8(
         ]
         sources += [stfile.tensor_bytes(q), stfile.tensor_bytes(scale)]
     header = stfile.build_header(entries, metadata)
-    nbytes, crc = _durably(path, lambda fd: stfile.write(fd, header, sources))
+    nbytes, crc = write_durably(path, lambda fd: stfile.write(fd, header, sources))
     return nbytes, f"crc32:{crc:08x}"
 
 
@@ -181,8 +181,9 @@ FOREIGN_TEMP_AGE_S = 600.0
 """A temp file from another host this old has no live writer: one sample writes in seconds."""
 
 
-def _durably(path: Path, fill: Callable[[int], T]) -> T:
-    """temp file in the same directory, fsync, rename, fsync the directory.
+def write_durably(path: Path, fill: Callable[[int], T]) -> T:
+    """`fill(fd)` a temp file in the same directory, fsync, rename, fsync the directory;
+    OutputError when the disk refuses (full, read-only, ...), leaving no temp behind.
 
     The temp is named after its writer (host, pid), so whoever writes the same output next
     can remove what a killed writer left (`_sweep_dead_temps`)."""
@@ -201,25 +202,26 @@ def _durably(path: Path, fill: Callable[[int], T]) -> T:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
         what = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
         raise OutputError(f"cannot write {path}: {what}") from exc
     _sweep_dead_temps(path)
     return result
 
 
-def _sweep_dead_temps(path: Path) -> list[Path]:
+def _sweep_dead_temps(path: Path) -> None:
     """Remove temps of `path` whose writer is dead (kill -9 mid-write leaves one).
 
     Same host: the pid is gone. Another host: older than FOREIGN_TEMP_AGE_S. A live
     duplicate writer's temp is never touched, so its rename still lands. Best effort."""
     prefix = f".{path.name}."
-    removed: list[Path] = []
     try:
         names = os.listdir(path.parent)
     except OSError:
-        return removed
+        return
     for name in names:
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
@@ -235,10 +237,8 @@ def _sweep_dead_temps(path: Path) -> list[Path]:
             elif time.time() - temp.stat().st_mtime < FOREIGN_TEMP_AGE_S:
                 continue
             temp.unlink()
-            removed.append(temp)
         except OSError:
             continue
-    return removed
 
 
 def _alive(pid: int) -> bool:
@@ -246,8 +246,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, as another user's process
+        pass
     return True
 
 

@@ -1,14 +1,18 @@
-"""Output files: what a writer killed mid-write leaves is removed by the next writer."""
+"""Output files: written durably; a failed or killed writer leaves no temp behind."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from hsq import outputs
+from hsq.errors import OutputError
 from tests.test_fp8 import written
 
 
@@ -40,3 +44,21 @@ def test_the_next_write_removes_temps_of_dead_writers_only(tmp_path: Path) -> No
     left = {what for what, name in temps.items() if (shard / name).exists()}
     assert left == {"alive here", "fresh elsewhere", "another sample", "not ours"}
     assert path.exists() and not list(shard.glob(f".s1.safetensors.{host}.{os.getpid()}.*"))
+
+
+def test_a_full_disk_is_an_output_error_and_leaves_no_temp(tmp_path: Path) -> None:
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OutputError, match="disk full"):
+        outputs.write_durably(tmp_path / "s1.safetensors", full)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_any_failure_while_filling_leaves_no_temp(tmp_path: Path) -> None:
+    def broken(_fd: int) -> None:
+        raise ValueError("not an OSError")
+
+    with pytest.raises(ValueError, match="not an OSError"):
+        outputs.write_durably(tmp_path / "s1.safetensors", broken)
+    assert list(tmp_path.iterdir()) == []

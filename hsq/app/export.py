@@ -4,10 +4,10 @@
 SpecForge's `torch.load(mmap=True)` works) of
     input_ids int64 [T], loss_mask int64 [T],
     hidden_state [1, T, H] (post-norm), aux_hidden_state [1, T, k*H] (run's layer order),
-each a contiguous tensor with its own storage. Files are written to `.<id>.ckpt.<pid>.tmp`
-and renamed, so a killed export leaves nothing SpecForge's `list_feature_files` (names
-ending in .ckpt) would pick up; a file already there and valid is skipped, so a second run
-writes nothing.
+each a contiguous tensor with its own storage. Files are written to a dot-named temp and
+renamed (hsq.outputs.write_durably), so a killed export leaves nothing SpecForge's
+`list_feature_files` (names ending in .ckpt) would pick up; a file already there and valid
+is skipped, so a second run writes nothing.
 
 `manifest`: `manifest.jsonl` in the run's output directory, the list hsq.data reads.
 """
@@ -28,7 +28,7 @@ import structlog
 
 from hsq.data import MANIFEST
 from hsq.errors import ConfigError, DatasetError, OutputError
-from hsq.outputs import ManifestEntry, open_output, output_relpath
+from hsq.outputs import ManifestEntry, open_output, output_relpath, write_durably
 
 if TYPE_CHECKING:
     from hsq.store import RunStore
@@ -140,17 +140,11 @@ def is_valid_ckpt(path: Path, num_tokens: int) -> bool:
 def _save(path: Path, tensors: dict[str, Any]) -> int:
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
+    def fill(fd: int) -> None:
+        with open(fd, "wb", closefd=False) as f:
             torch.save(tensors, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    write_durably(path, fill)
     return path.stat().st_size
 
 
@@ -253,11 +247,6 @@ def export_manifest(store: RunStore, root: Path, *, partial: bool = False) -> in
         line = {"id": sid, "path": e.path, "num_tokens": e.num_tokens, "bytes": e.bytes}
         rows.append((e.path, json.dumps(line)))
     rows.sort()
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
-    root.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as f:
-        f.writelines(line + "\n" for _, line in rows)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, root / MANIFEST)
+    text = "".join(line + "\n" for _, line in rows).encode()
+    write_durably(root / MANIFEST, lambda fd: os.write(fd, text))
     return len(rows)
