@@ -353,42 +353,14 @@ def test_enqueue_with_tokenizer_tokenizes_and_dead_letters_in_one_step(
 ) -> None:
     base, url = walk["base"], walk["url"]
     src = base / "chats.jsonl"
-    res = hsq(
-        "enqueue",
-        str(src),
-        "--tokenizer",
-        str(base / "tok"),
-        "--run",
-        "walk-one",
-        "--out",
-        str(base / "out3"),
-        "--redis",
-        url,
-        "--jobs",
-        "1",
-        "--no-progress",
-        check=True,
-    )
+    args = ["enqueue", str(src), "--tokenizer", str(base / "tok"), "--run", "walk-one"]
+    args += ["--out", str(base / "out3"), "--redis", url, "--jobs", "1", "--no-progress"]
+    res = hsq(*args, check=True)
     assert "enqueued        11 samples" in res.stdout
     assert (base / "chats.tokens.jsonl").read_text() == walk["tokens"].read_text()
     st = store(url, "walk-one")
     assert len(st.dead_entries()) == 3
-    again = hsq(
-        "enqueue",
-        str(src),
-        "--tokenizer",
-        str(base / "tok"),
-        "--run",
-        "walk-one",
-        "--out",
-        str(base / "out3"),
-        "--redis",
-        url,
-        "--jobs",
-        "1",
-        "--no-progress",
-        check=True,
-    )
+    again = hsq(*args, check=True)  # the same command again: nothing new
     assert "enqueued        0 samples" in again.stdout
     raw = hsq("enqueue", str(src), "--run", "walk-raw", "--out", str(base / "out4"), "--redis", url)
     assert raw.returncode == 1 and "pass --tokenizer DIR" in raw.stderr
