@@ -47,6 +47,11 @@ pytestmark = pytest.mark.timeout(600)
 RUN = "walk"
 
 
+def specforge(run: str, url: str, dest: Path | str) -> list[str]:
+    """`hsq export` arguments for a SpecForge export of `run` to `dest`."""
+    return ["export", "--run", run, "--redis", url, "--format", "specforge", "--to", str(dest)]
+
+
 def chats() -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for i in range(10):
@@ -122,21 +127,7 @@ def walk(
     finally:
         w.stop()
     export = base / "specforge"
-    first = hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        url,
-        "--format",
-        "specforge",
-        "--to",
-        str(export),
-        "--jobs",
-        "2",
-        "--no-progress",
-        check=True,
-    )
+    first = hsq(*specforge(RUN, url, export), "--jobs", "2", "--no-progress", check=True)
     yield {
         "base": base,
         "url": url,
@@ -191,39 +182,14 @@ def test_specforge_reads_every_export_and_every_tensor_equals_hsqs(walk: dict[st
 
 
 def test_export_again_writes_nothing(walk: dict[str, Any]) -> None:
-    again = hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        walk["url"],
-        "--format",
-        "specforge",
-        "--to",
-        str(walk["export"]),
-        "--no-progress",
-        check=True,
-    )
+    again = hsq(*specforge(RUN, walk["url"], walk["export"]), "--no-progress", check=True)
     assert "written   0 files" in again.stdout and "skipped   11" in again.stdout
 
 
 @needs_specforge
 def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> None:
     dest = walk["base"] / "killed"
-    argv = hsq_command(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        walk["url"],
-        "--format",
-        "specforge",
-        "--to",
-        str(dest),
-        "--jobs",
-        "1",
-        "--no-progress",
-    )
+    argv = hsq_command(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(lambda: proc.poll() is not None or any(dest.rglob("*")), timeout=60, interval=0.01)
     proc.send_signal(signal.SIGKILL)
@@ -234,53 +200,16 @@ def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> N
     for f in list_feature_files(str(dest)):
         raw = load_feature_file(f)
         assert raw["input_ids"].shape[0] == raw["aux_hidden_state"].shape[1]
-    hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        walk["url"],
-        "--format",
-        "specforge",
-        "--to",
-        str(dest),
-        "--no-progress",
-        check=True,
-    )
+    hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
     assert len(list_feature_files(str(dest))) == 11
     assert not list(dest.rglob("*.tmp"))
 
 
 def test_export_refuses_other_layers_and_an_unfinished_run(walk: dict[str, Any]) -> None:
     url = walk["url"]
-    wrong = hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        url,
-        "--format",
-        "specforge",
-        "--to",
-        str(walk["base"] / "x"),
-        "--expect-layers",
-        "1,3,4",
-    )
+    wrong = hsq(*specforge(RUN, url, walk["base"] / "x"), "--expect-layers", "1,3,4")
     assert wrong.returncode == 2 and "captured layers [2, 4, 5]" in wrong.stderr
-    ok = hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        url,
-        "--format",
-        "specforge",
-        "--to",
-        str(walk["export"]),
-        "--expect-layers",
-        "2,4,5",
-        "--no-progress",
-    )
+    ok = hsq(*specforge(RUN, url, walk["export"]), "--expect-layers", "2,4,5", "--no-progress")
     assert ok.returncode == 0, ok.stderr
     hsq(
         "enqueue",
@@ -294,31 +223,9 @@ def test_export_refuses_other_layers_and_an_unfinished_run(walk: dict[str, Any])
         "--no-progress",
         check=True,
     )
-    pending = hsq(
-        "export",
-        "--run",
-        "walk-pending",
-        "--redis",
-        url,
-        "--format",
-        "specforge",
-        "--to",
-        str(walk["base"] / "p"),
-    )
+    pending = hsq(*specforge("walk-pending", url, walk["base"] / "p"))
     assert pending.returncode == 2 and "not complete: 11 of 11" in pending.stderr
-    partial = hsq(
-        "export",
-        "--run",
-        "walk-pending",
-        "--redis",
-        url,
-        "--format",
-        "specforge",
-        "--to",
-        str(walk["base"] / "p"),
-        "--partial",
-        "--no-progress",
-    )
+    partial = hsq(*specforge("walk-pending", url, walk["base"] / "p"), "--partial", "--no-progress")
     assert partial.returncode == 0 and "samples   0" in partial.stdout
 
 
@@ -409,20 +316,7 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     victim = copy / RUN / entry.path
     victim.write_bytes(victim.read_bytes()[:100])
     dest = walk["base"] / "from-damaged"
-    res = hsq(
-        "export",
-        "--run",
-        RUN,
-        "--redis",
-        walk["url"],
-        "--format",
-        "specforge",
-        "--to",
-        str(dest),
-        "--out",
-        str(copy),
-        "--no-progress",
-    )
+    res = hsq(*specforge(RUN, walk["url"], dest), "--out", str(copy), "--no-progress")
     assert res.returncode == 1 and "failed    1" in res.stdout
     assert "not a readable output" in res.stderr
     assert len(list(dest.rglob("*.ckpt"))) == 10
