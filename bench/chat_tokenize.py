@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from hsq.harness.toytok import build_chatml_tokenizer
-from producer.tokenize import TokenizeSettings, tokenize_file
+from hsq.producer.tokenize import TokenizeSettings, tokenize_file
 
 WORDS = [
     "the",

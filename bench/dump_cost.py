@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from hsq.protocol import clear_dump_dir
-from sglang_server.reference.dumper import DumpWriter
-from sglang_server.reference.engine import Engine
-from sglang_server.reference.faults import FaultPlan
-from sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.dumper import DumpWriter
+from hsq.sglang_server.reference.engine import Engine
+from hsq.sglang_server.reference.faults import FaultPlan
+from hsq.sglang_server.reference.model import load_model
 
 
 def sync(device: str) -> None:

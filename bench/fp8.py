@@ -33,7 +33,7 @@ from hsq import protocol as proto
 from hsq import quant
 from hsq.dataset import Sample
 from hsq.outputs import write_output
-from sglang_server.reference.model import eagle3_default_layers, load_model, shape_config
+from hsq.sglang_server.reference.model import eagle3_default_layers, load_model, shape_config
 
 FORMATS = ("bf16", "fp8-e4m3")
 

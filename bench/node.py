@@ -30,9 +30,9 @@ from bench.disk import probe
 from bench.pipeline import bare, capacity, load_samples
 from hsq.harness import procs
 from hsq.harness.synthetic import write_synthetic
+from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from producer.enqueue import enqueue_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,10 +42,10 @@ from bench.disk import probe
 from hsq.dataset import read_sample, scan_dataset
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
+from hsq.producer.enqueue import enqueue_run
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, scan, wait_for_dump
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from producer.enqueue import enqueue_run
 
 
 def load_samples(ds: Path) -> list[tuple[str, list[int]]]:

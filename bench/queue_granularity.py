@@ -19,9 +19,9 @@ from pathlib import Path
 
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
+from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from producer.enqueue import enqueue_run
 
 
 def main() -> None:

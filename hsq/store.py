@@ -49,7 +49,7 @@ from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
 from hsq.outputs import ManifestEntry
 from hsq.runconfig import RunConfig
 
-JOB_FUNC = "workers.jobs.extract_chunk"
+JOB_FUNC = "hsq.workers.jobs.extract_chunk"
 HEARTBEAT_TTL_S = 10
 ENQUEUE_LOCK_TTL_S = 60
 MAX_DEAD_ENTRY = 64 * 1024

@@ -13,7 +13,7 @@ mkdir -p "$dest"
 # Fetched third-party code must never be committed, whatever .gitignore says.
 [ -f .cache/.gitignore ] || echo '*' >.cache/.gitignore
 
-versions=$("$PY" -c 'from sglang_server.sglang_hook.compat import PINNED_VERSIONS; print(*PINNED_VERSIONS)')
+versions=$("$PY" -c 'from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS; print(*PINNED_VERSIONS)')
 for v in $versions; do
   if compgen -G "$dest/sglang-$v-*.whl" >/dev/null; then
     continue

@@ -14,7 +14,7 @@ import pytest
 from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
 from hsq.errors import ConfigError, DatasetError
 from hsq.harness.toytok import build_chatml_tokenizer
-from producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
+from hsq.producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
 
 try:
     from specforge.data.parse import GeneralParser

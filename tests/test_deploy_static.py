@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sglang_server.sglang_hook.compat import PINNED_VERSIONS, parse_version, plugin_supported
+from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS, parse_version, plugin_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "deploy/slurm"

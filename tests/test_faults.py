@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hsq.errors import ConfigError
-from sglang_server.reference.faults import FaultPlan, FaultRule
+from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
 
 
 def test_parse_rule_with_options() -> None:

@@ -30,7 +30,7 @@ from hsq.protocol import (
     write_dump,
 )
 from hsq.runconfig import RunConfig
-from sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from hsq.app.ops import run_status, verify
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.model import load_model
 from tests.conftest import generate
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 

@@ -1,11 +1,16 @@
 """The import rules (docs/architecture.md), checked over the tree's own imports.
 
-    contracts  hsq/ (not app/, harness/)   import only contracts
-    services   workers/, producer/,        import contracts and their own package
-               sglang_server/
+    contracts  hsq/*.py                    import only contracts
+    services   hsq.workers, hsq.producer,  import contracts and their own package
+               hsq.sglang_server (the
+               repository's workers/,
+               producer/, sglang_server/)
     harness    hsq/harness/                imports contracts, services and itself
     shell      hsq/app/, hsq/__main__.py,  may import everything
                hsq/cli.py (old entry point)
+
+A top-level `workers`, `producer` or `sglang_server` import is always wrong: those names are
+not installed (issue 25), only `hsq` is.
 
 Imports inside functions count too: a lazy import is still a dependency.
 """
@@ -19,20 +24,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hsq", "workers", "producer", "sglang_server")
-SERVICES = ("workers", "producer", "sglang_server")
+SERVICES = ("hsq.workers", "hsq.producer", "hsq.sglang_server")
 
 
 def layer(module: str) -> str:
     """The layer of a first-party module (dotted name); "" for anything else."""
     top = module.split(".")[0]
+    if top in ("workers", "producer", "sglang_server"):
+        return "uninstalled"  # the bare directory names: never importable once installed
     if module in ("hsq.app", "hsq.__main__", "hsq.cli") or module.startswith("hsq.app."):
         return "shell"  # entry points: `python -m hsq`, and hsq.cli for old console scripts
     if module == "hsq.harness" or module.startswith("hsq.harness."):
         return "harness"
+    for service in SERVICES:
+        if module == service or module.startswith(service + "."):
+            return service
     if top == "hsq":
         return "contracts"
-    if top in SERVICES:
-        return top
     if top in ("tests", "bench", "deploy"):
         return top
     return ""
@@ -47,9 +55,12 @@ ALLOWED: dict[str, set[str]] = {
 
 
 def module_name(path: Path, root: Path) -> str:
+    """The installed name: workers/x.py is hsq.workers.x (hsq/workers links to it)."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] != "hsq":
+        parts.insert(0, "hsq")
     return ".".join(parts)
 
 
@@ -94,13 +105,15 @@ def test_imports_follow_the_layers() -> None:
     ("path", "source"),
     [
         ("hsq/protocol.py", "from hsq.app.ops import run_status\n"),
-        ("hsq/protocol.py", "def f() -> None:\n    import workers.worker\n"),
+        ("hsq/protocol.py", "def f() -> None:\n    import hsq.workers.worker\n"),
         ("hsq/stfile.py", "from hsq.harness import procs\n"),
-        ("workers/worker.py", "from producer.enqueue import enqueue\n"),
+        ("workers/worker.py", "from hsq.producer.enqueue import enqueue\n"),
         ("producer/enqueue.py", "from hsq.app import ops\n"),
-        ("sglang_server/app.py", "from workers import client\n"),
+        ("sglang_server/app.py", "from hsq.workers import client\n"),
         ("hsq/harness/procs.py", "from hsq.app.cli import main\n"),
-        ("workers/client.py", "from ..hsq.app import cli\n"),
+        ("workers/client.py", "from ..app import cli\n"),
+        ("hsq/app/cli.py", "import workers.worker\n"),
+        ("hsq/protocol.py", "from .workers import client\n"),
     ],
 )
 def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source: str) -> None:
@@ -117,6 +130,6 @@ def test_the_shell_may_import_everything(tmp_path: Path) -> None:
         (tmp_path / pkg).mkdir()
     (tmp_path / "hsq/app").mkdir()
     (tmp_path / "hsq/app/cli.py").write_text(
-        "import workers.worker\nimport producer.enqueue\nfrom hsq.harness import procs\n"
+        "import hsq.workers.worker\nimport hsq.producer.enqueue\nfrom hsq.harness import procs\n"
     )
     assert violations(tmp_path) == []

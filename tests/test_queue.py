@@ -20,7 +20,7 @@ from hsq.dataset import IndexEntry
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import fingerprint
-from sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]

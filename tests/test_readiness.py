@@ -29,8 +29,8 @@ from hsq.protocol import (
     read_ready,
     write_ready,
 )
+from hsq.workers.readiness import await_hook, check_marker
 from tests.helpers import enqueue, start_worker, store
-from workers.readiness import await_hook, check_marker
 
 Factory = Callable[..., ReferenceServer]
 IDENT = ModelIdentity("Kimi-K2.5", "KimiK25ForConditionalGeneration", 61, 7168, "ab" * 32)

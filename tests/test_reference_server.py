@@ -16,9 +16,9 @@ import torch
 from hsq import errors
 from hsq.harness.procs import ReferenceServer
 from hsq.protocol import clear_dump_dir, read_dump, read_meta, scan, wait_for_dump
-from sglang_server.reference.engine import CRASH_EXIT_CODE
-from sglang_server.reference.model import load_model
-from sglang_server.reference.tolerance import closeness
+from hsq.sglang_server.reference.engine import CRASH_EXIT_CODE
+from hsq.sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.tolerance import closeness
 from tests.conftest import expected_for, generate
 
 Factory = Callable[..., ReferenceServer]
@@ -407,7 +407,7 @@ def test_closeness_bound() -> None:
 
 
 def test_batch_shapes_cover_every_batch_the_engine_can_form() -> None:
-    from sglang_server.reference.model import batch_shapes, bucket_length
+    from hsq.sglang_server.reference.model import batch_shapes, bucket_length
 
     shapes = set(batch_shapes(2048, 4, 3000))
     for longest in range(1, 2049):

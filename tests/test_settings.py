@@ -15,8 +15,8 @@ from hsq.app import cli
 from hsq.app.options import settings_options
 from hsq.runconfig import RunConfig
 from hsq.settings import env_names, setting_doc
-from sglang_server.reference.settings import ReferenceSettings
-from workers.settings import WorkerSettings
+from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.workers.settings import WorkerSettings
 
 # Flags that docs, compose files, Slurm recipes and tests already use: they must keep working.
 WORKER_FLAGS = [

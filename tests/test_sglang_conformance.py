@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_server.sglang_hook import compat, srccheck
-from sglang_server.sglang_hook.compat import PINNED_VERSIONS, Symbol
-from sglang_server.sglang_hook.srccheck import SourceReader, SourceTree
+from hsq.sglang_server.sglang_hook import compat, srccheck
+from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS, Symbol
+from hsq.sglang_server.sglang_hook.srccheck import SourceReader, SourceTree
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "sglang"

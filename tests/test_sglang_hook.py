@@ -36,27 +36,27 @@ from hsq.protocol import (
     scan,
     write_ready,
 )
-from sglang_server.sglang_hook import plugin
-from sglang_server.sglang_hook.compat import PINNED_VERSIONS
-from sglang_server.sglang_hook.config import HookConfig
-from sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
-from sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
-from sglang_server.sglang_hook.identity import model_identity
-from sglang_server.sglang_hook.launch_args import (
+from hsq.sglang_server.sglang_hook import plugin
+from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS
+from hsq.sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
+from hsq.sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
+from hsq.sglang_server.sglang_hook.identity import model_identity
+from hsq.sglang_server.sglang_hook.launch_args import (
     check_launch_args,
     check_server_info,
     launch_command,
     refusals,
 )
-from sglang_server.sglang_hook.launch_sglang import check_running
-from sglang_server.sglang_hook.layers import (
+from hsq.sglang_server.sglang_hook.launch_sglang import check_running
+from hsq.sglang_server.sglang_hook.layers import (
     check_effective,
     default_layer_ids,
     effective_layer_ids,
     find_capture_list,
     parse_layer_ids,
 )
-from sglang_server.sglang_hook.plan import RidFilter, build_plan
+from hsq.sglang_server.sglang_hook.plan import RidFilter, build_plan
 
 H = 8
 LAYERS = [3, 6, 9]
@@ -350,7 +350,7 @@ def test_full_queue_blocks_the_scheduler(tmp_path: Path) -> None:
     req = srv.add("hsq-a", 2)
     plan = srv.hook.plan([req], [0], [2])
     assert plan is not None
-    from sglang_server.sglang_hook.accumulator import Chunk
+    from hsq.sglang_server.sglang_hook.accumulator import Chunk
 
     s = srv.states["hsq-a"]
     chunk = Chunk(plan.entries[0], torch.tensor(s.ids), s.last, [s.aux])
@@ -492,7 +492,9 @@ def test_launch_command_picks_plugin_or_launcher() -> None:
     assert new[5:7] == ["-m", "sglang.launch_server"]
     assert "--disable-radix-cache" in new and "--disable-prefill-cuda-graph" in new
     old = launch_command("/m/llama", "/dumps", sglang_version="0.5.9", overlap_schedule=False)
-    assert "sglang_server.sglang_hook.legacy_launch" in old and "--disable-overlap-schedule" in old
+    assert (
+        "hsq.sglang_server.sglang_hook.legacy_launch" in old and "--disable-overlap-schedule" in old
+    )
     assert "--disable-piecewise-cuda-graph" in launch_command("m", "d", sglang_version="0.5.11")
     with pytest.raises(ValueError, match="dp-attention"):
         launch_command("m", "d", sglang_version="0.5.23", extra_args=["--enable-dp-attention"])
@@ -526,7 +528,7 @@ def test_check_server_info() -> None:
 
 def test_launcher_refuses_without_radix_cache_off(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_server.sglang_hook.legacy_launch", "--model-path", "m"],
+        [sys.executable, "-m", "hsq.sglang_server.sglang_hook.legacy_launch", "--model-path", "m"],
         capture_output=True,
         text=True,
         env={"SGLANG_HS_DUMP_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
@@ -1008,7 +1010,7 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "sglang_server.sglang_hook.legacy_launch",
+            "hsq.sglang_server.sglang_hook.legacy_launch",
             "--model-path",
             "m",
             "--disable-radix-cache",

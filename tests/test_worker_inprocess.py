@@ -41,12 +41,12 @@ from hsq.protocol import (
 )
 from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, SampleRef
-from workers.client import ServerClient
-from workers.lock import DumpDirLock
-from workers.runview import RunView
-from workers.settings import WorkerSettings
-from workers.startup import STAGING, Started
-from workers.worker import Worker
+from hsq.workers.client import ServerClient
+from hsq.workers.lock import DumpDirLock
+from hsq.workers.runview import RunView
+from hsq.workers.settings import WorkerSettings
+from hsq.workers.startup import STAGING, Started
+from hsq.workers.worker import Worker
 
 IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
 EVIL = ModelIdentity("other", "LlamaModel", 8, 16, "1" * 64)
@@ -377,7 +377,7 @@ def test_eio_reading_the_dataset_is_handed_back_never_dead(
             raise OSError(errno.EIO, "Input/output error")
         return read_sample(path, sid, entry)
 
-    monkeypatch.setattr("workers.extract.read_sample", flaky)
+    monkeypatch.setattr("hsq.workers.extract.read_sample", flaky)
     store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
     run_worker(tmp_path, store)
     every_sample_marked_once(store, refs)
@@ -429,9 +429,9 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ds, refs = dataset
-    import workers.persist
+    import hsq.workers.persist
 
-    real = workers.persist.write_output  # type: ignore[attr-defined]  # the name persist calls
+    real = hsq.workers.persist.write_output  # type: ignore[attr-defined]  # the name persist calls
     boom = iter([True])
 
     def flaky(*a: Any, **kw: Any) -> Any:
@@ -439,7 +439,7 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
             raise KeyError("surprise")
         return real(*a, **kw)
 
-    monkeypatch.setattr(workers.persist, "write_output", flaky)
+    monkeypatch.setattr(hsq.workers.persist, "write_output", flaky)
     store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
     with structlog.testing.capture_logs() as logs:
         run_worker(tmp_path, store)

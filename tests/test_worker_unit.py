@@ -16,11 +16,11 @@ from hsq import errors
 from hsq.dataset import IndexEntry
 from hsq.protocol import META_FILE, RidMatcher
 from hsq.store import ChunkJob
+from hsq.workers.chunks import ChunkBook
+from hsq.workers.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
+from hsq.workers.policy import Kind, Outcome, Pause, backoff, classify, decide
+from hsq.workers.startup import check_dump_dir
 from tests.test_protocol import IDS, make
-from workers.chunks import ChunkBook
-from workers.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
-from workers.policy import Kind, Outcome, Pause, backoff, classify, decide
-from workers.startup import check_dump_dir
 
 # ---------------------------------------------------------------------------- policy
 
@@ -330,7 +330,7 @@ def test_a_short_dump_seen_late_still_waits_for_its_other_part(
 
 def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
     """Issue 15 minor item: the metrics endpoint was 0.0.0.0 by default."""
-    from workers.settings import WorkerSettings
+    from hsq.workers.settings import WorkerSettings
 
     s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
     assert s.metrics_host == "127.0.0.1"

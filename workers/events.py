@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from workers.chunks import WorkItem
+from hsq.workers.chunks import WorkItem
 
 
 class EventKind(enum.Enum):

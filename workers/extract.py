@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from hsq.dataset import read_sample
 from hsq.errors import CachedTokensError, WrongLengthError
 from hsq.protocol import check_meta, remove_dump
-from workers.chunks import WorkItem
-from workers.client import ServerClient
-from workers.dispatch import Dispatcher
-from workers.events import Event, EventKind
-from workers.metrics import WorkerMetrics
-from workers.persist import PersistStage, StagedSample
-from workers.runview import RunView
+from hsq.workers.chunks import WorkItem
+from hsq.workers.client import ServerClient
+from hsq.workers.dispatch import Dispatcher
+from hsq.workers.events import Event, EventKind
+from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.persist import PersistStage, StagedSample
+from hsq.workers.runview import RunView
 
 
 class SendStage:

@@ -23,10 +23,10 @@ import structlog
 from hsq.dataset import Sample
 from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import DumpMeta, open_dump_tensors
-from workers.chunks import WorkItem
-from workers.events import Event, EventKind
-from workers.metrics import WorkerMetrics
-from workers.runview import Pinner, RunView
+from hsq.workers.chunks import WorkItem
+from hsq.workers.events import Event, EventKind
+from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.runview import Pinner, RunView
 
 log = structlog.get_logger("hsq.worker.persist")
 

@@ -31,7 +31,7 @@ from hsq.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from workers.client import MidRequestFailure
+from hsq.workers.client import MidRequestFailure
 
 # The one place that says "Redis is unreachable": the store translates every redis-py error
 # into the hsq tree, so this is the only type workers catch for it.

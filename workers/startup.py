@@ -17,9 +17,9 @@ import structlog
 from hsq.errors import ConfigError, StoreError
 from hsq.protocol import clear_dump_dir
 from hsq.store import RunStore, connect
-from workers.lock import DumpDirLock
-from workers.runview import RunView
-from workers.settings import WorkerSettings
+from hsq.workers.lock import DumpDirLock
+from hsq.workers.runview import RunView
+from hsq.workers.settings import WorkerSettings
 
 log = structlog.get_logger("hsq.worker")
 STAGING = ".hsq-staging"

@@ -31,14 +31,14 @@ import structlog
 
 from hsq.errors import ConfigError, RunChangedError, StoreError
 from hsq.store import ChunkJob, RunStore, new_worker_id
-from workers.chunks import ChunkBook, OpenChunk, WorkItem
-from workers.client import ServerClient
-from workers.dispatch import Dispatcher
-from workers.events import Event, EventKind
-from workers.extract import SendStage
-from workers.metrics import WorkerMetrics
-from workers.persist import PersistStage
-from workers.policy import (
+from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
+from hsq.workers.client import ServerClient
+from hsq.workers.dispatch import Dispatcher
+from hsq.workers.events import Event, EventKind
+from hsq.workers.extract import SendStage
+from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.persist import PersistStage
+from hsq.workers.policy import (
     STORE_DOWN,
     STORE_DOWN_OR_RUN_CHANGED,
     STORE_TROUBLE,
@@ -49,11 +49,11 @@ from workers.policy import (
     classify,
     decide,
 )
-from workers.rate import RateWindow
-from workers.readiness import require_hook
-from workers.runview import RunView
-from workers.settings import WorkerSettings
-from workers.startup import Started, startup
+from hsq.workers.rate import RateWindow
+from hsq.workers.readiness import require_hook
+from hsq.workers.runview import RunView
+from hsq.workers.settings import WorkerSettings
+from hsq.workers.startup import Started, startup
 
 log = structlog.get_logger("hsq.worker")
 

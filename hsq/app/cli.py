@@ -20,8 +20,8 @@ from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.logs import configure, progress
 from hsq.runconfig import RunConfig
 from hsq.settings import int_tuple
-from sglang_server.reference.settings import ReferenceSettings
-from workers.settings import WorkerSettings
+from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.workers.settings import WorkerSettings
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -68,7 +68,7 @@ def serve_reference(**values: Any) -> None:
       hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
       hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
     """
-    from sglang_server.reference.app import serve
+    from hsq.sglang_server.reference.app import serve
 
     serve(ReferenceSettings(**values))
 
@@ -166,7 +166,7 @@ def _chat_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
     from hsq.chat import ChatOptions
-    from producer.tokenize import TokenizeSettings
+    from hsq.producer.tokenize import TokenizeSettings
 
     if kw["max_length"] is not None and kw["max_length"] < 1:
         raise ConfigError("--max-length must be >= 1")
@@ -219,7 +219,7 @@ def tokenize(chats: Path, tokenizer: Path, output: Path, no_progress: bool, **kw
     Example:
       hsq tokenize chats.jsonl --tokenizer /models/qwen3-8b -o tokens.jsonl --max-length 4096
     """
-    from producer.tokenize import rejects_path, tokenize_file
+    from hsq.producer.tokenize import rejects_path, tokenize_file
 
     report, _ = tokenize_file(
         chats, output, _tokenize_settings(tokenizer, kw), progress=not no_progress
@@ -274,9 +274,9 @@ def enqueue(
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
     from hsq.errors import DatasetError
+    from hsq.producer.enqueue import enqueue_run
+    from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
     from hsq.store import RunStore, connect
-    from producer.enqueue import enqueue_run
-    from producer.tokenize import read_rejects, rejects_path, tokenize_file
 
     if tokenizer is not None:
         tokens = tokens or dataset.with_name(dataset.name.removesuffix(".jsonl") + ".tokens.jsonl")
@@ -342,8 +342,8 @@ def recover(
     Example (Redis was wiped):
       hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
     """
+    from hsq.producer.enqueue import recover_run
     from hsq.store import RunStore, connect
-    from producer.enqueue import recover_run
 
     store = RunStore(connect(redis_url), run)
     known = store.load_config()
@@ -388,7 +388,7 @@ def worker(**values: Any) -> None:
     Example:
       hsq worker --run kimi-v1 --server http://127.0.0.1:30000 --dump-dir /dev/shm/hsq0
     """
-    from workers.worker import run_worker
+    from hsq.workers.worker import run_worker
 
     sys.exit(run_worker(WorkerSettings(**values)))
 
@@ -778,7 +778,7 @@ def launch_sglang(
     """
     import shlex
 
-    from sglang_server.sglang_hook.launch_sglang import run_checked
+    from hsq.sglang_server.sglang_hook.launch_sglang import run_checked
 
     sys.exit(
         run_checked(

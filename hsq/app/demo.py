@@ -18,9 +18,9 @@ from hsq.app.ops import verify
 from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.logs import progress
+from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, connect, redis_calls
-from producer.enqueue import enqueue_run
 
 
 def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> int:

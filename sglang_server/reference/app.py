@@ -28,11 +28,11 @@ import structlog
 
 from hsq.errors import ConfigError
 from hsq.protocol import DTYPES, ReadyMarker, write_ready
-from sglang_server.reference.dumper import DumpWriter
-from sglang_server.reference.engine import Engine, InjectedServerError, RequestError
-from sglang_server.reference.faults import FaultPlan, FaultRule
-from sglang_server.reference.model import load_model
-from sglang_server.reference.settings import ReferenceSettings
+from hsq.sglang_server.reference.dumper import DumpWriter
+from hsq.sglang_server.reference.engine import Engine, InjectedServerError, RequestError
+from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
+from hsq.sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.settings import ReferenceSettings
 
 log = structlog.get_logger("hsq.reference.app")
 MAX_BODY_BYTES = 64 * 1024 * 1024

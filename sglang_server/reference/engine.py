@@ -31,9 +31,9 @@ from hsq.protocol import (
     expected_shapes,
     fingerprint,
 )
-from sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
-from sglang_server.reference.faults import FaultPlan, FaultRule
-from sglang_server.reference.model import HiddenStateModel, batch_shapes
+from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
+from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
+from hsq.sglang_server.reference.model import HiddenStateModel, batch_shapes
 
 log = structlog.get_logger("hsq.reference.engine")
 CRASH_EXIT_CODE = 70

@@ -4,14 +4,14 @@ Everything but plugin.py and legacy_launch.py is plain Python and torch, tested 
 docs/sglang.md says how to use it and what has and has not been verified.
 """
 
-from sglang_server.sglang_hook.compat import PINNED_VERSIONS
-from sglang_server.sglang_hook.config import HookConfig
-from sglang_server.sglang_hook.launch_args import (
+from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS
+from hsq.sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.launch_args import (
     check_launch_args,
     check_server_info,
     launch_command,
 )
-from sglang_server.sglang_hook.layers import effective_layer_ids
+from hsq.sglang_server.sglang_hook.layers import effective_layer_ids
 
 __all__ = [
     "PINNED_VERSIONS",

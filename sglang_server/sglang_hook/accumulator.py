@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_server.sglang_hook.plan import PlanEntry
+from hsq.sglang_server.sglang_hook.plan import PlanEntry
 
 log = logging.getLogger("hsq.sglang_hook")
 

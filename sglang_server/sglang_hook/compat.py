@@ -27,7 +27,7 @@ default there (0.5.9 had it opt-in, 0.5.10 was not read)."""
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "hsq_dump"
-ENTRY_POINT_VALUE = "sglang_server.sglang_hook.plugin:register"
+ENTRY_POINT_VALUE = "hsq.sglang_server.sglang_hook.plugin:register"
 
 Kind = Literal["def", "class", "attr", "text"]
 

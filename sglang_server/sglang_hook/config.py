@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_server.sglang_hook.layers import parse_layer_ids
+from hsq.sglang_server.sglang_hook.layers import parse_layer_ids
 
 ENV_PREFIX = "SGLANG_HS_"
 ENV_DUMP_DIR = "SGLANG_HS_DUMP_DIR"

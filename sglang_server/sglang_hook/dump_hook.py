@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sglang_server.sglang_hook.accumulator import Chunk
-from sglang_server.sglang_hook.config import HookConfig
-from sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
-from sglang_server.sglang_hook.plan import BatchPlan, ReqLike, RidFilter, build_plan
+from hsq.sglang_server.sglang_hook.accumulator import Chunk
+from hsq.sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
+from hsq.sglang_server.sglang_hook.plan import BatchPlan, ReqLike, RidFilter, build_plan
 
 log = logging.getLogger("hsq.sglang_hook")
 

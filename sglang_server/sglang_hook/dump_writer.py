@@ -31,7 +31,7 @@ from hsq.protocol import (
     fingerprint,
     write_dump,
 )
-from sglang_server.sglang_hook.accumulator import Accumulator, Chunk, Complete
+from hsq.sglang_server.sglang_hook.accumulator import Accumulator, Chunk, Complete
 
 log = logging.getLogger("hsq.sglang_hook")
 _INDEX_RE = re.compile(r"^req_(\d+)(?:\.tmp)?$")

@@ -7,14 +7,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sglang_server.sglang_hook.compat import (
+from hsq.sglang_server.sglang_hook.compat import (
     PINNED_VERSIONS,
     plugin_supported,
     prefill_graph_off_flags,
 )
-from sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.config import HookConfig
 
-LAUNCHER_MODULE = "sglang_server.sglang_hook.legacy_launch"
+LAUNCHER_MODULE = "hsq.sglang_server.sglang_hook.legacy_launch"
 # Flags that break the one-writer, rows-in-batch-order assumptions of the hook.
 _UNSUPPORTED_FLAGS = (
     "--enable-dp-attention",

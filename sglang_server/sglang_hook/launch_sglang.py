@@ -21,7 +21,7 @@ import httpx
 
 from hsq.errors import ConfigError, HookInactiveError
 from hsq.protocol import READY_FILE, ReadyMarker, read_ready
-from sglang_server.sglang_hook.launch_args import check_server_info, launch_command
+from hsq.sglang_server.sglang_hook.launch_args import check_server_info, launch_command
 
 EXIT_BAD_SERVER = 2
 

@@ -1,6 +1,6 @@
 """Launch stock SGLang with the dump hooks, for versions without the plugin API (< 0.5.11).
 
-    SGLANG_HS_DUMP_DIR=/dumps python -m sglang_server.sglang_hook.legacy_launch \\
+    SGLANG_HS_DUMP_DIR=/dumps python -m hsq.sglang_server.sglang_hook.legacy_launch \\
         --model-path ... --disable-radix-cache [other sglang.launch_server flags]
 
 SGLang starts its schedulers with multiprocessing "spawn", so patches made in this process
@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from sglang_server.sglang_hook import plugin
-from sglang_server.sglang_hook.launch_args import check_launch_args
+from hsq.sglang_server.sglang_hook import plugin
+from hsq.sglang_server.sglang_hook.launch_args import check_launch_args
 
 if __name__ == "__mp_main__":
     plugin.install_patches()  # a spawned child: before it unpickles its target

@@ -28,19 +28,19 @@ from typing import Any
 import hsq
 from hsq.errors import ConfigError
 from hsq.protocol import READY_FILE, ReadyMarker, write_ready
-from sglang_server.sglang_hook import compat
-from sglang_server.sglang_hook.config import ENV_LAYER_IDS, HookConfig
-from sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
-from sglang_server.sglang_hook.dump_writer import DumpContext
-from sglang_server.sglang_hook.identity import model_identity
-from sglang_server.sglang_hook.launch_args import SERVER_ARG_KEYS, refusals
-from sglang_server.sglang_hook.layers import (
+from hsq.sglang_server.sglang_hook import compat
+from hsq.sglang_server.sglang_hook.config import ENV_LAYER_IDS, HookConfig
+from hsq.sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
+from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
+from hsq.sglang_server.sglang_hook.identity import model_identity
+from hsq.sglang_server.sglang_hook.launch_args import SERVER_ARG_KEYS, refusals
+from hsq.sglang_server.sglang_hook.layers import (
     check_effective,
     effective_layer_ids,
     family,
     find_capture_list,
 )
-from sglang_server.sglang_hook.plan import BatchPlan
+from hsq.sglang_server.sglang_hook.plan import BatchPlan
 
 log = logging.getLogger("hsq.sglang_hook")
 _MARK = "__hsq_dump_hook__"

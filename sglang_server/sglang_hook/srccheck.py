@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 
-from sglang_server.sglang_hook.compat import Requirement, Symbol, requirements_for
+from hsq.sglang_server.sglang_hook.compat import Requirement, Symbol, requirements_for
 
 SourceReader = Callable[[str], str | None]
 """Returns the text of a file in the source tree ("sglang/srt/x.py"), or None if absent."""
