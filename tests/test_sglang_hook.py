@@ -7,6 +7,7 @@ back through hsq.protocol.read_dump and compared with the synthetic states.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -57,6 +58,7 @@ from hsq.sglang_server.sglang_hook.layers import (
     parse_layer_ids,
 )
 from hsq.sglang_server.sglang_hook.plan import RidFilter, build_plan
+from tests.helpers import hsq
 
 H = 8
 LAYERS = [3, 6, 9]
@@ -784,6 +786,10 @@ def test_the_plugin_reads_resolved_settings_when_sglang_has_them() -> None:
         ["--cuda-graph-backend-prefill", "breakable"],
         ["--attn-dp-size", "4"],
         ["--enable-prefill-cp"],
+        ["--chunked-prefill-size", "512"],
+        ["--chunked-prefill-size=256"],
+        ["--chunked-prefill-size", "lots"],
+        ["--dp-size=2"],
     ],
 )
 def test_launch_args_refusals(argv: list[str]) -> None:
@@ -792,7 +798,12 @@ def test_launch_args_refusals(argv: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--moe-a2a-backend", "none", "--dp-size", "1"], ["--cuda-graph-backend-prefill", "disabled"]],
+    [
+        ["--moe-a2a-backend", "none", "--dp-size", "1"],
+        ["--cuda-graph-backend-prefill", "disabled"],
+        ["--chunked-prefill-size", "1024"],
+        ["--chunked-prefill-size", "-1"],
+    ],
 )
 def test_launch_args_accepted(argv: list[str]) -> None:
     assert not check_launch_args(argv)
@@ -1028,3 +1039,38 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "hs_dump: refusing to start: layer ids must not repeat" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--chunked-prefill-size", "512"], "--chunked-prefill-size 512"),
+        (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+        (["--layers", "1,3,9"], "out of range for a model of 8 layers"),
+    ],
+)
+def test_launch_sglang_refuses_before_starting_anything(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    """Issue 21: what the launcher can judge from its command line and a local config.json
+    is refused before SGLang starts (a live start costs minutes). SGLang is not installed
+    here, so a launcher that tried to start it would fail differently, later."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
+    )
+    proc = hsq(
+        "launch-sglang",
+        "--model-path",
+        str(model),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+        "--sglang-version",
+        "0.5.15",
+        *extra,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert says in proc.stdout + proc.stderr
+    assert "sglang.launch_server" not in proc.stdout  # the command was never even printed
+    assert not (tmp_path / "dumps").exists()

@@ -13,6 +13,10 @@ from hsq.sglang_server.sglang_hook.compat import (
     prefill_graph_off_flags,
 )
 from hsq.sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.layers import effective_layer_ids, family
+
+MIN_CHUNKED_PREFILL = 1024
+"""Smallest --chunked-prefill-size accepted (-1 = off): each chunk is a forward and a copy."""
 
 LAUNCHER_MODULE = "hsq.sglang_server.sglang_hook.legacy_launch"
 # Flags that break the one-writer, rows-in-batch-order assumptions of the hook.
@@ -93,16 +97,73 @@ def launch_command(
     return cmd + list(extra_args)
 
 
-def check_launch_args(argv: Sequence[str]) -> list[str]:
-    """Problems in SGLang launch arguments (the launcher refuses to start on any)."""
-    problems = [f"{f} is not supported by the dump hook" for f in _UNSUPPORTED_FLAGS if f in argv]
+def _flag_values(argv: Sequence[str]) -> dict[str, str]:
+    """`--flag value` and `--flag=value` pairs (the last one wins, as in argparse)."""
+    out: dict[str, str] = {}
     args = list(argv)
+    for i, a in enumerate(args):
+        if a.startswith("--") and "=" in a:
+            k, v = a.split("=", 1)
+            out[k] = v
+        elif a.startswith("--") and i + 1 < len(args):
+            out[a] = args[i + 1]
+    return out
+
+
+def check_launch_args(argv: Sequence[str]) -> list[str]:
+    """Problems in SGLang launch arguments, judged from the command line alone: the
+    launcher refuses before it starts anything (a server start costs minutes)."""
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    problems = [f"{f} is not supported by the dump hook" for f in _UNSUPPORTED_FLAGS if f in flags]
+    values = _flag_values(argv)
     for flag, ok in _VALUED_FLAGS.items():
-        if flag in args:
-            i = args.index(flag)
-            if i + 1 < len(args) and args[i + 1] not in ok:
-                problems.append(f"{flag} {args[i + 1]} is not supported by the dump hook")
+        if flag in values and values[flag] not in ok:
+            problems.append(f"{flag} {values[flag]} is not supported by the dump hook")
+    chunk = values.get("--chunked-prefill-size")
+    if chunk is not None:
+        problems += chunked_prefill_problems(_int_or_none(chunk), f"--chunked-prefill-size {chunk}")
     return problems
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def chunked_prefill_problems(chunk: int | None, shown: str) -> list[str]:
+    """One rule for the command line and /server_info: an integer, -1 (off) or >= 1024."""
+    if chunk is None:
+        return [f"{shown}: expected an integer (-1 = off)"]
+    if 0 < chunk < MIN_CHUNKED_PREFILL or chunk == 0 or chunk < -1:
+        return [
+            f"{shown}: long prompts split into many chunks, each a separate forward and D2H "
+            f"copy; use >= {MIN_CHUNKED_PREFILL} or -1"
+        ]
+    return []
+
+
+def check_model_config(
+    config: Mapping[str, Any], layer_ids: Sequence[int] | None, *, deepseek_first_id_rule: bool
+) -> list[str]:
+    """Problems the launcher can see in a local checkpoint's config.json before starting:
+    layer ids the model cannot capture (the plugin refuses them again at load)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(text, Mapping)
+    archs = config.get("architectures")
+    arch = str(archs[0]) if isinstance(archs, list) and archs else ""
+    num_layers = text.get("num_hidden_layers")
+    fam = family(arch)
+    if fam is None or not isinstance(num_layers, int) or isinstance(num_layers, bool):
+        return []  # unknown family: the plugin checks what the loaded model captures
+    try:
+        effective_layer_ids(
+            fam, num_layers, layer_ids, deepseek_first_id_rule=deepseek_first_id_rule
+        )
+    except ValueError as exc:
+        return [f"--layers: {exc}"]
+    return []
 
 
 def _count(v: Any) -> int:
@@ -215,13 +276,10 @@ def check_server_info(info: Mapping[str, Any]) -> list[str]:
     """Problems in a dumping server's /server_info (empty: good to go)."""
     problems = refusals(info)
     chunk = info.get("chunked_prefill_size")
-    if not isinstance(chunk, int) or isinstance(chunk, bool):
-        problems.append(f"chunked_prefill_size is {chunk!r}, expected an integer (-1 = off)")
-    elif 0 < chunk < 1024:
-        problems.append(
-            f"chunked_prefill_size {chunk}: long prompts split into many chunks, each a "
-            "separate forward and D2H copy; use >= 1024 or -1"
-        )
+    ok_int = isinstance(chunk, int) and not isinstance(chunk, bool)
+    problems += chunked_prefill_problems(
+        chunk if ok_int else None, f"chunked_prefill_size {chunk!r}"
+    )
     version = info.get("version")
     if version is not None and str(version) not in PINNED_VERSIONS:
         problems.append(f"sglang {version} is not a pinned version {list(PINNED_VERSIONS)}")

@@ -9,6 +9,7 @@ its hook is not active.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import signal
 import subprocess
 import sys
@@ -21,7 +22,12 @@ import httpx
 
 from hsq.errors import ConfigError, HookInactiveError
 from hsq.protocol import READY_FILE, ReadyMarker, read_ready
-from hsq.sglang_server.sglang_hook.launch_args import check_server_info, launch_command
+from hsq.sglang_server.sglang_hook import compat
+from hsq.sglang_server.sglang_hook.launch_args import (
+    check_model_config,
+    check_server_info,
+    launch_command,
+)
 
 EXIT_BAD_SERVER = 2
 
@@ -55,6 +61,24 @@ def check_running(info: Any, dump_dir: Path) -> tuple[list[str], ReadyMarker | N
     return problems, marker
 
 
+def local_config_problems(
+    model_path: str, layers: tuple[int, ...] | None, version: str
+) -> list[str]:
+    """What a local checkpoint's config.json says against the settings (empty for a hub
+    id or an unreadable config: the plugin checks again once SGLang has loaded it)."""
+    path = Path(model_path) / "config.json"
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read(4 * 2**20))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(config, dict):
+        return []
+    return check_model_config(
+        config, layers, deepseek_first_id_rule=compat.deepseek_first_id_rule(version)
+    )
+
+
 def run_checked(
     *,
     model_path: str,
@@ -84,7 +108,10 @@ def run_checked(
             extra_args=extra,
         )
     except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+        raise ConfigError(f"refusing to start SGLang: {exc}") from exc
+    problems = local_config_problems(model_path, layers, version)
+    if problems:
+        raise ConfigError("refusing to start SGLang: " + "; ".join(problems))
     echo(quote(cmd))
     if print_only:
         return 0
