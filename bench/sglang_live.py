@@ -63,6 +63,7 @@ SGLANG_FLAGS = [
     "info",
 ]
 RESULTS: dict[str, Any] = {}
+START_TIMEOUT = 400.0
 
 
 def say(msg: str) -> None:
@@ -402,7 +403,8 @@ class Server:
             *self.extra,
         )
 
-    def start(self, timeout: float = 900) -> float:
+    def start(self, timeout: float | None = None) -> float:
+        timeout = timeout or START_TIMEOUT
         t = time.monotonic()
         self.starts += 1
         proc = self.proc = Proc(self.argv(), self.log)
@@ -651,7 +653,7 @@ def extract_run(
             res["killed_with_done"] = done_before
             time.sleep(3)  # the worker sees a dead server with K requests in flight
             res["restart_s"] = round(server.start(), 1)
-        wait_for(lambda: done() >= n, 900, "all done", worker)
+        wait_for(lambda: done() >= n, 300, "all done", worker)
         res["wall_s"] = round(time.monotonic() - t0, 1)
     finally:
         worker.stop()
@@ -852,7 +854,7 @@ def phase_capacity(a: argparse.Namespace, work: Path, redis: RedisServer) -> dic
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: healthy(url), 900, "sglang (no hook)", plain)
+        wait_for(lambda: healthy(url), START_TIMEOUT, "sglang (no hook)", plain)
         measure("sglang_no_hook", url)
     finally:
         plain.stop()
@@ -953,7 +955,10 @@ def main() -> int:
     p.add_argument("--cap-k-long", type=int, default=8)
     p.add_argument("--cap-out", default="/root/hsq-cap-out")
     p.add_argument("--cap-reference", action="store_true")
+    p.add_argument("--start-timeout", type=float, default=400.0)
     a = p.parse_args()
+    global START_TIMEOUT
+    START_TIMEOUT = a.start_timeout
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     phases = [x for x in a.phases.split(",") if x]

@@ -40,8 +40,13 @@ if [ ! -f "$SITE/.hsq-installed" ]; then
   fi
   # hsq itself, as a user installs it into SGLang's environment: registers the
   # sglang.srt.plugins entry point that SGLang's load_plugins() finds.
-  "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . \
-    >/dev/null
+  if ! "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . \
+    >"$SITE/.hsq-pip.log" 2>&1; then
+    say "pip could not install this checkout (see below); the live run needs the entry point"
+    tail -20 "$SITE/.hsq-pip.log"
+    exit 2
+  fi
+  rm -rf build ./*.egg-info
   touch "$SITE/.hsq-installed"
   say "installed into $SITE ($(du -sh "$SITE" | cut -f1))"
 fi
