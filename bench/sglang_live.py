@@ -189,7 +189,7 @@ def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str)
 def write_deepseek(path: Path, *, seed: int, device: str) -> Path:
     """A tiny random DeepSeek-V3 (MLA attention, one dense then MoE layers), saved with
     per-expert weight names (what SGLang's DeepseekV2 loader reads)."""
-    if (path / "config.json").exists():
+    if (path / "model.safetensors").exists() and "architectures" in (path / "config.json").read_text():
         return path
     import torch
     from safetensors.torch import save_file
@@ -230,6 +230,7 @@ def write_deepseek(path: Path, *, seed: int, device: str) -> Path:
             if isinstance(bias, torch.Tensor):
                 bias.data.zero_()
     path.mkdir(parents=True, exist_ok=True)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]  # model.save_pretrained would set it
     cfg.save_pretrained(path)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     # transformers 5 keeps the experts fused ([E, 2I, H] gate_up, [E, H, I] down); SGLang
@@ -274,6 +275,7 @@ def write_8b_config(path: Path) -> Path:
         eos_token_id=128001,
         tie_word_embeddings=False,
         dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],  # a config saved alone has none; SGLang needs it
     ).save_pretrained(path)
     return path
 
