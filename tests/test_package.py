@@ -186,6 +186,7 @@ def venv(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}  # fmt: skip
     env["PATH"] = f"{path / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["TMPDIR"] = str(work)  # the demo's log directory stays in pytest's temp
     v = Venv(path, work, env)
     run([sys.executable, "-m", "venv", str(path)])
     site = path / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
