@@ -4,6 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: setup test lint fmt clean demo bench sglang-sources
+.PHONY: dist constraints lower-bounds
 .PHONY: setup-deploy compose-test slurm-test compose-demo
 
 setup:
@@ -21,6 +22,22 @@ bench:
 sglang-sources:
 	./scripts/fetch_sglang_sources.sh
 
+# The release artifacts (docs/packaging.md): the sdist, the wheel built from it, both checked.
+# The images install this wheel, so the targets that build images depend on it.
+dist:
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+
+# constraints.txt from .venv: the versions CI installs (scripts/constraints.sh says more).
+constraints:
+	./scripts/constraints.sh
+
+# The oldest dependency versions pyproject.toml allows, in .venv-lowest, and the tests
+# that exercise them (downloads a CUDA torch unless TORCH_SPEC says otherwise).
+lower-bounds:
+	./scripts/lower_bounds.sh
+
 # Deployment, started for real (docs/deploy.md). The tests need root; setup-deploy installs
 # docker.io, docker-compose, debootstrap, slurm-wlm and munge from Debian when missing.
 DEPLOY_PYTEST := $(PY) -m pytest -p no:cacheprovider
@@ -28,7 +45,7 @@ DEPLOY_PYTEST := $(PY) -m pytest -p no:cacheprovider
 setup-deploy:
 	./scripts/setup_deploy.sh
 
-compose-test: setup-deploy
+compose-test: setup-deploy dist
 	$(DEPLOY_PYTEST) deploy/tests/test_compose.py $(PYTEST_ARGS)
 
 slurm-test: setup-deploy
@@ -48,4 +65,4 @@ fmt:
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv-lowest .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -52,8 +52,15 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$torch_version" >"$constraints"
-say "installing hsq (editable) with dev tools"
-"${pip[@]}" install -q -c "$constraints" -e '.[dev]'
+# Before 0.2.0 the distribution was called `hsq`: an old editable install would register
+# the SGLang plugin a second time.
+if "${pip[@]}" show -q hsq >/dev/null 2>&1; then
+  say "removing the old distribution 'hsq' (now hidden-state-queue)"
+  "${pip[@]}" uninstall -q -y hsq
+fi
+# constraints.txt: the versions CI tested (scripts/constraints.sh).
+say "installing hidden-state-queue (editable) with dev tools"
+"${pip[@]}" install -q -c "$constraints" -c constraints.txt -e '.[dev]'
 # SpecForge's own parser and reader check hsq's tokenize and export (tests/test_chat.py,
 # tests/test_training.py). --no-deps: its pins (torch 2.11, sglang, ...) are not needed by
 # the modules the tests import (torch, transformers, pydantic only).

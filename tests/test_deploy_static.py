@@ -114,3 +114,76 @@ def test_worker_node_starts_sglang_through_the_launcher_and_binds_metrics_explic
     assert "redis-url" in code and "WAIT_S" in code
     head = (SLURM / "head.sbatch").read_text()
     assert 'exporter --redis "$HSQ_REDIS_URL" --metrics-host' in head
+
+
+# --- images install the built wheel (issue 25) ----------------------------------------------
+
+WHEEL = "dist/hidden_state_queue-0.2.0-py3-none-any.whl"  # a name `make dist` could write
+
+
+def dockerignore_excludes(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or a parent of it decides."""
+
+    def match(pattern: str, name: str) -> bool:
+        rx = re.escape(pattern.strip("/")).replace(r"\*\*", ".*").replace(r"\*", "[^/]*")
+        return re.fullmatch(rx.replace(r"\?", "[^/]"), name) is not None
+
+    parts = path.split("/")
+    excluded = False
+    for raw in patterns:
+        keep = raw.startswith("!")
+        pattern = raw.removeprefix("!")
+        if any(match(pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            excluded = not keep
+    return excluded
+
+
+def dockerignore() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [s for s in (line.strip() for line in lines) if s and not s.startswith("#")]
+
+
+def test_the_image_build_context_is_the_wheel_and_no_source_tree() -> None:
+    patterns = dockerignore()
+    for kept in (WHEEL, "constraints.txt", "deploy/docker/check_hook.py"):
+        assert not dockerignore_excludes(kept, patterns), kept
+    left = ["hsq/store.py", "workers/worker.py", "producer/enqueue.py", "pyproject.toml",
+            "sglang_server/reference/app.py", "dist/hidden_state_queue-0.2.0.tar.gz",
+            ".venv/bin/python", ".git/HEAD", "data/train.jsonl", "tests/test_x.py"]  # fmt: skip
+    assert [p for p in left if not dockerignore_excludes(p, patterns)] == []
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.sglang"])
+def test_images_install_the_built_wheel(dockerfile: str) -> None:
+    text = (ROOT / dockerfile).read_text()
+    patterns = dockerignore()
+    copies = re.findall(r"^COPY\s+(.+)$", text, re.M)
+    assert copies
+    for line in copies:
+        for src in line.split()[:-1]:  # every source is in the build context
+            sample = WHEEL if src == "dist/hidden_state_queue-*.whl" else src
+            assert not dockerignore_excludes(sample, patterns), f"{dockerfile}: COPY {src}"
+    assert "COPY dist/hidden_state_queue-*.whl /tmp/hsq/" in text
+    installs = re.findall(r"pip install.*", text.replace("\\\n", " "))  # continued lines joined
+    assert len([i for i in installs if "/tmp/hsq/hidden_state_queue-*.whl" in i]) == 1, installs
+    assert not [i for i in installs if re.search(r"\s(\.|-e)(\s|$)", i)], "the source tree"
+
+
+def test_the_make_targets_that_build_images_build_the_wheel_first() -> None:
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^compose-test:.*\bdist\b", make, re.M)
+    assert re.search(r"^dist:\n\trm -rf dist\n\t\$\(PY\) -m build", make, re.M)
+
+
+def test_install_lines_name_the_distribution() -> None:
+    """`pip install hsq` would install an unrelated 2016 project; an editable source install
+    is for developers (`make setup`), not for SGLang's environment."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "deploy").rglob("*.sbatch")), *sorted((ROOT / "deploy").rglob("*.md")),
+             ROOT / "Dockerfile", ROOT / "Dockerfile.sglang"]  # fmt: skip
+    bad = []
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"pip install\b.*(\bhsq(\s|$|\[)|-e\s+\S*hsq)", line):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert bad == []

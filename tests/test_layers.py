@@ -133,3 +133,30 @@ def test_the_shell_may_import_everything(tmp_path: Path) -> None:
         "import hsq.workers.worker\nimport hsq.producer.enqueue\nfrom hsq.harness import procs\n"
     )
     assert violations(tmp_path) == []
+
+
+# Only the store talks to Redis; the harness starts redis-server and pings it.
+REDIS_IMPORTERS = {"hsq.store", "hsq.harness.procs"}
+
+
+def redis_importers(root: Path) -> set[str]:
+    found = set()
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            module = module_name(path, root)
+            tree = ast.parse(path.read_text(), str(path))
+            for _, target in imported(tree, module, path.name == "__init__.py"):
+                if target.split(".")[0] in ("redis", "rq"):
+                    found.add(module)
+    return found
+
+
+def test_only_the_store_imports_redis_and_rq() -> None:
+    assert redis_importers(ROOT) <= REDIS_IMPORTERS
+    assert "hsq.store" in redis_importers(ROOT)
+
+
+def test_the_redis_check_sees_a_lazy_import(tmp_path: Path) -> None:
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers/client.py").write_text("def f() -> None:\n    from rq import Queue\n")
+    assert redis_importers(tmp_path) == {"hsq.workers.client"}

@@ -36,6 +36,7 @@ from deploy_helpers import (
     wait_for,
 )
 
+import hsq
 from hsq.harness.procs import ManagedProcess
 
 SAMPLES = 48
@@ -82,7 +83,11 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def images(docker: None) -> None:  # noqa: ARG001 (docker: a fixture, for its daemon)
-    """Local images (cached) and hsq's image through compose's own build section."""
+    """Local images (cached) and hsq's image through compose's own build section, which
+    installs the wheel in dist/ (`make compose-test` runs `make dist` first)."""
+    wheels = sorted((ROOT / "dist").glob(f"hidden_state_queue-{hsq.__version__}-*.whl"))
+    if len(wheels) != 1:
+        pytest.fail(f"dist/ needs one hidden_state_queue {hsq.__version__} wheel: `make dist`")
     t0 = time.monotonic()
     sh(str(ROOT / "scripts/docker_local_images.sh"), timeout=1800,
        env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
@@ -173,7 +178,7 @@ def test_gpu_server_image_steps_find_the_hook(tmp_path: Path) -> None:
     shutil.copy(wheels[0], tmp_path)
     (tmp_path / "Dockerfile").write_text(
         "FROM hsq:latest\n"
-        "RUN pip uninstall -q -y hsq\n"
+        "RUN pip uninstall -q -y hidden-state-queue\n"
         "COPY *.whl /tmp/\n"
         "RUN pip install -q --no-deps /tmp/*.whl && rm /tmp/*.whl\n"
     )
@@ -185,7 +190,12 @@ def test_gpu_server_image_steps_find_the_hook(tmp_path: Path) -> None:
            "--build-arg", f"SGLANG_IMAGE={standin}", "-t", image, ".", timeout=900)  # fmt: skip
         out = sh("docker", "run", "--rm", "--network", "host", image,
                  "python3", "/opt/hsq/check_hook.py")  # fmt: skip
-        assert f"sglang {version}, hsq_dump -> sglang_server.sglang_hook.plugin:register" in out
+        assert f"sglang {version}, hsq_dump -> hsq.sglang_server.sglang_hook.plugin:register" in out
+        # hsq in the image is the wheel's, installed in site-packages: no source tree.
+        where = sh("docker", "run", "--rm", "--network", "host", image, "python3", "-c",
+                   "import hsq, importlib.metadata as m; "
+                   "print(hsq.__file__, m.version('hidden-state-queue'))")  # fmt: skip
+        assert f"site-packages/hsq/__init__.py {hsq.__version__}" in where, where
         cmd = sh("docker", "run", "--rm", "--network", "host", image, "hsq", "launch-sglang",
                  "--model-path", "/m", "--dump-dir", "/dumps", "--print-only")  # fmt: skip
         assert "--disable-radix-cache" in cmd and "sglang.launch_server" in cmd, cmd
