@@ -5,7 +5,8 @@ dump of the chosen shape from a preallocated buffer; a real redis-server holds t
 real worker process extracts it to --out-root. Per run (shape x workload x store dtype):
 
   steady     tokens, samples and bytes between the first and the last `sample_done`
-  startup    worker process start -> the server's first /generate
+  startup    worker process start -> the server's first /generate (started_s: -> the
+             worker's `worker_started` line)
   exit       the last `sample_done` -> the worker process has exited
   redis      commands per sample (INFO commandstats around the worker's run)
   rss        the worker's peak RSS
@@ -60,6 +61,7 @@ STAGES = (
     "quantize_ms",
     "write_ms",
     "fsync_ms",
+    "check_ms",
     "mark_ms",
     "persist_ms",
 )
@@ -127,7 +129,7 @@ def run_case(
     if profile is not None:  # py-spy samples the worker: collapsed stacks, one file per run
         profile.mkdir(parents=True, exist_ok=True)
         spy = shutil.which("py-spy") or str(Path(argv[0]).with_name("py-spy"))
-        rec = [spy, "record", "--format", "raw", "--rate", "250", "--threads", "--idle"]
+        rec = [spy, "record", "--format", "raw", "--rate", "250", "--threads"]
         argv = [*rec, "-o", str(profile / f"{run}.txt"), "--", *argv]
     c0 = redis_calls(client)
     t_spawn = time.time()
@@ -157,6 +159,7 @@ def run_case(
         if vals:
             stages[key] = round(statistics.median(vals), 3)
     first_req = info.get("first_request_unix")
+    started = [e for e in events if e.get("event") == "worker_started"]
     shutil.rmtree(out, ignore_errors=True)
     ds.unlink(missing_ok=True)
     return {
@@ -170,10 +173,11 @@ def run_case(
         "tok_s": round(tokens / window, 1),
         "samples_s": round(len(steady) / window, 2),
         "gb_s": round(nbytes / window / 1e9, 3),
-        "bytes_per_token": round(sum(int(e["bytes"]) for e in done) / sum(
-            int(e["tokens"]) for e in done
-        ), 1),
+        "bytes_per_token": round(
+            sum(int(e["bytes"]) for e in done) / sum(int(e["tokens"]) for e in done), 1
+        ),
         "startup_s": round(first_req - t_spawn, 3) if first_req else None,
+        "started_s": round(_ts(started[0]["timestamp"]) - t_spawn, 3) if started else None,
         "exit_s": round(t_exit - t_last, 3),
         "redis_cmds_per_sample": round(calls / len(done), 2),
         "worker_peak_rss_mb": stopped[0].get("peak_rss_mb") if stopped else None,

@@ -9,6 +9,7 @@ stage's queue; nothing is decided or dropped here.
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import threading
@@ -23,6 +24,7 @@ import structlog
 from hsq.dataset import Sample
 from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import DumpMeta, open_dump_tensors
+from hsq.quant import FP8
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
@@ -33,6 +35,11 @@ log = structlog.get_logger("hsq.worker.persist")
 
 class DoneMarker(Pinner, Protocol):
     def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool: ...
+    def done_among(self, sample_ids: list[str]) -> set[str]: ...
+
+
+class _DoneElsewhere(Exception):
+    """The sample was marked done by another worker while this one wrote it."""
 
 
 @dataclass
@@ -73,6 +80,20 @@ class PersistStage:
         for t in self._threads:
             t.start()
 
+    def warm(self, store_dtype: str) -> None:
+        """For an fp8 run: import torch off the hot path now (it takes a second or more and
+        holds the GIL), and give each persist thread's torch ops an equal share of the
+        cores, so N threads quantizing at once do not oversubscribe the machine."""
+        if store_dtype != FP8:
+            return
+
+        def load() -> None:
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self._threads)))
+
+        threading.Thread(target=load, name="fp8-warm", daemon=True).start()
+
     def submit(self, item: StagedSample) -> None:
         self._queue.put(item)
 
@@ -99,6 +120,8 @@ class PersistStage:
     def handle(self, item: StagedSample) -> Event:
         try:
             self._persist(item)
+        except _DoneElsewhere:
+            return Event(item.item, EventKind.DONE)  # settled: someone else's file stands
         except Exception as exc:  # classified by the ack stage: retried, dead or handed back
             return Event(item.item, EventKind.FAILED, exc)
         finally:
@@ -108,32 +131,62 @@ class PersistStage:
     def _persist(self, item: StagedSample) -> None:
         sid = item.item.sample_id
         t0 = time.perf_counter()
-        tensors = open_dump_tensors(item.staged, item.meta)  # header, shapes, finite
+        # The header against the meta here; the values (finite) in the one pass that
+        # copies them, so the bytes checked are the bytes written (issue 23, item 6).
+        tensors = open_dump_tensors(item.staged, item.meta, check_finite=False, mapped=False)
+        stats: dict[str, float] = {}
+
+        def before_rename() -> None:
+            # The dump's every value has passed by now: only a fully valid dump pins the
+            # run's model, layers, dtype and hidden size (D11), and one that disagrees
+            # with them leaves no file.
+            item.view.confirm(item.meta, self.store)
+            # A worker that was stopped (SIGSTOP, a partition, a long pause) past its
+            # heartbeat must not replace the file of a sample another worker redid and
+            # marked done meanwhile (issue 23, item 5): look right before the rename.
+            if self.store.done_among([sid]):
+                raise _DoneElsewhere(sid)
+
         try:
-            item.view.confirm(item.meta, self.store)  # pins only a fully valid dump (D11)
             t1 = time.perf_counter()
             self.metrics.observe("validate", t1 - t0)
             rel = output_relpath(sid)
             out = item.view.out_root / rel
             store_dtype = item.view.cfg.store_dtype
-            nbytes, crc = write_output(out, item.sample, item.meta, tensors, self.run, store_dtype)
+            try:
+                nbytes, checksum = write_output(
+                    out,
+                    item.sample,
+                    item.meta,
+                    tensors,
+                    self.run,
+                    store_dtype,
+                    stats=stats,
+                    before_rename=before_rename,
+                )
+            except _DoneElsewhere:
+                log.warning("sample_done_elsewhere", sample=sid, attempt=item.item.attempt)
+                raise
         finally:
             tensors.close()
         entry = ManifestEntry(
             path=rel,
             num_tokens=len(item.sample.input_ids),
             bytes=nbytes,
-            checksum=crc,
+            checksum=checksum,
             worker=self.worker_id,
             time=time.time(),
             attempt=item.item.attempt,
             store_dtype=store_dtype,
         )
+        t2 = time.perf_counter()
         newly = self.store.mark_done(sid, entry)
-        self.metrics.observe("persist", time.perf_counter() - t1)
+        t3 = time.perf_counter()
+        self.metrics.observe("persist", t3 - t1)
         self.metrics.done(entry.num_tokens, entry.bytes)
         if self._on_done is not None:
             self._on_done(entry.num_tokens)
+        steps = {k.removesuffix("_s") + "_ms": round(v * 1e3, 2) for k, v in stats.items()}
         log.info(
             "sample_done",
             sample=sid,
@@ -141,6 +194,9 @@ class PersistStage:
             bytes=entry.bytes,
             attempt=item.item.attempt,
             first=newly,
-            persist_ms=round((time.perf_counter() - t0) * 1e3, 2),
+            persist_ms=round((t3 - t0) * 1e3, 2),
+            validate_ms=round((t1 - t0) * 1e3, 2),
+            mark_ms=round((t3 - t2) * 1e3, 2),
+            **steps,
             **{k: round(v, 2) for k, v in item.timings.items()},
         )

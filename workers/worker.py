@@ -140,6 +140,7 @@ class Worker:
             burst=self.settings.burst,
             cleared_dumps=self.cleared,
         )
+        self.persist.warm(self.view.cfg.store_dtype)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         next_reap = 0.0
@@ -190,7 +191,7 @@ class Worker:
             return False
         if self.sending < self.settings.inflight:
             nxt = self.book.peek_tokens()
-            if nxt is None and self._claim():
+            if nxt is None and self._claim(block=self._idle() and not self.settings.burst):
                 nxt = self.book.peek_tokens()
             if nxt is not None and self._tokens_allow(nxt):
                 item = self.book.next_item()
@@ -199,7 +200,17 @@ class Worker:
                 return False
             if nxt is None and self._idle():
                 self.state = "idle"
-                return self.settings.burst and self._run_finished()
+                if self.settings.burst:
+                    if self._run_finished():
+                        return True
+                    # Another worker still holds jobs (that may come back): wait here.
+                    self._claim(block=True)
+                return False
+            if nxt is None:
+                # The queue is empty and work is in flight: look again once something
+                # settles (or after --claim-timeout), not every turn.
+                self._wait_event(self.settings.claim_timeout_s)
+                return False
         self._wait_event(0.05)
         return False
 
@@ -212,10 +223,10 @@ class Worker:
     def _idle(self) -> bool:
         return self.sending == 0 and self.persisting == 0 and not self.book.chunks
 
-    def _claim(self) -> bool:
-        # Blocks up to --claim-timeout on an empty queue; the send and persist stages keep
-        # going meanwhile and their events wait on the queue.
-        job = self.store.claim(self.id, self.settings.claim_timeout_s)
+    def _claim(self, block: bool) -> bool:
+        # With nothing in flight, blocks up to --claim-timeout on an empty queue. With work
+        # in flight it does not wait: its events (and, at a burst's end, the exit) would.
+        job = self.store.claim(self.id, self.settings.claim_timeout_s if block else 0)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
