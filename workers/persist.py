@@ -81,13 +81,16 @@ class PersistStage:
             t.start()
 
     def warm(self, store_dtype: str) -> None:
-        """For an fp8 run: import torch off the hot path now (it takes a second or more and
-        holds the GIL), and give each persist thread's torch ops an equal share of the
-        cores, so N threads quantizing at once do not oversubscribe the machine."""
-        if store_dtype != FP8:
-            return
+        """Import what the copy path needs off the hot path now: numpy (the NaN checks)
+        and, for an fp8 run, torch (a second or more, holding the GIL), giving each persist
+        thread's torch ops an equal share of the cores, so N threads quantizing at once do
+        not oversubscribe the machine."""
 
         def load() -> None:
+            import numpy  # noqa: F401
+
+            if store_dtype != FP8:
+                return
             import torch
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self._threads)))

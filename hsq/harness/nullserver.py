@@ -80,7 +80,8 @@ class NullModel:
             architecture="NullModel",
             num_layers=num_layers,
             hidden_size=hidden_size,
-            config_digest=f"null-{hidden_size}-{num_layers}-{dtype}-{seed}".ljust(16, "0"),
+            # Not the seed: servers with other values but the same shape are one model.
+            config_digest=f"null-{hidden_size}-{num_layers}-{dtype}".ljust(16, "0"),
         )
         g = torch.Generator().manual_seed(seed)
         k = len(self.layer_ids)
@@ -93,10 +94,13 @@ class NullModel:
 
 
 class NullApp:
-    def __init__(self, model: NullModel, dump_dir: Path, *, fsync: bool) -> None:
+    def __init__(
+        self, model: NullModel, dump_dir: Path, *, fsync: bool, answer_delay_s: float = 0.0
+    ) -> None:
         self.model = model
         self.dump_dir = dump_dir
         self.fsync = fsync
+        self.answer_delay_s = answer_delay_s
         self._lock = threading.Lock()
         self.counter = 0
         self.requests = 0
@@ -141,6 +145,8 @@ class NullApp:
         with self._lock:
             self.requests += 1
             self.tokens += n
+        if self.answer_delay_s > 0:  # tests: the dump is there, the answer comes later
+            time.sleep(self.answer_delay_s)
         return {
             "text": "",
             "output_ids": [],
@@ -260,6 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fsync", action="store_true", help="fsync dumps (tmpfs needs none)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (start-up only)")
+    ap.add_argument(
+        "--answer-delay-s", type=float, default=0.0, help="answer this long after the dump"
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     write_ready(args.dump_dir, marker, fsync=args.fsync)  # before /health answers
     server = _Server((args.host, args.port), _Handler)
-    server.app = NullApp(model, args.dump_dir, fsync=args.fsync)
+    server.app = NullApp(model, args.dump_dir, fsync=args.fsync, answer_delay_s=args.answer_delay_s)
 
     def stop(_signum: int, _frame: object) -> None:
         threading.Thread(target=server.shutdown, daemon=True).start()
