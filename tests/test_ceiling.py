@@ -31,7 +31,8 @@ def null_server(base: Path, *args: str) -> NullServer:
 def test_null_server_dumps_pass_the_protocol_checks(tmp_path: Path) -> None:
     """One request: the dump carries the rid, fingerprint, count and shape the worker
     checks, and the marker announces the identity every dump carries."""
-    with null_server(tmp_path, "--max-tokens", "64") as srv:
+    srv = null_server(tmp_path, "--max-tokens", "64")
+    with srv:
         srv.wait_ready()
         ids = list(range(1, 41))
         r = httpx.post(
@@ -62,7 +63,8 @@ def test_a_burst_worker_against_the_null_server(
     write_synthetic(ds, 10, seed=3, min_len=8, max_len=300)
     out = tmp_path / "out"
     enqueue(ds, "nul", out, redis_url, "--store-dtype", store_dtype)
-    with null_server(tmp_path, "--max-tokens", "512") as srv:
+    srv = null_server(tmp_path, "--max-tokens", "512")
+    with srv:
         srv.wait_ready()
         w = worker_process("nul", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
