@@ -164,3 +164,23 @@ def test_make_bench_runs_from_a_plain_checkout() -> None:
             env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
         )
         assert res.returncode == 0, res.stderr
+
+
+def test_the_lease_breaks_on_any_gap_longer_than_half_the_ttl() -> None:
+    """Samples skip the done look only while heartbeats went out without a break: once
+    a gap (a SIGSTOP) may have let a reaper take the jobs, every sample looks."""
+    import time
+
+    from hsq.workers.persist import Lease
+
+    lease = Lease(10.0)
+    assert not lease.held()  # nothing sent yet
+    now = time.monotonic()
+    lease.renewed(now - 4.0)
+    lease.renewed(now)
+    assert lease.held()
+    stale = Lease(10.0)
+    stale.renewed(now - 6.0)
+    assert not stale.held()  # the last heartbeat is too old: the key may be gone
+    lease.renewed(now + 20.0)  # woken after 20 s: renewed again, but the break stays
+    assert not lease.held()

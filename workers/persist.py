@@ -42,6 +42,31 @@ class _DoneElsewhere(Exception):
     """The sample was marked done by another worker while this one wrote it."""
 
 
+class Lease:
+    """Whether this worker has held its jobs without a break since it started: its
+    heartbeats were sent at most half the heartbeat TTL apart, and the last one recently.
+
+    While that holds no reaper can have taken its jobs, so no other worker is redoing its
+    samples. After any longer gap (SIGSTOP, a network partition, a long pause) one may
+    have: from then on every sample looks up its done mark right before its rename (one
+    Redis read; the same check every sample makes when no Lease is given)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.limit = ttl_s / 2
+        self._last: float | None = None
+        self._broken = False
+
+    def renewed(self, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` (time.monotonic()) succeeded."""
+        if self._last is not None and sent_at - self._last > self.limit:
+            self._broken = True  # set before _last moves: a reader never sees one alone
+        self._last = sent_at
+
+    def held(self) -> bool:
+        last = self._last
+        return not self._broken and last is not None and time.monotonic() - last < self.limit
+
+
 @dataclass
 class StagedSample:
     item: WorkItem
@@ -65,6 +90,7 @@ class PersistStage:
         depth: int = 2,
         threads: int = 1,
         on_done: Callable[[int], None] | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.store = store
         self.run = run
@@ -72,6 +98,7 @@ class PersistStage:
         self.metrics = metrics
         self.events = events
         self._on_done = on_done
+        self._lease = lease
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
         self._threads = [
             threading.Thread(target=self._loop, name=f"persist-{i}", daemon=True)
@@ -146,8 +173,10 @@ class PersistStage:
             item.view.confirm(item.meta, self.store)
             # A worker that was stopped (SIGSTOP, a partition, a long pause) past its
             # heartbeat must not replace the file of a sample another worker redid and
-            # marked done meanwhile (issue 23, item 5): look right before the rename.
-            if self.store.done_among([sid]):
+            # marked done meanwhile (issue 23, item 5): look right before the rename,
+            # unless the lease shows no one can have taken the sample.
+            held = self._lease is not None and self._lease.held()
+            if not held and self.store.done_among([sid]):
                 raise _DoneElsewhere(sid)
 
         try:

@@ -30,14 +30,14 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, RunChangedError, StoreError
-from hsq.store import ChunkJob, RunStore, new_worker_id
+from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
 from hsq.workers.extract import SendStage
 from hsq.workers.metrics import WorkerMetrics
-from hsq.workers.persist import PersistStage
+from hsq.workers.persist import Lease, PersistStage
 from hsq.workers.policy import (
     STORE_DOWN,
     STORE_DOWN_OR_RUN_CHANGED,
@@ -87,6 +87,7 @@ class Worker:
         self._changed: str | None = None
         self._hold_until = 0.0
         self._server_errors = 0
+        self.lease = Lease(HEARTBEAT_TTL_S)
         self.dispatcher = Dispatcher(
             settings.dump_dir,
             started.staging,
@@ -102,6 +103,7 @@ class Worker:
             depth=settings.persist_depth,
             threads=settings.persist_threads,
             on_done=self.rate.add,
+            lease=self.lease,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight
@@ -127,7 +129,9 @@ class Worker:
         # A server without an active dump hook would time every sample out: refuse at once.
         require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
         self.dispatcher.start()
+        sent = time.monotonic()
         self.store.register(self.id, self._info())
+        self.lease.renewed(sent)
         log.info(
             "worker_started",
             worker=self.id,
@@ -494,7 +498,9 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval_s):
             try:
+                sent = time.monotonic()
                 self.store.heartbeat(self.id, self._info())
+                self.lease.renewed(sent)
             except STORE_TROUBLE as exc:
                 log.warning("heartbeat_failed", error=str(exc))
 
