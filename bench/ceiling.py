@@ -130,6 +130,7 @@ def run_case(
         profile.mkdir(parents=True, exist_ok=True)
         spy = shutil.which("py-spy") or str(Path(argv[0]).with_name("py-spy"))
         rec = [spy, "record", "--format", "raw", "--rate", "250", "--threads"]
+        rec += ["--gil"] if os.environ.get("HSQ_PROFILE_GIL") == "1" else []
         argv = [*rec, "-o", str(profile / f"{run}.txt"), "--", *argv]
     c0 = redis_calls(client)
     t_spawn = time.time()
@@ -211,7 +212,10 @@ def main() -> None:
     ap.add_argument("--disk-mb", type=int, default=1024, help="data per disk design (0: skip)")
     ap.add_argument("--label", default="")
     ap.add_argument(
-        "--profile", type=Path, default=None, help="py-spy each worker; stacks into this dir"
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy each worker; stacks into this dir (HSQ_PROFILE_GIL=1: GIL holders only)",
     )
     args = ap.parse_args()
     if args.small:
