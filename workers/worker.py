@@ -88,6 +88,7 @@ class Worker:
         self._hold_until = 0.0
         self._server_errors = 0
         self.lease = Lease(HEARTBEAT_TTL_S)
+        self._claim_after = 0.0
         self.dispatcher = Dispatcher(
             settings.dump_dir,
             started.staging,
@@ -195,8 +196,12 @@ class Worker:
             return False
         if self.sending < self.settings.inflight:
             nxt = self.book.peek_tokens()
-            if nxt is None and self._claim(block=self._idle() and not self.settings.burst):
-                nxt = self.book.peek_tokens()
+            idle = self._idle()
+            if nxt is None and (idle or time.monotonic() >= self._claim_after):
+                if self._claim(block=idle and not self.settings.burst):
+                    nxt = self.book.peek_tokens()
+                else:  # an empty queue: with work in flight, look again in a while
+                    self._claim_after = time.monotonic() + self.settings.claim_timeout_s
             if nxt is not None and self._tokens_allow(nxt):
                 item = self.book.next_item()
                 assert item is not None
@@ -211,9 +216,8 @@ class Worker:
                     self._claim(block=True)
                 return False
             if nxt is None:
-                # The queue is empty and work is in flight: look again once something
-                # settles (or after --claim-timeout), not every turn.
-                self._wait_event(self.settings.claim_timeout_s)
+                # The queue is empty and work is in flight: wait for it to settle.
+                self._wait_event(max(0.0, self._claim_after - time.monotonic()))
                 return False
         self._wait_event(0.05)
         return False
