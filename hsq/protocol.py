@@ -291,6 +291,7 @@ def write_dump(
             stfile.build_header(entries, None),
             [stfile.tensor_bytes(v) for v in tensors.values()],
             crc=False,
+            direct=False,  # the worker reads it back at once: keep it in the page cache
         )
         if fsync:
             os.fsync(fd)

@@ -596,6 +596,7 @@ def write(
     *,
     crc: bool = True,
     stats: dict[str, float] | None = None,
+    direct: bool = True,
 ) -> tuple[int, str]:
     """Write a header then each source, from offset 0 of `fd`: bytes/memoryview; a Range
     (or a tuple (fd, offset, nbytes)) read from another file; a Produced (chunks made on
@@ -605,9 +606,10 @@ def write(
     checksummed before it is written, so a source changed meanwhile cannot slip unchecked
     bytes in. Files of DIRECT_MIN_BYTES or more bypass the page cache (O_DIRECT) where the
     filesystem allows it. `stats` accumulates seconds spent per step (read_s, finite_s,
-    checksum_s, write_s: waiting for the writes)."""
+    checksum_s, write_s: waiting for the writes). `direct=False` keeps the page cache (a
+    file read back at once, such as a dump)."""
     size = len(header) + sum(_size(s) for s in sources)
-    if size >= DIRECT_MIN_BYTES and (dfd := _open_direct(fd)) is not None:
+    if direct and size >= DIRECT_MIN_BYTES and (dfd := _open_direct(fd)) is not None:
         try:
             return _write_all_sources(fd, dfd, header, sources, crc, stats)
         except OSError as exc:
