@@ -467,9 +467,11 @@ class _Writer:
         self.pool = _writes()
         self.direct_jobs: list[Future[None]] = []
 
-    def put(self, data: memoryview | bytes) -> None:
+    def put(self, data: memoryview | bytes, *, stable: bool = True) -> None:
+        """Copy `data` in; `stable` memory (unchanged until finish() returns) may instead be
+        written from where it is."""
         view = memoryview(data).cast("B")
-        if self.dfd is None and len(view) >= _WRITE_IN_PLACE:
+        if stable and self.dfd is None and len(view) >= _WRITE_IN_PLACE:
             # Through the page cache a caller's memory can be written as it is (a server's
             # tensors): no copy into our buffers. It stays alive until finish() returns.
             if self.fill:
@@ -577,7 +579,7 @@ def _write_all_sources(
                 made = 0
                 for piece in src.make():
                     made += memoryview(piece).nbytes
-                    w.put(piece)
+                    w.put(piece, stable=False)  # the maker may reuse its buffer
                 if made != src.nbytes:
                     raise FormatError(f"a produced source made {made} bytes, not {src.nbytes}")
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,31 @@ def test_digest_reads_both_checksums() -> None:
         assert d.text == want and stfile.checksum_algo(want) == algo
     with pytest.raises(stfile.FormatError):
         stfile.checksum_algo("sha256:00")
+
+
+def test_produced_chunks_may_reuse_one_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A maker (the fp8 quantizer) refills one buffer for every chunk: each chunk is copied
+    before the next is made, even where memory is otherwise written in place."""
+    monkeypatch.setenv("HSQ_DIRECT_IO", "0")
+    size = 2 * 2**20
+    buf = bytearray(size)
+    want = b""
+
+    def make() -> Iterator[memoryview]:
+        for i in range(4):
+            buf[:] = bytes([i + 1]) * size
+            yield memoryview(buf)
+            buf[:] = b"\xff" * size  # a maker that reuses its buffer at once
+
+    for i in range(4):
+        want += bytes([i + 1]) * size
+    out = tmp_path / "p.bin"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        total, crc = stfile.write(fd, b"HDR", [stfile.Produced(make, 4 * size)])
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == b"HDR" + want and crc == xxh3(b"HDR" + want)
+    assert total == 3 + 4 * size
