@@ -436,7 +436,10 @@ def _give_buffers(bufs: list[mmap.mmap]) -> None:
             _free_buffers.append(bufs)
             return
     for b in bufs:
-        b.close()
+        try:
+            b.close()
+        except BufferError:
+            pass  # still exported somewhere: freed with its last view
 
 
 class _Timer:
@@ -522,8 +525,11 @@ class _Writer:
         for jobs in [*self.busy, self.direct_jobs]:  # after an error: nothing may still
             for job in jobs:  # read a buffer we reuse, or the caller's memory
                 job.exception()
-        for view in self.views:
-            view.release()
+        try:
+            for view in self.views:
+                view.release()
+        except BufferError:  # a failed step's traceback still holds a slice: let GC free it
+            return
         _give_buffers(self.bufs)
 
     def _advance(self, k: int) -> None:
