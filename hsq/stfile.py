@@ -18,6 +18,7 @@ turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -436,10 +437,8 @@ def _give_buffers(bufs: list[mmap.mmap]) -> None:
             _free_buffers.append(bufs)
             return
     for b in bufs:
-        try:
+        with contextlib.suppress(BufferError):  # still exported: freed with its last view
             b.close()
-        except BufferError:
-            pass  # still exported somewhere: freed with its last view
 
 
 class _Timer:
