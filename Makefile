@@ -3,8 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint fmt clean demo bench sglang-sources
 .PHONY: dist constraints lower-bounds
+.PHONY: setup test lint fmt clean demo bench bench-smoke sglang-sources
 .PHONY: setup-deploy compose-test slurm-test compose-demo
 
 setup:
@@ -16,8 +16,17 @@ test:
 demo:
 	$(VENV)/bin/hsq --log-format console demo
 
+# Benchmarks run as modules from the repository root, so `bench.*` imports resolve in a
+# fresh clone (bench/ is not installed). BENCHMARKS.md has the figures and GPU commands.
 bench:
-	$(PY) bench/pipeline.py
+	$(PY) -m bench.pipeline
+	$(PY) -m bench.ceiling --small
+
+# Seconds, no figures asserted: CI runs it so the benchmarks cannot rot unnoticed.
+bench-smoke:
+	$(PY) -m bench.ceiling --smoke
+	$(PY) -m bench.pipeline --samples 6 --min-len 16 --max-len 64 --capacity-inflight 2 \
+		--disk-mb 64
 
 sglang-sources:
 	./scripts/fetch_sglang_sources.sh

@@ -4,7 +4,7 @@ Synthetic ShareGPT rows (1-4 user/assistant exchanges of 20-200 words each), the
 ChatML tokenizer from hsq.harness.toytok; the same file through tokenize_file with --jobs 1 and
 with --jobs = cores, checking that both outputs are byte-identical.
 
-    python bench/chat_tokenize.py --rows 100000 --single-rows 20000
+    python -m bench.chat_tokenize --rows 100000 --single-rows 20000
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Each design writes `total_mb` in files of `file_mb`, every file fsynced before i
   one stream       buffered writes + fsync, one file after another (the old storage bound)
   buffered xN      N threads doing the same on their own files
   direct xN        N threads writing with O_DIRECT from a page-aligned buffer, then fsync
-  stfile xN        N threads through hsq.stfile.write (kernel copy from a tmpfs source, as
-                   the worker's persist stage does), with and without its O_DIRECT path
+  stfile xN        N threads through hsq.stfile.write (read from a tmpfs source into its
+                   buffers, checksum, write, as the worker's persist stage does), with and
+                   without its O_DIRECT path
 The storage bound is the best of the plain designs; the stfile rows say whether hsq's writer
 gets there.
 
@@ -54,13 +55,13 @@ def _direct(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
-def _stfile(src_fd: int, src_mm: mmap.mmap, nbytes: int) -> Callable[[Path, memoryview], None]:
+def _stfile(src_fd: int, nbytes: int) -> Callable[[Path, memoryview], None]:
     header = stfile.build_header([("x", "U8", [nbytes], nbytes)], None)
 
     def write(path: Path, _data: memoryview) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            stfile.write(fd, header, [(src_fd, 0, nbytes)], crc_of=src_mm)
+            stfile.write(fd, header, [stfile.Range(src_fd, 0, nbytes)])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -115,12 +116,11 @@ def probe(
         src = Path(tempfile.mkstemp(prefix="hsq-bw-src-", dir=shm)[1])
         src.write_bytes(data)
         sfd = os.open(src, os.O_RDONLY)
-        smm = mmap.mmap(sfd, 0, access=mmap.ACCESS_READ)
         try:
             old = os.environ.get("HSQ_DIRECT_IO")
             for label, flag in (("stfile x2, O_DIRECT", "1"), ("stfile x2, buffered", "0")):
                 os.environ["HSQ_DIRECT_IO"] = flag
-                w = _stfile(sfd, smm, len(data))
+                w = _stfile(sfd, len(data))
                 r = _rate(directory, 2, files, data, w)
                 result["gb_s"][label] = round(r / 1e9, 3)  # type: ignore[index]
             if old is None:
@@ -128,7 +128,6 @@ def probe(
             else:
                 os.environ["HSQ_DIRECT_IO"] = old
         finally:
-            smm.close()
             os.close(sfd)
             src.unlink()
     data.release()

@@ -12,8 +12,8 @@ forms (FIFO, --batch-requests, --batch-tokens padded), against the engine's rate
 dump per request written while the next batch runs). Target: capacity with dumps >= 0.90
 of the forward-only batched rate.
 
-    python bench/dump_cost.py --model llama-8b --device cuda --lengths 2048,8192
-    python bench/dump_cost.py --model llama-8b --device cuda --lengths "" \
+    python -m bench.dump_cost --model llama-8b --device cuda --lengths 2048,8192
+    python -m bench.dump_cost --model llama-8b --device cuda --lengths "" \
         --workloads 64-512:64,1024-4096:24
 """
 

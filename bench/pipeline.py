@@ -12,9 +12,9 @@ For the same reference server and the same samples, in one process tree:
   storage bound  the output disk's best durable write rate (bench/disk.py: several
          writers and O_DIRECT, not only one fsync'd stream) / output bytes per token.
 
-    .venv/bin/python bench/pipeline.py                               # CPU, tiny model
-    python bench/pipeline.py --model llama-8b --device cuda --dump-root /dev/shm ...
-    python bench/pipeline.py --inflight 1,4,8,16     # hsq once per K, side by side
+    .venv/bin/python -m bench.pipeline                               # CPU, tiny model
+    python -m bench.pipeline --model llama-8b --device cuda --dump-root /dev/shm ...
+    python -m bench.pipeline --inflight 1,4,8,16     # hsq once per K, side by side
 
 `--inflight K` is passed to `hsq worker` only when K != 1.
 

@@ -5,7 +5,7 @@ one reference server (tiny model) and one `hsq worker --burst`; commands are cou
 INFO commandstats around the worker's run. Short samples keep the model's share small, so
 the queue's overhead shows.
 
-    .venv/bin/python bench/queue_granularity.py --samples 400 --sizes 1,4,16,64
+    .venv/bin/python -m bench.queue_granularity --samples 400 --sizes 1,4,16,64
 """
 
 from __future__ import annotations

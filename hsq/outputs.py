@@ -20,15 +20,15 @@ import re
 import secrets
 import socket
 import sys
+import threading
 import time
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hsq.dataset import Sample, check_sample_id
-from hsq.errors import OutputError
+from hsq.errors import CorruptDumpError, NonFiniteDumpError, OutputError
 
 if TYPE_CHECKING:
     from hsq.protocol import DumpMeta, DumpTensors
@@ -80,12 +80,20 @@ def write_output(
     dump: DumpTensors,
     run: str,
     store_dtype: str = "bf16",
+    *,
+    stats: dict[str, float] | None = None,
+    before_rename: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
-    """Write a sample's training file durably from a validated dump; (bytes, checksum).
+    """Write a sample's training file durably from a dump whose header was checked;
+    (bytes, checksum "xxh3:<hex>").
 
-    bf16: the hidden states are copied file to file in the kernel (copy_file_range), never
-    through Python objects; the crc32 is computed from the dump's mapping on the way.
-    fp8-e4m3: they are quantized here (torch kernels, GIL released) and written from memory.
+    One pass over the dump's bytes, read with pread into buffers of the writer's own (never
+    the dump's mapping): bf16 states are checked for NaN/Inf, checksummed and written from
+    those very bytes; fp8 states are quantized from them (the quantizer refuses NaN/Inf).
+    So a dump rewritten while it is copied cannot put unchecked bytes on disk (issue 23).
+    NonFiniteDumpError or CorruptDumpError for a bad dump, OutputError when the disk
+    refuses. `stats` gathers seconds per step; `before_rename` runs after the fsync, right
+    before the file takes its name, and may raise to leave nothing behind.
     """
     from hsq import quant, stfile
     from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION
@@ -104,73 +112,127 @@ def write_output(
         "input_fingerprint": meta.input_fingerprint,
         quant.META_KEY: quant.check_store_dtype(store_dtype),
     }
-    if store_dtype == quant.FP8:
-        return _write_fp8(path, sample, mask, meta, dump, metadata)
-    header = stfile.build_header(
-        [
-            ("input_ids", "I64", [n], 8 * n),
-            ("loss_mask", "I64", [n], 8 * n),
-            (AUX_TENSOR, aux.dtype, aux.shape, aux.nbytes),
-            (LAST_TENSOR, last.dtype, last.shape, last.nbytes),
-        ],
-        metadata,
-    )
-    sources: list[memoryview | bytes | tuple[int, int, int]] = [
-        _int64_bytes(sample.input_ids),
-        _int64_bytes(mask),
-        (dump.fd, aux.start, aux.nbytes),
-        (dump.fd, last.start, last.nbytes),
-    ]
-    nbytes, crc = write_durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
-    return nbytes, f"crc32:{crc:08x}"
-
-
-def _write_fp8(
-    path: Path,
-    sample: Sample,
-    mask: list[int],
-    meta: DumpMeta,
-    dump: DumpTensors,
-    metadata: dict[str, str],
-) -> tuple[int, str]:
-    import torch
-
-    from hsq import quant, stfile
-    from hsq.protocol import AUX_TENSOR, LAST_TENSOR
-
-    n = len(sample.input_ids)
     entries: list[tuple[str, str, list[int], int]] = [
         ("input_ids", "I64", [n], 8 * n),
         ("loss_mask", "I64", [n], 8 * n),
     ]
-    sources: list[memoryview | bytes | tuple[int, int, int]] = [
-        _int64_bytes(sample.input_ids),
-        _int64_bytes(mask),
-    ]
-    for name, groups in ((AUX_TENSOR, len(meta.layer_ids)), (LAST_TENSOR, 1)):
-        info = dump.header.tensors[name]
-        dtype = stfile.torch_dtype(info.dtype)
-        x = torch.frombuffer(
-            dump.mm, dtype=dtype, count=info.nbytes // dtype.itemsize, offset=info.start
-        ).view(info.shape)
-        q, scale = quant.quantize(x, groups)
-        sname = quant.scale_name(name)
-        entries += [
-            (name, quant.FP8_CODE, list(q.shape), q.numel()),
-            (sname, "F32", list(scale.shape), 4 * scale.numel()),
-        ]
-        sources += [stfile.tensor_bytes(q), stfile.tensor_bytes(scale)]
+    sources: list[stfile.Source] = [_int64_bytes(sample.input_ids), _int64_bytes(mask)]
+    if store_dtype == quant.FP8:
+        for name, groups in ((AUX_TENSOR, len(meta.layer_ids)), (LAST_TENSOR, 1)):
+            info = dump.header.tensors[name]
+            q, scales = _fp8_sources(dump.fd, info, groups, stats)
+            sname = quant.scale_name(name)
+            entries += [
+                (name, quant.FP8_CODE, list(info.shape), q.nbytes),
+                (sname, "F32", [info.shape[0], groups], scales.nbytes),
+            ]
+            sources += [q, scales]
+    else:
+        for info in (aux, last):
+            entries.append((info.name, info.dtype, info.shape, info.nbytes))
+            sources.append(stfile.Range(dump.fd, info.start, info.nbytes, info.dtype, info.name))
     header = stfile.build_header(entries, metadata)
-    nbytes, crc = write_durably(path, lambda fd: stfile.write(fd, header, sources))
-    return nbytes, f"crc32:{crc:08x}"
+    try:
+        return write_durably(
+            path,
+            lambda fd: stfile.write(fd, header, sources, stats=stats),
+            stats=stats,
+            before_rename=before_rename,
+        )
+    except stfile.NonFiniteError as exc:
+        raise NonFiniteDumpError(f"dump {exc}") from exc
+    except stfile.SourceError as exc:
+        raise CorruptDumpError(f"dump tensors: {exc}") from exc
 
 
-def file_checksum(path: Path) -> str:
-    crc = 0
+_fp8_work = threading.local()
+
+
+def _fp8_sources(
+    fd: int, info: Any, groups: int, stats: dict[str, float] | None
+) -> tuple[Any, Any]:
+    """The fp8 values of one dump tensor, quantized a chunk of tokens at a time from bytes
+    read once into reused buffers, and their scales (filled on the way, written after)."""
+    import torch
+
+    from hsq import quant, stfile
+
+    t, d = info.shape
+    item = stfile.ITEMSIZE[info.dtype]
+    dtype = stfile.torch_dtype(info.dtype)
+    scales = torch.empty((t, groups), dtype=torch.float32)
+    rows = quant.CHUNK_TOKENS
+
+    def buffers() -> tuple[Any, Any, Any]:
+        # Per thread, grown to the widest tensor seen: [rows, D] raw, float32 and fp8.
+        have = getattr(_fp8_work, "bufs", None)
+        if have is None or have[1].numel() < rows * d or have[0].numel() < rows * d * item:
+            have = (
+                torch.empty(rows * d * max(item, 2), dtype=torch.uint8),
+                torch.empty(rows * d, dtype=torch.float32),
+                torch.empty(rows * d, dtype=torch.float8_e4m3fn),
+            )
+            _fp8_work.bufs = have
+        return have
+
+    def make() -> Iterator[memoryview]:
+        raw, work, q = buffers()
+        for lo in range(0, t, rows):
+            hi = min(t, lo + rows)
+            nbytes = (hi - lo) * d * item
+            view = memoryview(raw.numpy())[:nbytes]
+            t0 = time.perf_counter()
+            _pread_exact(fd, view, info.start + lo * d * item)
+            t1 = time.perf_counter()
+            x = raw[:nbytes].view(dtype).view(hi - lo, d)
+            qc = q[: (hi - lo) * d].view(hi - lo, d)
+            quant.quantize_into(x, groups, qc, scales[lo:hi], work)
+            if stats is not None:
+                stats["read_s"] = stats.get("read_s", 0.0) + t1 - t0
+                stats["quantize_s"] = stats.get("quantize_s", 0.0) + time.perf_counter() - t1
+            yield memoryview(qc.view(torch.uint8).numpy()).cast("B")
+
+    def scale_bytes() -> Iterator[memoryview]:
+        yield stfile.tensor_bytes(scales)
+
+    return stfile.Produced(make, t * d), stfile.Produced(scale_bytes, 4 * t * groups)
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    from hsq import stfile
+
+    while view:
+        try:
+            got = os.preadv(fd, [view], offset)
+        except OSError as exc:
+            raise stfile.SourceError(f"cannot read the source: {exc}") from exc
+        if got == 0:
+            raise stfile.SourceError("source file ended early")
+        view, offset = view[got:], offset + got
+
+
+def file_checksum(path: Path, algo: str | None = None) -> str:
+    """The file's checksum as a manifest records it: "xxh3:<hex>" (or with `algo`, e.g.
+    the algorithm an older entry names: "crc32")."""
+    from hsq import stfile
+
+    digest = stfile.Digest(algo or stfile.CHECKSUM)
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
-            crc = zlib.crc32(chunk, crc)
-    return f"crc32:{crc:08x}"
+            digest.update(chunk)
+    return digest.text
+
+
+def checksum_matches(path: Path, recorded: str) -> bool:
+    """Whether the file has the checksum a manifest recorded, in whichever algorithm the
+    record names (xxh3 now, crc32 for files written before); False for an unknown one."""
+    from hsq import stfile
+
+    try:
+        algo = stfile.checksum_algo(recorded)
+    except stfile.FormatError:
+        return False
+    return file_checksum(path, algo) == recorded
 
 
 T = TypeVar("T")
@@ -181,9 +243,17 @@ FOREIGN_TEMP_AGE_S = 600.0
 """A temp file from another host this old has no live writer: one sample writes in seconds."""
 
 
-def write_durably(path: Path, fill: Callable[[int], T]) -> T:
+def write_durably(
+    path: Path,
+    fill: Callable[[int], T],
+    *,
+    stats: dict[str, float] | None = None,
+    before_rename: Callable[[], None] | None = None,
+) -> T:
     """`fill(fd)` a temp file in the same directory, fsync, rename, fsync the directory;
     OutputError when the disk refuses (full, read-only, ...), leaving no temp behind.
+    `before_rename()` runs last before the rename and may raise (nothing is renamed then);
+    `stats` gets the seconds of the two fsyncs (fsync_s) and of before_rename (check_s).
 
     The temp is named after its writer (host, pid), so whoever writes the same output next
     can remove what a killed writer left (`_sweep_dead_temps`)."""
@@ -193,15 +263,23 @@ def write_durably(path: Path, fill: Callable[[int], T]) -> T:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             result = fill(fd)
+            t0 = time.perf_counter()
             os.fsync(fd)
+            t1 = time.perf_counter()
         finally:
             os.close(fd)
+        if before_rename is not None:
+            before_rename()
+        t2 = time.perf_counter()
         os.rename(tmp, path)
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+        if stats is not None:
+            stats["fsync_s"] = stats.get("fsync_s", 0.0) + t1 - t0 + time.perf_counter() - t2
+            stats["check_s"] = stats.get("check_s", 0.0) + t2 - t1
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
         if not isinstance(exc, OSError):
@@ -318,7 +396,7 @@ def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
     from hsq import quant
     from hsq.protocol import fingerprint
 
-    if file_checksum(path) != entry.checksum:
+    if not checksum_matches(path, entry.checksum):
         return ["checksum mismatch"]
     try:
         tensors = load_file(str(path))

@@ -28,15 +28,14 @@ import mmap
 import os
 import re
 import shutil
+import stat
+import sys
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, Any
 
 from hsq import stfile
 from hsq.errors import (
@@ -61,20 +60,32 @@ DONE_FILE = "done"
 AUX_TENSOR = "aux_hidden_states"
 LAST_TENSOR = "last_hidden_state"
 LAYER_CONVENTION = "hf_hidden_states"
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+"""Dump dtypes by meta.json name, with their safetensors codes. `DTYPES` (the torch dtypes
+by the same names) loads torch on first use: a worker copying bf16 dumps never needs it."""
 # meta.json is a few hundred bytes; anything near this limit is not a dump of ours.
 MAX_META_BYTES = 1 * 2**20
 _DUMP_RE = re.compile(r"^req_(\d+)$")
 _TMP_RE = re.compile(r"^req_(\d+)\.tmp$")
 
 
+if TYPE_CHECKING:
+    import torch
+
+    DTYPES: dict[str, torch.dtype]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        import torch
+
+        return {n: getattr(torch, n) for n in DTYPE_CODES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
+    for name in DTYPE_CODES:
+        if str(dtype).removeprefix("torch.") == name:
             return name
     raise ValueError(f"unsupported dump dtype {dtype}")
 
@@ -83,15 +94,23 @@ def fingerprint(input_ids: Sequence[int] | torch.Tensor) -> str:
     """A hash of the input token ids as little-endian int32 bytes.
 
     int32 because every tokenizer in use fits and SGLang keeps ids as int32 on device.
+    A list is hashed without torch (the worker's hot path); a tensor is read as a tensor.
     """
-    if isinstance(input_ids, torch.Tensor):
-        t = input_ids.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    if hasattr(input_ids, "detach"):  # a torch tensor, on any device
+        ids = input_ids.detach().reshape(-1).cpu().tolist()
     else:
-        t = torch.tensor(list(input_ids), dtype=torch.int64)
-    if t.numel() and (int(t.min()) < -(2**31) or int(t.max()) >= 2**31):
-        raise ValueError("token ids must fit in int32")
-    data = t.to(torch.int32).numpy().astype("<i4", copy=False).tobytes()
-    return "blake2b128:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+        ids = input_ids
+    try:
+        arr = array("i", ids)
+    except OverflowError as exc:
+        raise ValueError("token ids must fit in int32") from exc
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from exc
+    if arr.itemsize != 4:  # pragma: no cover - no such platform in use
+        raise ValueError("C int is not 32 bits here")
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return "blake2b128:" + hashlib.blake2b(arr.tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -272,6 +291,7 @@ def write_dump(
             stfile.build_header(entries, None),
             [stfile.tensor_bytes(v) for v in tensors.values()],
             crc=False,
+            direct=False,  # the worker reads it back at once: keep it in the page cache
         )
         if fsync:
             os.fsync(fd)
@@ -420,7 +440,7 @@ def check_meta(meta: DumpMeta, exp: Expected) -> None:
     for name, got, want in checks:
         if want is not None and got != want:
             raise MetaMismatchError(f"dump {name} is {got!r}, the run expects {want!r}")
-    if meta.dtype not in DTYPES:
+    if meta.dtype not in DTYPE_CODES:
         raise CorruptDumpError(f"unknown dtype {meta.dtype!r} in meta.json")
     want_shapes = expected_shapes(meta.num_tokens, len(meta.layer_ids), meta.hidden_size)
     if meta.tensors != want_shapes:
@@ -440,34 +460,54 @@ def read_meta(path: Path) -> DumpMeta:
 
 @dataclass
 class DumpTensors:
-    """A validated dump tensor file, mapped but not read: for zero-copy persisting."""
+    """A dump tensor file whose header agrees with its meta: open, not read. `mm` is a
+    private mapping when asked for (readers of tensors); the worker reads the bytes once
+    with pread instead (stfile.Range), checks them and writes them."""
 
     fd: int
-    mm: mmap.mmap
+    mm: mmap.mmap | None
     header: stfile.Header
 
     def close(self) -> None:
-        self.mm.close()
+        if self.mm is not None:
+            self.mm.close()
         os.close(self.fd)
 
 
-def open_dump_tensors(path: Path, meta: DumpMeta, *, check_finite: bool = True) -> DumpTensors:
-    """Open the tensor file of a dump whose meta passed check_meta, and check that its
-    header agrees with the meta (names, shapes, dtype, size) and the values are finite."""
+def _open_regular(path: Path) -> int:
+    """O_RDONLY on a regular file only: never blocks on a FIFO, never follows a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fd = os.open(path / TENSOR_FILE, os.O_RDONLY)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_dump_tensors(
+    path: Path, meta: DumpMeta, *, check_finite: bool = True, mapped: bool = True
+) -> DumpTensors:
+    """Open the tensor file of a dump whose meta passed check_meta, and check that its
+    header agrees with the meta (names, shapes, dtype, size) and, with `check_finite`, that
+    the values are finite (which needs `mapped`)."""
+    try:
+        fd = _open_regular(path / TENSOR_FILE)
     except OSError as exc:
         raise CorruptDumpError(f"{path.name}: cannot open tensors: {exc}") from exc
     try:
         header = stfile.read_header(fd)
-        mm = stfile.map_file(fd)
+        mm = stfile.map_file(fd) if mapped else None
     except (stfile.FormatError, OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
         # Untrusted header JSON: entries that are not objects, offsets that are strings...
         os.close(fd)
         raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc!r}") from exc
     dt = DumpTensors(fd, mm, header)
     try:
-        code = stfile.dtype_code(DTYPES[meta.dtype])
+        code = DTYPE_CODES.get(meta.dtype)
+        if code is None:
+            raise CorruptDumpError(f"{path.name}: unknown dtype {meta.dtype!r}")
         if set(header.tensors) != set(meta.tensors):
             raise CorruptDumpError(
                 f"{path.name}: tensors {sorted(header.tensors)}, meta {sorted(meta.tensors)}"
@@ -480,7 +520,7 @@ def open_dump_tensors(path: Path, meta: DumpMeta, *, check_finite: bool = True) 
                 raise CorruptDumpError(
                     f"{path.name}: {name} is {info.dtype}, meta says {meta.dtype}"
                 )
-            if check_finite and not stfile.all_finite(mm, info):
+            if check_finite and mm is not None and not stfile.all_finite(mm, info):
                 raise NonFiniteDumpError(f"{path.name}: {name} holds NaN or Inf")
     except BaseException:
         dt.close()
@@ -493,6 +533,9 @@ def read_dump(path: Path, expected: Expected, *, check_finite: bool = True) -> D
     meta = read_meta(path)
     check_meta(meta, expected)
     open_dump_tensors(path, meta, check_finite=check_finite).close()
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         tensors = load_file(str(path / TENSOR_FILE))  # an independent parser, as a check
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:

@@ -1,27 +1,33 @@
 """Raw safetensors I/O for the hot paths: header build/parse and GIL-free writes.
 
 The files are ordinary safetensors (an 8-byte little-endian header length, a JSON header,
-then the tensor bytes) that `safetensors.safe_open` reads. Writing from memoryviews with
-os.write and copying between files with copy_file_range keeps Python's GIL released and
-avoids the extra in-memory copy of `safetensors.torch.save`: the dump writer shares its
-process with the model's forward, and the worker's persist threads move gigabytes a second.
+then the tensor bytes) that `safetensors.safe_open` reads. Writes leave Python's GIL
+released (pwrite, preadv, numpy and xxhash on buffers) and avoid the extra in-memory copy of
+`safetensors.torch.save`: the dump writer shares its process with the model's forward, and
+the worker's persist threads move gigabytes a second.
 
-Large files go to the disk with O_DIRECT from page-aligned staging buffers where the
-filesystem allows it (not tmpfs): on the H200 machine's disk one buffered stream with fsync
-reached 1.16 GB/s and one O_DIRECT stream 2.0 GB/s (BENCHMARKS.md); the page cache's
-write-back, not the device, limited the buffered stream. HSQ_DIRECT_IO=0 turns it off.
+A worker copies a dump's bytes in one pass (`write` with `Range` sources): each chunk is
+read into a page-aligned buffer of its own, checked for NaN/Inf, checksummed (xxh3) and
+written from that buffer, so what is checked is what is written (a server rewriting its
+file meanwhile cannot slip NaN in). Large files go to the disk with O_DIRECT from those
+buffers where the filesystem allows it (not tmpfs): on the H200 machine's disk one buffered
+stream with fsync reached 1.16 GB/s and one O_DIRECT stream 2.0 GB/s (BENCHMARKS.md); the
+page cache's write-back, not the device, limited the buffered stream. HSQ_DIRECT_IO=0
+turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
 import os
 import struct
 import threading
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,14 +76,6 @@ ITEMSIZE = {
     "I8": 1,
     "U8": 1,
     "F8_E4M3": 1,
-}
-# Exponent bits all set means Inf or NaN; checked on an integer view of the raw bytes.
-# float8_e4m3fn has no Inf, and NaN only as S.1111.111.
-_NONFINITE = {
-    "BF16": ("int16", 0x7F80),
-    "F16": ("int16", 0x7C00),
-    "F32": ("int32", 0x7F800000),
-    "F8_E4M3": ("uint8", 0x7F),
 }
 MAX_HEADER = 100 * 2**20
 
@@ -192,36 +190,186 @@ def _prod(shape: Sequence[int]) -> int:
     return n
 
 
-def _write_all(fd: int, data: memoryview | bytes) -> None:
+# ---------------------------------------------------------------------------- checksums
+# New files carry xxh3 (XXH3-64, tens of GB/s on one core); files written before it carry
+# crc32 (zlib), and every reader accepts both by the name before the colon.
+CHECKSUM = "xxh3"
+CHECKSUMS = ("xxh3", "crc32")
+
+
+class Digest:
+    """A running checksum over a file's bytes in order; `text` is "<algo>:<hex>"."""
+
+    def __init__(self, algo: str = CHECKSUM) -> None:
+        if algo not in CHECKSUMS:
+            raise FormatError(f"unknown checksum {algo!r}")
+        self.algo = algo
+        self._crc = 0
+        self._xxh: Any = None
+        if algo == "xxh3":
+            import xxhash
+
+            self._xxh = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
+
+    @property
+    def text(self) -> str:
+        if self._xxh is not None:
+            return f"xxh3:{self._xxh.intdigest():016x}"
+        return f"crc32:{self._crc:08x}"
+
+
+def checksum_algo(text: str) -> str:
+    """The algorithm a recorded checksum names ("xxh3:..." -> "xxh3"); FormatError if none."""
+    algo = text.partition(":")[0]
+    if algo not in CHECKSUMS:
+        raise FormatError(f"unknown checksum {text[:40]!r}")
+    return algo
+
+
+# ---------------------------------------------------------------------------- finite checks
+# Exponent bits all set means Inf or NaN; checked on an unsigned view of the raw bytes, a
+# slice at a time into a per-thread scratch array (numpy releases the GIL, no torch).
+_NONFINITE_NP = {"BF16": ("<u2", 0x7F80), "F16": ("<u2", 0x7C00), "F32": ("<u4", 0x7F800000)}
+_NONFINITE_NP["F8_E4M3"] = ("u1", 0x7F)  # float8_e4m3fn: no Inf, NaN only as S.1111.111
+_SCRATCH_BYTES = 1 << 20
+_scratch = threading.local()
+
+
+def nonfinite_in(data: memoryview | bytes, code: str) -> bool:
+    """Whether raw little-endian values of dtype `code` hold a NaN or Inf (whole elements)."""
+    if code not in _NONFINITE_NP:
+        return False
+    import numpy as np
+
+    np_dtype, mask = _NONFINITE_NP[code]
+    values = np.frombuffer(data, dtype=np_dtype)
+    step = _SCRATCH_BYTES // values.itemsize
+    key = f"s{values.itemsize}"
+    tmp = getattr(_scratch, key, None)
+    if tmp is None:
+        tmp = np.empty(step, dtype=np_dtype)
+        setattr(_scratch, key, tmp)
+    for lo in range(0, len(values), step):
+        part = values[lo : lo + step]
+        out = tmp[: len(part)]
+        np.bitwise_and(part, mask, out=out)
+        if int(out.max()) == mask:
+            return True
+    return False
+
+
+class _Finite:
+    """Checks a tensor's bytes as they stream past, whatever the piece boundaries."""
+
+    def __init__(self, code: str, name: str) -> None:
+        self.code, self.name = code, name
+        self.item = ITEMSIZE[code]
+        self.carry = b""
+
+    def feed(self, piece: memoryview) -> None:
+        if self.carry:
+            need = self.item - len(self.carry)
+            self.carry += bytes(piece[:need])
+            piece = piece[need:]
+            if len(self.carry) < self.item:
+                return
+            self._check(self.carry)
+            self.carry = b""
+        whole = len(piece) - len(piece) % self.item
+        if whole:
+            self._check(piece[:whole])
+        self.carry = bytes(piece[whole:])
+
+    def _check(self, data: memoryview | bytes) -> None:
+        if nonfinite_in(data, self.code):
+            raise NonFiniteError(f"{self.name} holds NaN or Inf")
+
+
+class NonFiniteError(FormatError):
+    """A checked source held NaN or Inf."""
+
+
+class SourceError(FormatError):
+    """A source file could not be read, or ended before its range did."""
+
+
+def all_finite(buf: mmap.mmap | bytes, info: TensorInfo, chunk_bytes: int = 64 * 2**20) -> bool:
+    """No NaN or Inf in one tensor of a mapped (or read) file, checked a chunk at a time."""
+    view = memoryview(buf)
+    item = ITEMSIZE[info.dtype]
+    step = max(item, chunk_bytes - chunk_bytes % item)
+    end = info.start + info.nbytes
+    return not any(
+        nonfinite_in(view[off : min(end, off + step)], info.dtype)
+        for off in range(info.start, end, step)
+    )
+
+
+def map_file(fd: int) -> mmap.mmap:
+    """A private mapping (writable as far as torch.frombuffer cares; nothing is written)."""
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class Range:
+    """`nbytes` of file `fd` from `offset`, read into the writer's own buffers (never
+    mapped, never copied in the kernel): the bytes checked (`check`: a dtype code whose
+    NaN/Inf are refused) and checksummed are exactly the bytes written, whatever the source
+    file does meanwhile."""
+
+    fd: int
+    offset: int
+    nbytes: int
+    check: str | None = None
+    name: str = "tensor"
+
+
+@dataclass(frozen=True)
+class Produced:
+    """Bytes made on the way (e.g. quantized chunks): `make()` yields them in order,
+    `nbytes` in all; called again if the file has to be started over."""
+
+    make: Callable[[], Iterator[memoryview | bytes]]
+    nbytes: int
+
+
+Source = memoryview | bytes | tuple[int, int, int] | Range | Produced
+
+
+def _size(src: Source) -> int:
+    if isinstance(src, tuple):
+        return src[2]
+    if isinstance(src, Range | Produced):
+        return src.nbytes
+    return memoryview(src).nbytes
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, at: int) -> None:
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view) :]
-
-
-def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
-    """Kernel-side copy at dst's position. copy_file_range refuses some pairs of
-    filesystems (tmpfs dump dir -> ext4/NFS output: EXDEV); sendfile takes any regular file."""
-    use_cfr = True
-    while nbytes:
-        try:
-            if use_cfr:
-                n = os.copy_file_range(src, dst, nbytes, offset)
-            else:
-                n = os.sendfile(dst, src, offset, nbytes)
-        except OSError as exc:
-            if use_cfr and exc.errno in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                use_cfr = False
-                continue
-            raise
-        if n == 0:
-            raise FormatError("source file ended early")
-        offset += n
-        nbytes -= n
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n
 
 
 DIRECT_ALIGN = 4096
-DIRECT_MIN_BYTES = 8 * 2**20
+DIRECT_MIN_BYTES = 2**20
+"""Files this large bypass the page cache: with many small files the fsyncs of buffered
+writes, not the bytes, limited the rate (measured: 118 against 45 samples/s of 64-512
+tokens at the 8B shape, 8 persist threads)."""
 DIRECT_CHUNK = 8 * 2**20
+"""The size of each staging buffer (a multiple of DIRECT_ALIGN)."""
+BUFFERS = 3
+_WRITE_IN_PLACE = 1 << 20
+"""Memory sources this large are written from where they are when not O_DIRECT."""
 _direct_refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
 # Memory-only filesystems gain nothing from O_DIRECT and would pay an extra copy.
 _MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs"}
@@ -261,93 +409,148 @@ def _open_direct(fd: int) -> int | None:
 
 _direct_pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_free_buffers: list[list[mmap.mmap]] = []
+_MAX_FREE_BUFFER_SETS = 8
 
 
 def _writes() -> ThreadPoolExecutor:
-    """Threads that issue the O_DIRECT writes while the caller stages the next chunk."""
+    """Threads that issue the writes while the caller fills the next buffer."""
     global _direct_pool
     with _pool_lock:
         if _direct_pool is None:
-            _direct_pool = ThreadPoolExecutor(16, thread_name_prefix="stfile-direct")
+            _direct_pool = ThreadPoolExecutor(16, thread_name_prefix="stfile-write")
         return _direct_pool
 
 
-def _crc_after(view: memoryview, prev: Future[int] | None) -> int:
-    return zlib.crc32(view, prev.result() if prev is not None else 0)
+def _take_buffers() -> list[mmap.mmap]:
+    # Reused: a fresh mapping per file costs a page fault per 4 KiB, on some VMs more than
+    # the copy itself.
+    with _pool_lock:
+        if _free_buffers:
+            return _free_buffers.pop()
+    return [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(BUFFERS)]
 
 
-class _Staged:
-    """A file written with O_DIRECT through rotating page-aligned buffers: while the
-    caller reads the next chunk into one buffer, pool threads crc (in order) and write the
-    others, so a file streams at about the slowest of read, crc and write, not their sum."""
+def _give_buffers(bufs: list[mmap.mmap]) -> None:
+    with _pool_lock:
+        if len(_free_buffers) < _MAX_FREE_BUFFER_SETS:
+            _free_buffers.append(bufs)
+            return
+    for b in bufs:
+        with contextlib.suppress(BufferError):  # still exported: freed with its last view
+            b.close()
 
-    BUFFERS = 3
 
-    def __init__(self, fd: int, dfd: int, crc: bool) -> None:
-        self.fd, self.dfd, self.crc = fd, dfd, crc
-        self.bufs = [mmap.mmap(-1, DIRECT_CHUNK) for _ in range(self.BUFFERS)]
+class _Timer:
+    def __init__(self, stats: dict[str, float] | None, key: str) -> None:
+        self.stats, self.key = stats, key
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.stats is not None:
+            self.stats[self.key] = self.stats.get(self.key, 0.0) + time.perf_counter() - self.t0
+
+
+class _Writer:
+    """Streams a file through rotating page-aligned buffers of our own: each chunk is read
+    (or copied) in, checked, checksummed, then written by a pool thread (O_DIRECT where the
+    file allows it) while the caller fills the next buffer. One pass over every byte."""
+
+    def __init__(
+        self, fd: int, dfd: int | None, digest: Digest | None, stats: dict[str, float] | None
+    ) -> None:
+        self.fd, self.dfd, self.digest, self.stats = fd, dfd, digest, stats
+        self.bufs = _take_buffers()
         self.views = [memoryview(b) for b in self.bufs]
-        self.busy: list[list[Future[Any]]] = [[] for _ in self.bufs]
+        self.busy: list[list[Future[None]]] = [[] for _ in self.bufs]
         self.cur = self.fill = self.at = 0
-        self.value: Future[int] | None = None
         self.pool = _writes()
+        self.direct_jobs: list[Future[None]] = []
 
-    def add(self, src: memoryview | bytes | tuple[int, int, int]) -> None:
-        if isinstance(src, tuple):
-            sfd, off, n = src
-            while n:
-                k = min(n, DIRECT_CHUNK - self.fill)
-                view = self.views[self.cur][self.fill : self.fill + k]
-                k = os.preadv(sfd, [view], off)  # GIL released
-                if k == 0:
-                    raise FormatError("source file ended early")
-                self._advance(k)
-                off, n = off + k, n - k
-        else:
-            data = memoryview(src).cast("B")
-            while data:
-                k = min(len(data), DIRECT_CHUNK - self.fill)
-                self.views[self.cur][self.fill : self.fill + k] = data[:k]
-                self._advance(k)
-                data = data[k:]
+    def put(self, data: memoryview | bytes, *, stable: bool = True) -> None:
+        """Copy `data` in; `stable` memory (unchanged until finish() returns) may instead be
+        written from where it is."""
+        view = memoryview(data).cast("B")
+        if stable and self.dfd is None and len(view) >= _WRITE_IN_PLACE:
+            # Through the page cache a caller's memory can be written as it is (a server's
+            # tensors): no copy into our buffers. It stays alive until finish() returns.
+            if self.fill:
+                self._emit(self.fill)
+            if self.digest is not None:
+                with _Timer(self.stats, "checksum_s"):
+                    self.digest.update(view)
+            self.direct_jobs.append(self.pool.submit(_pwrite_all, self.fd, view, self.at))
+            self.at += len(view)
+            return
+        while view:
+            k = min(len(view), DIRECT_CHUNK - self.fill)
+            self.views[self.cur][self.fill : self.fill + k] = view[:k]
+            view = view[k:]
+            self._advance(k)
 
-    def finish(self) -> tuple[int, int]:
-        aligned = self.fill - self.fill % DIRECT_ALIGN
-        if aligned:
-            tail = bytes(self.views[self.cur][aligned : self.fill])
-            self._emit(aligned, direct=True)
-            self.views[self.cur][: len(tail)] = tail
-            self.fill = len(tail)
+    def pull(self, src: Range) -> None:
+        check = _Finite(src.check, src.name) if src.check else None
+        off, n = src.offset, src.nbytes
+        while n:
+            k = min(n, DIRECT_CHUNK - self.fill)
+            view = self.views[self.cur][self.fill : self.fill + k]
+            with _Timer(self.stats, "read_s"):
+                try:
+                    got = os.preadv(src.fd, [view], off)  # GIL released
+                except OSError as exc:
+                    raise SourceError(f"cannot read the source: {exc}") from exc
+            if got == 0:
+                raise SourceError("source file ended early")
+            if check is not None:
+                with _Timer(self.stats, "finite_s"):
+                    check.feed(view[:got])
+            off, n = off + got, n - got
+            self._advance(got)
+
+    def finish(self) -> int:
         if self.fill:
-            self._emit(self.fill, direct=False)  # the unaligned tail, through the page cache
+            self._emit(self.fill)
         for i in range(len(self.bufs)):
             self._wait(i)
-        return self.at, self.value.result() if self.value is not None else 0
+        jobs, self.direct_jobs = self.direct_jobs, []
+        with _Timer(self.stats, "write_s"):
+            for job in jobs:
+                job.result()
+        return self.at
 
     def close(self) -> None:
-        for jobs in self.busy:  # after an error: nothing may still read a buffer we close
-            for job in jobs:
+        for jobs in [*self.busy, self.direct_jobs]:  # after an error: nothing may still
+            for job in jobs:  # read a buffer we reuse, or the caller's memory
                 job.exception()
-        for view, buf in zip(self.views, self.bufs, strict=True):
-            try:
+        try:
+            for view in self.views:
                 view.release()
-                buf.close()
-            except BufferError:
-                pass  # a failed write's traceback still holds a slice: freed with it
+        except BufferError:  # a failed step's traceback still holds a slice: let GC free it
+            return
+        _give_buffers(self.bufs)
 
     def _advance(self, k: int) -> None:
         self.fill += k
         if self.fill == DIRECT_CHUNK:
-            self._emit(self.fill, direct=True)
+            self._emit(self.fill)
 
-    def _emit(self, upto: int, direct: bool) -> None:
+    def _emit(self, upto: int) -> None:
         view = self.views[self.cur][:upto]
-        jobs: list[Future[Any]] = [
-            self.pool.submit(_pwrite_all, self.dfd if direct else self.fd, view, self.at)
-        ]
-        if self.crc:
-            self.value = self.pool.submit(_crc_after, view, self.value)
-            jobs.append(self.value)
+        if self.digest is not None:
+            with _Timer(self.stats, "checksum_s"):
+                self.digest.update(view)
+        # O_DIRECT takes whole pages; a file's unaligned tail goes through the page cache.
+        dfd = self.dfd
+        aligned = upto - upto % DIRECT_ALIGN if dfd is not None else 0
+        jobs = []
+        if aligned and dfd is not None:
+            jobs.append(self.pool.submit(_pwrite_all, dfd, view[:aligned], self.at))
+        if upto > aligned:
+            jobs.append(
+                self.pool.submit(_pwrite_all, self.fd, view[aligned:upto], self.at + aligned)
+            )
         self.busy[self.cur] = jobs
         self.at += upto
         self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
@@ -355,47 +558,67 @@ class _Staged:
 
     def _wait(self, i: int) -> None:
         jobs, self.busy[i] = self.busy[i], []
-        for job in jobs:
-            job.result()
+        with _Timer(self.stats, "write_s"):
+            for job in jobs:
+                job.result()
 
 
-def _write_direct(
+def _write_all_sources(
     fd: int,
-    dfd: int,
+    dfd: int | None,
     header: bytes,
-    sources: Sequence[memoryview | bytes | tuple[int, int, int]],
+    sources: Sequence[Source],
     crc: bool,
-) -> tuple[int, int]:
-    staged = _Staged(fd, dfd, crc)
+    stats: dict[str, float] | None,
+) -> tuple[int, str]:
+    digest = Digest() if crc else None
+    w = _Writer(fd, dfd, digest, stats)
     try:
-        for src in (header, *sources):
-            staged.add(src)
-        total, value = staged.finish()
+        w.put(header)
+        for src in sources:
+            if isinstance(src, tuple):
+                w.pull(Range(*src))
+            elif isinstance(src, Range):
+                w.pull(src)
+            elif isinstance(src, Produced):
+                made = 0
+                for piece in src.make():
+                    made += memoryview(piece).nbytes
+                    w.put(piece, stable=False)  # the maker may reuse its buffer
+                if made != src.nbytes:
+                    raise FormatError(f"a produced source made {made} bytes, not {src.nbytes}")
+            else:
+                w.put(src)
+        total = w.finish()
     finally:
-        staged.close()
+        w.close()
     os.lseek(fd, total, os.SEEK_SET)  # as if written through fd
-    return total, value
+    return total, digest.text if digest is not None else ""
 
 
 def write(
     fd: int,
     header: bytes,
-    sources: Sequence[memoryview | bytes | tuple[int, int, int]],
+    sources: Sequence[Source],
     *,
     crc: bool = True,
-    crc_of: mmap.mmap | None = None,
-) -> tuple[int, int]:
-    """Write a header then each source: bytes/memoryview, or (src_fd, offset, nbytes) copied
-    in the kernel (copy_file_range). Returns (bytes written, crc32 of the whole file, or 0
-    without `crc`); copied ranges are read for the crc from `crc_of`, the source's mapping.
-    Files of DIRECT_MIN_BYTES or more, written from offset 0, bypass the page cache
-    (O_DIRECT) where the filesystem supports it."""
-    size = len(header) + sum(
-        s[2] if isinstance(s, tuple) else memoryview(s).nbytes for s in sources
-    )
-    if size >= DIRECT_MIN_BYTES and (dfd := _open_direct(fd)) is not None:
+    stats: dict[str, float] | None = None,
+    direct: bool = True,
+) -> tuple[int, str]:
+    """Write a header then each source, from offset 0 of `fd`: bytes/memoryview; a Range
+    (or a tuple (fd, offset, nbytes)) read from another file; a Produced (chunks made on
+    the way). Returns (bytes written, the file's checksum "xxh3:<hex>", or "" without `crc`).
+
+    Every byte passes once through buffers of ours, where it is checked (Range.check) and
+    checksummed before it is written, so a source changed meanwhile cannot slip unchecked
+    bytes in. Files of DIRECT_MIN_BYTES or more bypass the page cache (O_DIRECT) where the
+    filesystem allows it. `stats` accumulates seconds spent per step (read_s, finite_s,
+    checksum_s, write_s: waiting for the writes). `direct=False` keeps the page cache (a
+    file read back at once, such as a dump)."""
+    size = len(header) + sum(_size(s) for s in sources)
+    if direct and size >= DIRECT_MIN_BYTES and (dfd := _open_direct(fd)) is not None:
         try:
-            return _write_direct(fd, dfd, header, sources, crc)
+            return _write_all_sources(fd, dfd, header, sources, crc, stats)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -406,51 +629,4 @@ def write(
             os.lseek(fd, 0, os.SEEK_SET)
         finally:
             os.close(dfd)
-    value = zlib.crc32(header) if crc else 0
-    _write_all(fd, header)
-    total = len(header)
-    for src in sources:
-        if isinstance(src, tuple):
-            sfd, off, n = src
-            _copy_range(sfd, fd, off, n)
-            if crc:
-                if crc_of is None:
-                    raise ValueError("a copied range needs crc_of, the source file's mapping")
-                value = zlib.crc32(memoryview(crc_of)[off : off + n], value)
-            total += n
-        else:
-            if crc:
-                value = zlib.crc32(src, value)
-            _write_all(fd, src)
-            total += memoryview(src).nbytes
-    return total, value
-
-
-def _pwrite_all(fd: int, data: memoryview | bytes, at: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, at)
-        view, at = view[n:], at + n
-
-
-def all_finite(buf: mmap.mmap, info: TensorInfo, chunk_bytes: int = 64 * 2**20) -> bool:
-    """No NaN or Inf, checked on the raw bytes in chunks (bounded temporaries)."""
-    import torch
-
-    if info.dtype not in _NONFINITE:
-        return True
-    int_name, mask = _NONFINITE[info.dtype]
-    int_dtype = getattr(torch, int_name)
-    item = ITEMSIZE[info.dtype]
-    step = max(item, chunk_bytes - chunk_bytes % item)
-    for off in range(info.start, info.start + info.nbytes, step):
-        n = min(step, info.start + info.nbytes - off)
-        x = torch.frombuffer(buf, dtype=int_dtype, count=n // item, offset=off)
-        if bool(((x & mask) == mask).any()):
-            return False
-    return True
-
-
-def map_file(fd: int) -> mmap.mmap:
-    """A private mapping (writable as far as torch.frombuffer cares; nothing is written)."""
-    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    return _write_all_sources(fd, None, header, sources, crc, stats)

@@ -621,7 +621,8 @@ class RunStore:
         raise StoreError("the run's config kept changing while enqueueing; try again")
 
     def claim(self, worker_id: str, timeout: float) -> ChunkJob | None:
-        """Move one job into this worker's wip list: retries first, then the main queue.
+        """Move one job into this worker's wip list: retries first, then the main queue
+        (waiting up to `timeout` seconds, at least 1, for one; not at all if `timeout` <= 0).
 
         A job already in our wip list that this store did not hand out is returned first:
         that is what a lost BLMOVE reply leaves behind (redis-py retries the command, and
@@ -631,7 +632,9 @@ class RunStore:
         if stray is not None:
             return stray
         job_id = self.client.lmove(rq_queue_key(self.keys.retry_queue), wip, "LEFT", "RIGHT")
-        if job_id is None:
+        if job_id is None and timeout <= 0:  # no wait: the caller has other work going
+            job_id = self.client.lmove(rq_queue_key(self.keys.main_queue), wip, "LEFT", "RIGHT")
+        elif job_id is None:
             # BLMOVE: the job is never only in flight; a crash leaves it in our wip list.
             job_id = self.client.blmove(
                 rq_queue_key(self.keys.main_queue), wip, max(1, round(timeout)), "LEFT", "RIGHT"

@@ -195,7 +195,8 @@ def test_a_fixed_dataset_prunes_index_and_dead_line_entries(tmp_path: Path, redi
 
 
 def test_docs_name_the_checksum_the_code_writes(tmp_path: Path) -> None:
-    """Minor: docs said the manifest checksum is sha256; the code writes crc32."""
+    """Minor: docs said the manifest checksum is sha256; the code writes xxh3 (crc32 before
+    issue 22, still read)."""
     from hsq.outputs import file_checksum
 
     p = tmp_path / "f"
@@ -204,7 +205,8 @@ def test_docs_name_the_checksum_the_code_writes(tmp_path: Path) -> None:
     for doc in ("docs/outputs.md", "docs/operations.md"):
         text = (ROOT / doc).read_text()
         assert "sha256 checksum" not in text and "`sha256:` of the file" not in text, doc
-    assert algo == "crc32" and "crc32" in (ROOT / "docs/outputs.md").read_text()
+    outputs = (ROOT / "docs/outputs.md").read_text()
+    assert algo == "xxh3" and "`xxh3:`" in outputs and "`crc32:`" in outputs
 
 
 def test_python_floor_matches_the_code() -> None:

@@ -9,6 +9,7 @@ stage's queue; nothing is decided or dropped here.
 
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import threading
@@ -23,6 +24,7 @@ import structlog
 from hsq.dataset import Sample
 from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import DumpMeta, open_dump_tensors
+from hsq.quant import FP8
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
@@ -33,6 +35,36 @@ log = structlog.get_logger("hsq.worker.persist")
 
 class DoneMarker(Pinner, Protocol):
     def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool: ...
+    def done_among(self, sample_ids: list[str]) -> set[str]: ...
+
+
+class _DoneElsewhere(Exception):
+    """The sample was marked done by another worker while this one wrote it."""
+
+
+class Lease:
+    """Whether this worker has held its jobs without a break since it started: its
+    heartbeats were sent at most half the heartbeat TTL apart, and the last one recently.
+
+    While that holds no reaper can have taken its jobs, so no other worker is redoing its
+    samples. After any longer gap (SIGSTOP, a network partition, a long pause) one may
+    have: from then on every sample looks up its done mark right before its rename (one
+    Redis read; the same check every sample makes when no Lease is given)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.limit = ttl_s / 2
+        self._last: float | None = None
+        self._broken = False
+
+    def renewed(self, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` (time.monotonic()) succeeded."""
+        if self._last is not None and sent_at - self._last > self.limit:
+            self._broken = True  # set before _last moves: a reader never sees one alone
+        self._last = sent_at
+
+    def held(self) -> bool:
+        last = self._last
+        return not self._broken and last is not None and time.monotonic() - last < self.limit
 
 
 @dataclass
@@ -58,6 +90,7 @@ class PersistStage:
         depth: int = 2,
         threads: int = 1,
         on_done: Callable[[int], None] | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.store = store
         self.run = run
@@ -65,6 +98,7 @@ class PersistStage:
         self.metrics = metrics
         self.events = events
         self._on_done = on_done
+        self._lease = lease
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
         self._threads = [
             threading.Thread(target=self._loop, name=f"persist-{i}", daemon=True)
@@ -72,6 +106,23 @@ class PersistStage:
         ]
         for t in self._threads:
             t.start()
+
+    def warm(self, store_dtype: str) -> None:
+        """Import what the copy path needs off the hot path now: numpy (the NaN checks)
+        and, for an fp8 run, torch (a second or more, holding the GIL), giving each persist
+        thread's torch ops an equal share of the cores, so N threads quantizing at once do
+        not oversubscribe the machine."""
+
+        def load() -> None:
+            import numpy  # noqa: F401
+
+            if store_dtype != FP8:
+                return
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self._threads)))
+
+        threading.Thread(target=load, name="fp8-warm", daemon=True).start()
 
     def submit(self, item: StagedSample) -> None:
         self._queue.put(item)
@@ -99,6 +150,8 @@ class PersistStage:
     def handle(self, item: StagedSample) -> Event:
         try:
             self._persist(item)
+        except _DoneElsewhere:
+            return Event(item.item, EventKind.DONE)  # settled: someone else's file stands
         except Exception as exc:  # classified by the ack stage: retried, dead or handed back
             return Event(item.item, EventKind.FAILED, exc)
         finally:
@@ -108,32 +161,64 @@ class PersistStage:
     def _persist(self, item: StagedSample) -> None:
         sid = item.item.sample_id
         t0 = time.perf_counter()
-        tensors = open_dump_tensors(item.staged, item.meta)  # header, shapes, finite
+        # The header against the meta here; the values (finite) in the one pass that
+        # copies them, so the bytes checked are the bytes written (issue 23, item 6).
+        tensors = open_dump_tensors(item.staged, item.meta, check_finite=False, mapped=False)
+        stats: dict[str, float] = {}
+
+        def before_rename() -> None:
+            # The dump's every value has passed by now: only a fully valid dump pins the
+            # run's model, layers, dtype and hidden size (D11), and one that disagrees
+            # with them leaves no file.
+            item.view.confirm(item.meta, self.store)
+            # A worker that was stopped (SIGSTOP, a partition, a long pause) past its
+            # heartbeat must not replace the file of a sample another worker redid and
+            # marked done meanwhile (issue 23, item 5): look right before the rename,
+            # unless the lease shows no one can have taken the sample.
+            held = self._lease is not None and self._lease.held()
+            if not held and self.store.done_among([sid]):
+                raise _DoneElsewhere(sid)
+
         try:
-            item.view.confirm(item.meta, self.store)  # pins only a fully valid dump (D11)
             t1 = time.perf_counter()
             self.metrics.observe("validate", t1 - t0)
             rel = output_relpath(sid)
             out = item.view.out_root / rel
             store_dtype = item.view.cfg.store_dtype
-            nbytes, crc = write_output(out, item.sample, item.meta, tensors, self.run, store_dtype)
+            try:
+                nbytes, checksum = write_output(
+                    out,
+                    item.sample,
+                    item.meta,
+                    tensors,
+                    self.run,
+                    store_dtype,
+                    stats=stats,
+                    before_rename=before_rename,
+                )
+            except _DoneElsewhere:
+                log.warning("sample_done_elsewhere", sample=sid, attempt=item.item.attempt)
+                raise
         finally:
             tensors.close()
         entry = ManifestEntry(
             path=rel,
             num_tokens=len(item.sample.input_ids),
             bytes=nbytes,
-            checksum=crc,
+            checksum=checksum,
             worker=self.worker_id,
             time=time.time(),
             attempt=item.item.attempt,
             store_dtype=store_dtype,
         )
+        t2 = time.perf_counter()
         newly = self.store.mark_done(sid, entry)
-        self.metrics.observe("persist", time.perf_counter() - t1)
+        t3 = time.perf_counter()
+        self.metrics.observe("persist", t3 - t1)
         self.metrics.done(entry.num_tokens, entry.bytes)
         if self._on_done is not None:
             self._on_done(entry.num_tokens)
+        steps = {k.removesuffix("_s") + "_ms": round(v * 1e3, 2) for k, v in stats.items()}
         log.info(
             "sample_done",
             sample=sid,
@@ -141,6 +226,9 @@ class PersistStage:
             bytes=entry.bytes,
             attempt=item.item.attempt,
             first=newly,
-            persist_ms=round((time.perf_counter() - t0) * 1e3, 2),
+            persist_ms=round((t3 - t0) * 1e3, 2),
+            validate_ms=round((t1 - t0) * 1e3, 2),
+            mark_ms=round((t3 - t2) * 1e3, 2),
+            **steps,
             **{k: round(v, 2) for k, v in item.timings.items()},
         )

@@ -31,10 +31,12 @@ class WorkerSettings:
         1.0, help="seconds one claim waits for a job before the worker looks around"
     )
     persist_depth: int = setting(
-        2, help="validated dumps waiting for the persist stage (bounds memory)"
+        4, help="validated dumps waiting for the persist stage (bounds memory)"
     )
     persist_threads: int = setting(
-        2, help="threads writing outputs (overlap one sample's fsync with the next's copy)"
+        8,
+        help="threads writing outputs: many small files are bound by fsync latency, which "
+        "threads overlap (BENCHMARKS.md, issue 22)",
     )
     backoff_max_s: float = setting(
         30.0, help="longest wait, in seconds, between retries while a dependency is down"

@@ -30,14 +30,14 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, RunChangedError, StoreError
-from hsq.store import ChunkJob, RunStore, new_worker_id
+from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
 from hsq.workers.extract import SendStage
 from hsq.workers.metrics import WorkerMetrics
-from hsq.workers.persist import PersistStage
+from hsq.workers.persist import Lease, PersistStage
 from hsq.workers.policy import (
     STORE_DOWN,
     STORE_DOWN_OR_RUN_CHANGED,
@@ -87,6 +87,8 @@ class Worker:
         self._changed: str | None = None
         self._hold_until = 0.0
         self._server_errors = 0
+        self.lease = Lease(HEARTBEAT_TTL_S)
+        self._claim_after = 0.0
         self.dispatcher = Dispatcher(
             settings.dump_dir,
             started.staging,
@@ -102,6 +104,7 @@ class Worker:
             depth=settings.persist_depth,
             threads=settings.persist_threads,
             on_done=self.rate.add,
+            lease=self.lease,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight
@@ -127,7 +130,9 @@ class Worker:
         # A server without an active dump hook would time every sample out: refuse at once.
         require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
         self.dispatcher.start()
+        sent = time.monotonic()
         self.store.register(self.id, self._info())
+        self.lease.renewed(sent)
         log.info(
             "worker_started",
             worker=self.id,
@@ -140,6 +145,7 @@ class Worker:
             burst=self.settings.burst,
             cleared_dumps=self.cleared,
         )
+        self.persist.warm(self.view.cfg.store_dtype)
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         next_reap = 0.0
@@ -190,8 +196,12 @@ class Worker:
             return False
         if self.sending < self.settings.inflight:
             nxt = self.book.peek_tokens()
-            if nxt is None and self._claim():
-                nxt = self.book.peek_tokens()
+            idle = self._idle()
+            if nxt is None and (idle or time.monotonic() >= self._claim_after):
+                if self._claim(block=idle and not self.settings.burst):
+                    nxt = self.book.peek_tokens()
+                else:  # an empty queue: with work in flight, look again in a while
+                    self._claim_after = time.monotonic() + self.settings.claim_timeout_s
             if nxt is not None and self._tokens_allow(nxt):
                 item = self.book.next_item()
                 assert item is not None
@@ -199,7 +209,16 @@ class Worker:
                 return False
             if nxt is None and self._idle():
                 self.state = "idle"
-                return self.settings.burst and self._run_finished()
+                if self.settings.burst:
+                    if self._run_finished():
+                        return True
+                    # Another worker still holds jobs (that may come back): wait here.
+                    self._claim(block=True)
+                return False
+            if nxt is None:
+                # The queue is empty and work is in flight: wait for it to settle.
+                self._wait_event(max(0.0, self._claim_after - time.monotonic()))
+                return False
         self._wait_event(0.05)
         return False
 
@@ -212,10 +231,10 @@ class Worker:
     def _idle(self) -> bool:
         return self.sending == 0 and self.persisting == 0 and not self.book.chunks
 
-    def _claim(self) -> bool:
-        # Blocks up to --claim-timeout on an empty queue; the send and persist stages keep
-        # going meanwhile and their events wait on the queue.
-        job = self.store.claim(self.id, self.settings.claim_timeout_s)
+    def _claim(self, block: bool) -> bool:
+        # With nothing in flight, blocks up to --claim-timeout on an empty queue. With work
+        # in flight it does not wait: its events (and, at a burst's end, the exit) would.
+        job = self.store.claim(self.id, self.settings.claim_timeout_s if block else 0)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
@@ -483,7 +502,9 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval_s):
             try:
+                sent = time.monotonic()
                 self.store.heartbeat(self.id, self._info())
+                self.lease.renewed(sent)
             except STORE_TROUBLE as exc:
                 log.warning("heartbeat_failed", error=str(exc))
 

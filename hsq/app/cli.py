@@ -390,7 +390,12 @@ def worker(**values: Any) -> None:
     """
     from hsq.workers.worker import run_worker
 
-    sys.exit(run_worker(WorkerSettings(**values)))
+    rc = run_worker(WorkerSettings(**values))
+    # Everything is released (jobs, registration, dump dir lock) and `worker_stopped` is
+    # logged: skip the interpreter's teardown, which takes seconds once torch is loaded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 @cli.command("demo")

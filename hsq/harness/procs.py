@@ -130,6 +130,40 @@ class ReferenceServer(ManagedProcess):
         return self
 
 
+class NullServer(ManagedProcess):
+    """The null-model server (hsq.harness.nullserver) as a child process on a free port:
+    valid dumps of a chosen shape at once, so a worker runs at its own ceiling."""
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.dump_dir = dump_dir
+        self.url = f"http://127.0.0.1:{self.port}"
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "hsq.harness.nullserver",
+            "--dump-dir",
+            str(dump_dir),
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        super().__init__(argv, log_path, env)
+
+    def wait_ready(self, timeout: float = 120.0) -> NullServer:
+        wait_http_ok(self.url + "/health", self, timeout)
+        return self
+
+
 class RedisServer(ManagedProcess):
     """A private redis-server: free port, its own directory, optional password and AOF."""
 
