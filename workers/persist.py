@@ -44,6 +44,9 @@ class StagedSample:
     """Already checked against the request (rid, fingerprint, count) and the pins."""
     view: RunView
     timings: dict[str, float] = field(default_factory=dict)
+    confirm_single: Callable[[], None] | None = None
+    """Raises MultipleDumpsError if a second dump carrying the rid came meanwhile (the
+    dispatcher's last look); called before anything is pinned or written."""
 
 
 class PersistStage:
@@ -110,6 +113,8 @@ class PersistStage:
         t0 = time.perf_counter()
         tensors = open_dump_tensors(item.staged, item.meta)  # header, shapes, finite
         try:
+            if item.confirm_single is not None:
+                item.confirm_single()
             item.view.confirm(item.meta, self.store)  # pins only a fully valid dump (D11)
             t1 = time.perf_counter()
             self.metrics.observe("validate", t1 - t0)
