@@ -8,6 +8,7 @@
     │   ├── StoreUnavailableError   Redis unreachable or timing out: transient, retried
     │   └── RunChangedError         the run was purged or re-created (generation changed)
     ├── OutputError                 an output file cannot be written (disk full, permissions)
+    ├── DumpDirError                the dump dir was removed or replaced under a running worker
     ├── DumpError                   the dump for one request is unusable: the *sample* is retried
     │   ├── NoDumpError             no req_<N>/ appeared
     │   ├── MultipleDumpsError      more than one dump appeared (e.g. chunked prefill split it)
@@ -57,6 +58,12 @@ class RunChangedError(StoreError):
 
 class OutputError(HsqError):
     """Writing an output failed (e.g. ENOSPC); the sample is handed back, not failed."""
+
+
+class DumpDirError(HsqError):
+    """The dump dir was removed, replaced or made unusable under a running worker: the
+    environment's fault, never the sample's. The worker hands its work back and takes the
+    directory again (docs/dump-protocol.md)."""
 
 
 class DumpError(HsqError):

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from hsq import stfile
 from hsq.errors import (
     CorruptDumpError,
+    DumpDirError,
     HookInactiveError,
     IncompleteDumpError,
     MetaMismatchError,
@@ -67,6 +68,75 @@ by the same names) loads torch on first use: a worker copying bf16 dumps never n
 MAX_META_BYTES = 1 * 2**20
 _DUMP_RE = re.compile(r"^req_(\d+)$")
 _TMP_RE = re.compile(r"^req_(\d+)\.tmp$")
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_regular(path: Path) -> int:
+    """Open a file that a server (or anyone who can write the dump dir) made, for reading.
+
+    Only a regular file is opened: a FIFO would block open() (and with it the dispatcher's
+    lock, the heartbeat and SIGTERM), a device may act on open, a symlink may lead out of
+    the dump dir. So: lstat first, then open with O_NONBLOCK | O_NOFOLLOW, then fstat the
+    descriptor and check it is the same regular file (nothing swapped in between).
+    CorruptDumpError if it is not a regular file; OSError if it cannot be opened.
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptDumpError(f"{path} is not a regular file ({_kind(st.st_mode)})")
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise CorruptDumpError(f"{path} was replaced while it was opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of a regular file (open_regular): never a whole file of
+    a server's choosing."""
+    fd = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def remove_entry(path: Path) -> bool:
+    """Remove a dump dir entry of any kind without following a link: a real directory
+    with its contents, anything else (a symlink, a file, a FIFO) by unlink. True when
+    nothing is left at ``path`` (also when it was already gone)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(path, ignore_errors=True)  # rmtree never follows links inside
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    return not os.path.lexists(path)
 
 
 if TYPE_CHECKING:
@@ -346,13 +416,9 @@ def clear_dump_dir(dump_dir: Path) -> int:
     """
     removed = 0
     with os.scandir(dump_dir) as it:
-        for entry in it:
-            if _DUMP_RE.match(entry.name) or _TMP_RE.match(entry.name):
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-                removed += 1
+        names = [e.name for e in it if _DUMP_RE.match(e.name) or _TMP_RE.match(e.name)]
+    for name in names:
+        removed += remove_entry(dump_dir / name)  # links and files unlinked, never followed
     return removed
 
 
@@ -448,11 +514,10 @@ def check_meta(meta: DumpMeta, exp: Expected) -> None:
 
 
 def read_meta(path: Path) -> DumpMeta:
-    if not (path / DONE_FILE).exists():
+    if not os.path.lexists(path / DONE_FILE):
         raise IncompleteDumpError(f"{path.name} has no `done` marker")
     try:
-        with open(path / META_FILE, "rb") as f:
-            data = f.read(MAX_META_BYTES + 1)  # bounded: never a server's whole file
+        data = _read_regular(path / META_FILE, MAX_META_BYTES)
     except OSError as exc:
         raise CorruptDumpError(f"{path.name}: cannot read meta.json: {exc}") from exc
     return DumpMeta.from_json(data)
@@ -474,18 +539,6 @@ class DumpTensors:
         os.close(self.fd)
 
 
-def _open_regular(path: Path) -> int:
-    """O_RDONLY on a regular file only: never blocks on a FIFO, never follows a symlink."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def open_dump_tensors(
     path: Path, meta: DumpMeta, *, check_finite: bool = True, mapped: bool = True
 ) -> DumpTensors:
@@ -493,7 +546,13 @@ def open_dump_tensors(
     header agrees with the meta (names, shapes, dtype, size) and, with `check_finite`, that
     the values are finite (which needs `mapped`)."""
     try:
-        fd = _open_regular(path / TENSOR_FILE)
+        fd = open_regular(path / TENSOR_FILE)  # a FIFO here blocked the persist thread
+    except FileNotFoundError as exc:
+        if not os.path.lexists(path):
+            # The whole dump is gone, not its tensor file: its directory (the worker's
+            # staging dir) was removed or moved away. The environment's fault.
+            raise DumpDirError(f"{path} vanished: its directory was removed or moved") from exc
+        raise CorruptDumpError(f"{path.name}: cannot open tensors: {exc}") from exc
     except OSError as exc:
         raise CorruptDumpError(f"{path.name}: cannot open tensors: {exc}") from exc
     try:
@@ -669,11 +728,10 @@ def write_ready(dump_dir: Path, marker: ReadyMarker, *, fsync: bool = True) -> P
 def read_ready(dump_dir: Path) -> ReadyMarker | None:
     """The server's marker; None while there is none. HookInactiveError if unusable."""
     try:
-        with open(dump_dir / READY_FILE, "rb") as f:
-            data = f.read(READY_MAX_BYTES + 1)
+        data = _read_regular(dump_dir / READY_FILE, READY_MAX_BYTES)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except (OSError, CorruptDumpError) as exc:
         raise HookInactiveError(f"cannot read {dump_dir / READY_FILE}: {exc}") from exc
     return ReadyMarker.from_json(data)
 
@@ -701,11 +759,18 @@ class RidScan:
     """Renamed dumps whose meta.json cannot be read: no rid, so never attributable."""
     writing: int
     """req_<N>.tmp/ directories: a server is (or was) writing them."""
+    strays: list[tuple[Path, str]] = field(default_factory=list)
+    """Protocol names that are not real directories (a symlink, a file, a FIFO): no writer
+    of the protocol makes them, so they are never dumps."""
+
+    @property
+    def activity(self) -> bool:
+        """Something a dump writer makes appeared (strays do not count)."""
+        return bool(self.complete or self.final_incomplete or self.unreadable or self.writing)
 
 
 def _read_meta_limited(path: Path) -> DumpMeta:
-    with open(path / META_FILE, "rb") as f:
-        data = f.read(MAX_META_BYTES + 1)
+    data = _read_regular(path / META_FILE, MAX_META_BYTES)
     if len(data) > MAX_META_BYTES:
         raise CorruptDumpError(f"{path.name}: meta.json is larger than {MAX_META_BYTES} bytes")
     meta = DumpMeta.from_json(data.decode("utf-8"))
@@ -714,25 +779,46 @@ def _read_meta_limited(path: Path) -> DumpMeta:
     return meta
 
 
-def scan_by_rid(dump_dir: Path) -> RidScan:
-    """One pass over the dump dir: every renamed dump with its meta read and typed."""
+def scan_by_rid(dump_dir: Path, skip: Mapping[str, tuple[int, int]] | None = None) -> RidScan:
+    """One pass over the dump dir: every renamed dump with its meta read and typed.
+
+    ``skip`` maps names to :func:`entry_id` of entries to pass over (ones that could not be
+    removed): the same name as another (or a changed) entry is looked at again.
+    """
     complete: dict[str, list[tuple[int, FoundDump]]] = {}
     final_incomplete: dict[str, list[FoundDump]] = {}
     unreadable: list[tuple[Path, str]] = []
+    strays: list[tuple[Path, str]] = []
     writing = 0
+    listed: list[tuple[str, str, bool]] = []
     with os.scandir(dump_dir) as it:
-        entries = [(e.name, e.path) for e in it]
-    for name, raw_path in entries:
+        for e in it:
+            if not (_DUMP_RE.match(e.name) or _TMP_RE.match(e.name)):
+                continue
+            try:
+                if (
+                    skip
+                    and e.name in skip
+                    and skip[e.name] == _entry_id(e.stat(follow_symlinks=False))
+                ):
+                    continue
+                listed.append((e.name, e.path, e.is_dir(follow_symlinks=False)))
+            except OSError:
+                continue  # gone since the listing
+    for name, raw_path, is_dir in listed:
+        path = Path(raw_path)
+        if not is_dir:
+            strays.append((path, _stray_kind(path)))
+            continue
         m = _DUMP_RE.match(name)
         if not m:
-            writing += bool(_TMP_RE.match(name))
+            writing += 1
             continue
-        path = Path(raw_path)
-        done = (path / DONE_FILE).exists()
+        done = os.path.lexists(path / DONE_FILE)  # any kind of entry: it is never opened
         try:
             meta = _read_meta_limited(path)
         except FileNotFoundError:
-            if not path.exists():
+            if not os.path.lexists(path):
                 continue  # removed between listing and reading (by us, after attribution)
             unreadable.append((path, "meta.json is missing"))
             continue
@@ -751,11 +837,26 @@ def scan_by_rid(dump_dir: Path) -> RidScan:
         final_incomplete=final_incomplete,
         unreadable=unreadable,
         writing=writing,
+        strays=strays,
     )
 
 
-def remove_dump(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _entry_id(st: os.stat_result) -> tuple[int, int]:
+    # The inode alone is not enough: a removed entry's number is soon reused.
+    return st.st_ino, st.st_ctime_ns
+
+
+def _stray_kind(path: Path) -> str:
+    try:
+        return f"{_kind(os.lstat(path).st_mode)}, not a dump directory"
+    except OSError as exc:
+        return f"not a dump directory ({exc.strerror})"
+
+
+def remove_dump(path: Path) -> bool:
+    """Remove a dump (or anything else under a protocol name) without following links;
+    True when it is gone."""
+    return remove_entry(path)
 
 
 @dataclass
@@ -788,18 +889,26 @@ class Match:
     error: Exception | None = None
 
 
+UNREMOVABLE = "unremovable"
+"""The `why` of a discarded entry that could not be removed: reported once, then skipped."""
+
+
 class RidMatcher:
     """Attributes dumps to in-flight requests by rid; pure logic over one directory.
 
     Not thread-safe: the worker's dispatcher calls it under one lock. Rules
     (docs/dump-protocol.md): a dump whose rid is not in flight is removed and counted
-    (``discarded[why]``); two dumps for one rid fail it (multiple_dumps); a renamed dump
-    without `done` fails its rid (incomplete_dump); a dump shorter than the request is held
-    until ``split_grace_s`` after the answer, because a server that split the prefill writes
-    the rest next (then multiple_dumps); no dump within ``timeout_s`` of the answer fails
-    the rid (no_dump, or stale_dump when foreign dumps arrived meanwhile). A rid that gave
-    up (``abandon``) is remembered for a while, so its late dump is discarded as "late".
-    An attributed dump is moved into ``staging`` (same filesystem) before it is returned.
+    (``discarded[why]``); two dumps for one rid fail it (multiple_dumps), also when the
+    second lands after the first was handed out but before it is used
+    (:meth:`confirm_single`); a renamed dump without `done` fails its rid (incomplete_dump); a dump
+    shorter than the request is held until ``split_grace_s`` after the answer, because a
+    server that split the prefill writes the rest next (then multiple_dumps); no dump within
+    ``timeout_s`` of the answer fails the rid (no_dump, or stale_dump when foreign dumps
+    arrived meanwhile). A rid that gave up (``abandon``) is remembered for a while, so its
+    late dump is discarded as "late". An attributed dump is moved into ``staging`` (same
+    filesystem) before it is returned. An entry under a protocol name that is not a real
+    directory (a symlink, a file, a FIFO) is unlinked, never followed; one that cannot be
+    removed is counted once as ``unremovable`` and skipped from then on.
     """
 
     def __init__(
@@ -817,9 +926,15 @@ class RidMatcher:
         self.split_grace_s = split_grace_s
         self.wanted: dict[str, Wanted] = {}
         self._gone: dict[str, None] = {}  # insertion-ordered set of finished/abandoned rids
+        # Rids whose dump was handed out and not used yet -> whether another dump carrying
+        # the rid came since (then confirm_single() fails the attempt).
+        self._delivered: dict[str, bool] = {}
         self._remember = remember_late
+        self._stuck: dict[str, tuple[int, int]] = {}  # entries that cannot be removed
         self.discarded: dict[str, int] = {}
         self._discards = 0
+        self.proven = False
+        """A dump writer made something in the dump dir since the last reset_proof()."""
 
     def add(self, rid: str, num_tokens: int, now: float) -> None:
         if rid in self.wanted or rid in self._gone:
@@ -836,24 +951,62 @@ class RidMatcher:
         if self.wanted.pop(rid, None) is not None:
             self._forget(rid)
 
+    def confirm_single(self, rid: str) -> None:
+        """The dump handed out for ``rid`` is about to be used (validated, pinned, written).
+        MultipleDumpsError if another dump carrying the rid came after it; from then on a
+        dump carrying the rid is "late"."""
+        if self._delivered.pop(rid, False):
+            raise MultipleDumpsError(
+                f"a second dump carrying rid {rid!r} arrived after the first was taken"
+            )
+
+    def release(self, rid: str) -> None:
+        """The handed-out dump of ``rid`` failed validation: it will not be used."""
+        self._delivered.pop(rid, None)
+
+    def reset_proof(self) -> None:
+        self.proven = False
+
+    def retarget(self, staging: Path) -> None:
+        """The dump dir was taken again (re-created, or another directory under its path)."""
+        self.staging = staging
+        self._stuck.clear()
+        self.proven = False
+
     def _forget(self, rid: str) -> None:
         self._gone[rid] = None
         while len(self._gone) > self._remember:
             del self._gone[next(iter(self._gone))]
 
-    def _discard(self, path: Path, why: str) -> None:
-        remove_dump(path)
+    def _discard(self, path: Path, why: str) -> str:
+        """Remove an entry; returns the `why` it is counted under."""
+        if not remove_dump(path):
+            try:
+                ident = _entry_id(os.lstat(path))  # after the attempt: what is left
+            except OSError:
+                ident = None
+            if ident is not None:
+                if len(self._stuck) >= 1024:  # keep only names that still exist
+                    self._stuck = {
+                        n: i for n, i in self._stuck.items() if os.path.lexists(self.dump_dir / n)
+                    }
+                self._stuck[path.name] = ident
+                why = UNREMOVABLE
         self.discarded[why] = self.discarded.get(why, 0) + 1
         self._discards += 1
+        return why
 
     def poll(self, now: float) -> tuple[list[Match], list[tuple[str, Path, str]]]:
         """One scan. Returns the decided rids and the discarded dumps (why, path, rid).
 
         A decided dump has been moved into ``staging`` already, so no later scan sees it.
         """
-        s = scan_by_rid(self.dump_dir)
+        s = scan_by_rid(self.dump_dir, self._stuck)
+        self.proven = self.proven or s.activity
         decided: list[Match] = []
         dropped: list[tuple[str, Path, str]] = []
+        for path, why in s.strays:
+            self._drop(dropped, path, "not_a_dump", why)
         for path, why in s.unreadable:
             self._drop(dropped, path, "unreadable", why)
         for rid, found in s.final_incomplete.items():
@@ -865,7 +1018,7 @@ class RidMatcher:
                 decided.append(self._decide(rid, error=IncompleteDumpError(msg)))
             else:
                 for f in found:
-                    self._drop(dropped, f.path, self._why(rid), rid)
+                    self._drop(dropped, f.path, self._unwanted(rid), rid)
         for rid, dumps in s.complete.items():
             match = self._complete(rid, dumps, now, dropped)
             if match is not None:
@@ -873,20 +1026,24 @@ class RidMatcher:
         decided.extend(self._expired(now, s))
         return decided, dropped
 
-    def _why(self, rid: str) -> str:
+    def _unwanted(self, rid: str) -> str:
+        """Why a dump carrying ``rid`` (not in flight) is discarded."""
+        if rid in self._delivered:
+            self._delivered[rid] = True  # confirm_single() fails the attempt
+            return "duplicate"
         return "late" if rid in self._gone else "unknown_rid"
 
     def _drop(self, dropped: list[tuple[str, Path, str]], path: Path, why: str, rid: str) -> None:
-        self._discard(path, why)
-        dropped.append((why, path, rid))
+        dropped.append((self._discard(path, why), path, rid))
 
     def _complete(
         self, rid: str, dumps: list[FoundDump], now: float, dropped: list[tuple[str, Path, str]]
     ) -> Match | None:
         w = self.wanted.get(rid)
         if w is None:
+            why = self._unwanted(rid)
             for f in dumps:
-                self._drop(dropped, f.path, self._why(rid), rid)
+                self._drop(dropped, f.path, why, rid)
             return None
         paths = {f.path for f in dumps}
         if w.held is not None:
@@ -948,7 +1105,21 @@ class RidMatcher:
             try:
                 os.rename(dump.path, staged)
             except OSError as exc:
+                if not _is_real_dir(self.staging):
+                    # The dump dir was removed or replaced under us: the environment's
+                    # fault, not the sample's (the dispatcher sees it too and pauses).
+                    return Match(rid, None, DumpDirError(f"cannot stage {rid!r}: {exc}"))
                 remove_dump(dump.path)
                 return Match(rid, None, CorruptDumpError(f"cannot stage {dump.path.name}: {exc}"))
             dump = FoundDump(staged, dump.meta)
+            self._delivered[rid] = False
+            while len(self._delivered) > self._remember:
+                del self._delivered[next(iter(self._delivered))]
         return Match(rid, dump, error)
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False

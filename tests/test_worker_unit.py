@@ -7,19 +7,33 @@ import errno
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from hsq import errors
+from hsq import errors, protocol
 from hsq.dataset import IndexEntry
-from hsq.protocol import META_FILE, RidMatcher
+from hsq.protocol import (
+    DONE_FILE,
+    META_FILE,
+    READY_FILE,
+    TENSOR_FILE,
+    RidMatcher,
+    open_dump_tensors,
+    open_regular,
+    read_meta,
+    read_ready,
+)
 from hsq.store import ChunkJob
 from hsq.workers.chunks import ChunkBook
 from hsq.workers.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
+from hsq.workers.dispatch import Dispatcher
+from hsq.workers.lock import LOCK_NAME, DumpDirLock
 from hsq.workers.policy import Kind, Outcome, Pause, backoff, classify, decide
-from hsq.workers.startup import check_dump_dir
+from hsq.workers.settings import WorkerSettings
+from hsq.workers.startup import STAGING, check_dump_dir, take_dump_dir
 from tests.test_protocol import IDS, make
 
 # ---------------------------------------------------------------------------- policy
@@ -43,6 +57,8 @@ from tests.test_protocol import IDS, make
         (errors.StoreUnavailableError("x"), Kind.PAUSE, "store_unavailable"),
         (errors.RunChangedError("x"), Kind.RUN_CHANGED, "run_changed"),
         (AttributeError("'int' object has no attribute 'get'"), Kind.SAMPLE, "internal_error"),
+        (errors.DumpDirError("x"), Kind.PAUSE, "dump_dir_changed"),
+        (errors.HookInactiveError("x"), Kind.PAUSE, "hook_inactive"),
     ],
 )
 def test_every_exception_has_a_kind_and_a_reason(exc: Exception, kind: Kind, reason: str) -> None:
@@ -334,3 +350,273 @@ def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
 
     s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
     assert s.metrics_host == "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------- issue 23, 7-12
+
+
+def test_only_regular_files_are_opened_in_a_dump_dir(tmp_path: Path) -> None:
+    """Item 7: a FIFO blocked open() (and the dispatcher's lock with it); a link may lead
+    out of the dump dir. open_regular refuses both without blocking."""
+    (tmp_path / "file").write_bytes(b"ok")
+    os.close(open_regular(tmp_path / "file"))
+    os.mkfifo(tmp_path / "fifo")  # no writer: a plain open() would block for good
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    (tmp_path / "dir").mkdir()
+    for name, kind in (("fifo", "a FIFO"), ("link", "a symlink"), ("dir", "a directory")):
+        with pytest.raises(errors.CorruptDumpError, match=f"not a regular file \\({kind}\\)"):
+            open_regular(tmp_path / name)
+    with pytest.raises(FileNotFoundError):
+        open_regular(tmp_path / "missing")
+
+
+def test_fifos_as_meta_marker_or_tensors_are_errors_not_hangs(
+    dump_dir: Path, staging: Path
+) -> None:
+    path = make(dump_dir, 1, IDS, "r")
+    meta = read_meta(path)
+    (path / TENSOR_FILE).unlink()
+    os.mkfifo(path / TENSOR_FILE)
+    with pytest.raises(errors.CorruptDumpError, match="FIFO"):
+        open_dump_tensors(path, meta)
+    (path / META_FILE).unlink()
+    os.mkfifo(path / META_FILE)
+    with pytest.raises(errors.CorruptDumpError, match="FIFO"):
+        read_meta(path)
+    os.mkfifo(dump_dir / READY_FILE)
+    with pytest.raises(errors.HookInactiveError, match="FIFO"):
+        read_ready(dump_dir)
+    m = matcher(dump_dir, staging)
+    m.add("r", len(IDS), now=0.0)
+    decided, dropped = m.poll(now=0.0)
+    assert decided == [] and [w for w, _, _ in dropped] == ["unreadable"]
+    assert not (dump_dir / "req_1").exists()
+
+
+def test_a_staged_dump_that_vanished_is_the_environments_fault(dump_dir: Path) -> None:
+    """Item 11: the staging dir moved away with the dump dir while a dump waited there."""
+    path = make(dump_dir, 1, IDS, "r")
+    meta = read_meta(path)
+    path.rename(dump_dir / "elsewhere")
+    with pytest.raises(errors.DumpDirError, match="vanished"):
+        open_dump_tensors(path, meta)
+
+
+def test_links_files_and_fifos_under_dump_names_are_unlinked_once_never_followed(
+    dump_dir: Path, staging: Path, tmp_path: Path
+) -> None:
+    """Item 8: a req_* link to a directory, or a plain file, was never removed (rmtree
+    refuses both): ~300 warnings a second and a counter without bound."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / META_FILE).write_text("{}")
+    (target / DONE_FILE).touch()
+    os.symlink(target, dump_dir / "req_1")
+    (dump_dir / "req_2").write_text("junk")
+    os.mkfifo(dump_dir / "req_3")
+    os.symlink(target, dump_dir / "req_4.tmp")
+    m = matcher(dump_dir, staging)
+    _, dropped = m.poll(now=0.0)
+    assert sorted((p.name, w) for w, p, _ in dropped) == [
+        ("req_1", "not_a_dump"),
+        ("req_2", "not_a_dump"),
+        ("req_3", "not_a_dump"),
+        ("req_4.tmp", "not_a_dump"),
+    ]
+    assert m.poll(now=0.1) == ([], []) and m.discarded == {"not_a_dump": 4}
+    assert not list(dump_dir.iterdir())
+    assert sorted(p.name for p in target.iterdir()) == [DONE_FILE, META_FILE]  # not followed
+    assert not m.proven  # none of that is a dump writer's work
+
+
+def test_an_entry_that_cannot_be_removed_is_reported_once_then_skipped(
+    dump_dir: Path, staging: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make(dump_dir, 1, IDS, "someone-else")
+    monkeypatch.setattr(protocol, "remove_dump", lambda _path: False)
+    m = matcher(dump_dir, staging)
+    _, dropped = m.poll(now=0.0)
+    assert [w for w, _, _ in dropped] == ["unremovable"]
+    for i in range(5):
+        assert m.poll(now=0.1 * i) == ([], [])
+    assert m.discarded == {"unremovable": 1}
+    # The same name with another inode is a new entry and is looked at again.
+    monkeypatch.undo()
+    protocol.remove_dump(dump_dir / "req_1")
+    make(dump_dir, 1, IDS, "someone-else")
+    assert [w for w, _, _ in m.poll(now=1.0)[1]] == ["unknown_rid"]
+
+
+def test_a_second_full_dump_after_the_first_was_taken_fails_the_attempt(
+    dump_dir: Path, staging: Path
+) -> None:
+    """Item 12: the first dump was accepted and the second discarded as late."""
+    m = matcher(dump_dir, staging)
+    m.add("r", len(IDS), now=0.0)
+    m.add("s", len(IDS), now=0.0)
+    make(dump_dir, 1, IDS, "r")
+    make(dump_dir, 2, IDS, "s")
+    decided, _ = m.poll(now=0.0)
+    assert {d.rid for d in decided if d.dump} == {"r", "s"}
+    make(dump_dir, 3, IDS, "r")  # the second dump carrying r
+    assert [(w, rid) for w, _, rid in m.poll(now=0.1)[1]] == [("duplicate", "r")]
+    with pytest.raises(errors.MultipleDumpsError, match="second dump"):
+        m.confirm_single("r")
+    m.confirm_single("s")  # one dump: fine
+    make(dump_dir, 4, IDS, "s")  # after its use: late, it cannot fail anything now
+    assert [w for w, _, _ in m.poll(now=0.2)[1]] == ["late"]
+
+
+def test_the_hook_is_proven_live_only_by_something_a_dump_writer_made(
+    dump_dir: Path, staging: Path
+) -> None:
+    m = matcher(dump_dir, staging)
+    m.poll(now=0.0)
+    assert not m.proven
+    (dump_dir / "req_7.tmp").mkdir()  # a writer at work
+    m.poll(now=0.1)
+    assert m.proven
+    m.reset_proof()
+    assert not m.proven
+
+
+def dispatcher(dump_dir: Path, timeout: float = 1.0) -> Dispatcher:
+    (dump_dir / STAGING).mkdir(exist_ok=True)
+    d = Dispatcher(dump_dir, dump_dir / STAGING, timeout_s=timeout)
+    d.start()
+    return d
+
+
+def test_no_dump_while_nothing_was_ever_written_is_hook_inactive_not_the_samples(
+    dump_dir: Path,
+) -> None:
+    """Item 9: a stale readiness marker vouched for a server that writes no dumps here, and
+    every sample died as no_dump. Until a dump writer has made anything in the dump dir,
+    an answered request without a dump says the hook is not live (the worker exits 2)."""
+    d = dispatcher(dump_dir, timeout=0.2)
+    try:
+        t = d.register("r1", len(IDS))
+        d.answered("r1")
+        with pytest.raises(errors.HookInactiveError, match="not from a live dump hook"):
+            d.wait(t, lambda: True)
+        t = d.register("r2", len(IDS))
+        make(dump_dir, 1, IDS, "r2")  # the hook proves itself
+        d.answered("r2")
+        assert d.wait(t, lambda: True).meta.rid == "r2"
+        t = d.register("r3", len(IDS))
+        d.answered("r3")
+        with pytest.raises(errors.NoDumpError):  # now a missing dump is the sample's
+            d.wait(t, lambda: True)
+        assert d.clear() == 0  # a server that came back proves itself again
+        t = d.register("r4", len(IDS))
+        d.answered("r4")
+        with pytest.raises(errors.HookInactiveError):
+            d.wait(t, lambda: True)
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("change", ["removed", "recreated", "link"])
+def test_a_replaced_dump_dir_fails_waiting_requests_as_the_environments_fault(
+    tmp_path: Path, change: str
+) -> None:
+    """Item 11: requests in flight fail with DumpDirError (handed back, never dead), no
+    request is taken until the worker took the directory again, then all is as before."""
+    dump = tmp_path / "dumps"
+    dump.mkdir(mode=0o700)
+    d = dispatcher(dump, timeout=30)
+    try:
+        t = d.register("r", len(IDS))
+        dump.rename(tmp_path / "away")
+        if change == "recreated":
+            dump.mkdir(mode=0o700)
+        elif change == "link":
+            (tmp_path / "other").mkdir(mode=0o700)
+            dump.symlink_to(tmp_path / "other")
+        with pytest.raises(errors.DumpDirError):
+            d.wait(t, lambda: True)
+        assert d.broken is not None
+        with pytest.raises(errors.DumpDirError):
+            d.register("r2", len(IDS))
+        settings = WorkerSettings(run="r", server="http://x", dump_dir=dump, redis_url="")
+        lock, staging, _ = take_dump_dir(settings, "w")
+        d.retake(staging)
+        assert d.broken is None
+        t = d.register("r3", len(IDS))
+        make(dump, 1, IDS, "r3")
+        d.answered("r3")
+        assert d.wait(t, lambda: True).path == staging / "r3"
+        lock.release()
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize(
+    ("mode", "ok"),
+    [(0o700, True), (0o755, True), (0o750, True), (0o777, False), (0o770, False), (0o702, False)],
+)
+def test_a_dump_dir_writable_by_other_users_is_refused(tmp_path: Path, mode: int, ok: bool) -> None:
+    """Item 10: mode 0777 (not sticky, ours) was accepted; another local user could plant
+    FIFOs or a forged readiness marker."""
+    d = tmp_path / "dumps"
+    d.mkdir()
+    os.chmod(d, mode)
+    if ok:
+        assert check_dump_dir(d, force=False) is False
+    else:
+        with pytest.raises(errors.ConfigError, match=f"writable by other users.*chmod 700 {d}"):
+            check_dump_dir(d, force=False)
+        assert check_dump_dir(d, force=True) is False
+    assert stat.S_IMODE(d.stat().st_mode) == mode
+
+
+def test_the_lock_file_is_never_a_link_or_a_fifo(tmp_path: Path) -> None:
+    """A planted link as the lock file made the worker truncate its target."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    d = tmp_path / "dumps"
+    d.mkdir()
+    os.symlink(victim, d / LOCK_NAME)
+    with pytest.raises(errors.ConfigError, match="lock"):
+        DumpDirLock(d).acquire("w")
+    assert victim.read_text() == "precious"
+    (d / LOCK_NAME).unlink()
+    os.mkfifo(d / LOCK_NAME)
+    with pytest.raises(errors.ConfigError, match="not a regular file"):
+        DumpDirLock(d).acquire("w")
+
+
+def test_a_planted_staging_link_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    d = tmp_path / "dumps"
+    d.mkdir(mode=0o700)
+    os.symlink(victim, d / STAGING)
+    settings = WorkerSettings(run="r", server="http://x", dump_dir=d, redis_url="")
+    lock, staging, _ = take_dump_dir(settings, "w")
+    try:
+        assert staging.is_dir() and not staging.is_symlink()
+        assert [p.name for p in victim.iterdir()] == ["keep"]
+    finally:
+        lock.release()
+
+
+def test_dispatcher_threads_never_wait_on_a_fifo(dump_dir: Path) -> None:
+    """The heartbeat reads the discard counts without the dispatcher's lock."""
+    d = dispatcher(dump_dir)
+    try:
+        (dump_dir / "req_5").mkdir()
+        os.mkfifo(dump_dir / "req_5" / META_FILE)
+        (dump_dir / "req_5" / DONE_FILE).touch()
+        t = d.register("r", len(IDS))  # wakes the dispatcher; it must not block in open()
+        make(dump_dir, 6, IDS, "r")
+        d.answered("r")
+        assert d.wait(t, lambda: True).meta.rid == "r"
+        seen: list[dict[str, int]] = []
+        reader = threading.Thread(target=lambda: seen.append(d.discarded), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert seen == [{"unreadable": 1}]
+    finally:
+        d.stop()

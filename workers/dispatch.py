@@ -4,10 +4,17 @@ Request threads register a rid before they send it, say when the answer came, an
 on a ticket; the dispatcher runs :class:`hsq.protocol.RidMatcher` a few hundred times a
 second while something is in flight (once a second when idle, to clear dumps nobody asked
 for), hands each decided dump to its ticket and counts what it discards.
+
+It also watches the dump dir itself: if the directory (or its staging dir) is removed,
+re-created or swapped for a link under the worker, every waiting request fails with
+DumpDirError (the environment's fault: handed back, never dead-lettered) and nothing more
+is read from the path until the worker has taken the directory again (:meth:`retake`).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -15,8 +22,21 @@ from pathlib import Path
 
 import structlog
 
-from hsq.errors import NoDumpError, ServerUnavailableError
-from hsq.protocol import FoundDump, Match, RidMatcher, clear_dump_dir, remove_dump
+from hsq.errors import (
+    DumpDirError,
+    HookInactiveError,
+    NoDumpError,
+    ServerUnavailableError,
+)
+from hsq.protocol import (
+    READY_FILE,
+    UNREMOVABLE,
+    FoundDump,
+    Match,
+    RidMatcher,
+    clear_dump_dir,
+    remove_dump,
+)
 
 log = structlog.get_logger("hsq.worker.dispatch")
 
@@ -24,6 +44,18 @@ log = structlog.get_logger("hsq.worker.dispatch")
 # milliseconds of its answer, and every millisecond between the two is idle GPU time.
 MAX_POLL_S = 0.005
 IDLE_POLL_S = 1.0
+
+Identity = tuple[int, int, int, int]
+
+
+def dir_identity(dump_dir: Path, staging: Path) -> Identity:
+    """(device, inode) of the dump dir and of its staging dir. The dump dir is followed
+    (--dump-dir may name a link the operator made), the staging dir is not."""
+    d = os.stat(dump_dir)
+    s = os.lstat(staging)
+    if not (stat.S_ISDIR(d.st_mode) and stat.S_ISDIR(s.st_mode)):
+        raise NotADirectoryError(f"{dump_dir} or {staging} is not a directory")
+    return d.st_dev, d.st_ino, s.st_dev, s.st_ino
 
 
 class Ticket:
@@ -50,12 +82,17 @@ class Dispatcher:
         on_discard: Callable[[str], None] | None = None,
     ) -> None:
         self.dump_dir = dump_dir
+        self.staging = staging
         self.timeout_s = timeout_s
         self._matcher = RidMatcher(dump_dir, staging, timeout_s=timeout_s)
+        self._identity = dir_identity(dump_dir, staging)
         self._tickets: dict[str, Ticket] = {}
         self._cond = threading.Condition()
         self._stop = False
         self._on_discard = on_discard
+        self._discarded: dict[str, int] = {}
+        self.broken: str | None = None
+        """Why the dump dir cannot be used any more (removed, replaced); None while fine."""
         self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
 
     def start(self) -> None:
@@ -69,13 +106,15 @@ class Dispatcher:
 
     @property
     def discarded(self) -> dict[str, int]:
-        with self._cond:
-            return dict(self._matcher.discarded)
+        # A copy made after each poll: the heartbeat never waits on the dispatcher's lock.
+        return dict(self._discarded)
 
     def register(self, rid: str, num_tokens: int) -> Ticket:
         """Call before sending: a dump may land before the answer does."""
         ticket = Ticket(rid)
         with self._cond:
+            if self.broken is not None:
+                raise DumpDirError(self.broken)
             self._matcher.add(rid, num_tokens, time.monotonic())
             self._tickets[rid] = ticket
             self._cond.notify_all()
@@ -91,12 +130,43 @@ class Dispatcher:
             self._matcher.abandon(rid)
             self._tickets.pop(rid, None)
 
+    def release(self, rid: str) -> None:
+        """The dump handed out for ``rid`` failed validation: it will not be used."""
+        with self._cond:
+            self._matcher.release(rid)
+
+    def confirm_single(self, rid: str) -> None:
+        """Before the dump handed out for ``rid`` is used: one more look at the dump dir,
+        then MultipleDumpsError if a second dump carrying the rid came after the first was
+        taken (docs/dump-protocol.md: two dumps for one rid fail the attempt)."""
+        self._poll_once()
+        with self._cond:
+            self._matcher.confirm_single(rid)
+
     def clear(self) -> int:
-        """Remove every dump (the server restarted); only while nothing is in flight."""
+        """Remove every dump (the server restarted); only while nothing is in flight. The
+        new server has to prove its hook live again with a dump of its own."""
         with self._cond:
             if self._tickets:
                 raise RuntimeError("clear() with requests in flight")
-            return clear_dump_dir(self.dump_dir)
+            self._matcher.reset_proof()
+            if self.broken is not None:
+                return 0  # not ours until taken again (which clears it)
+            try:
+                return clear_dump_dir(self.dump_dir)
+            except OSError as exc:  # gone: the next poll says so and the worker retakes it
+                log.error("dump_dir_clear_failed", error=str(exc))
+                return 0
+
+    def retake(self, staging: Path) -> None:
+        """The worker took the dump dir again (after :attr:`broken`): watch it from now."""
+        with self._cond:
+            if self._tickets:
+                raise RuntimeError("retake() with requests in flight")
+            self.staging = staging
+            self._matcher.retarget(staging)
+            self._identity = dir_identity(self.dump_dir, staging)
+            self.broken = None
 
     def wait(self, ticket: Ticket, server_alive: Callable[[], bool]) -> FoundDump:
         """The ticket's dump (already moved to staging), or the matcher's error.
@@ -130,25 +200,88 @@ class Dispatcher:
                     if self._stop:
                         return
                 busy = bool(self._tickets)
-                try:
-                    decided, dropped = self._matcher.poll(time.monotonic())
-                except Exception as exc:  # the dump dir is ours; log and keep polling
-                    log.error("dump_scan_failed", error=f"{type(exc).__name__}: {exc}")
-                    decided, dropped = [], []
-                tickets = [(self._tickets.pop(m.rid, None), m) for m in decided]
-            self._deliver(tickets, dropped)
-            if decided or dropped:
+            if self._poll_once():
                 delay = 0.001
             elif busy:
                 delay = min(delay * 1.5, MAX_POLL_S)
             if busy:
                 time.sleep(delay)
 
+    def _poll_once(self) -> bool:
+        """One look at the dump dir; True if something was decided or discarded."""
+        with self._cond:
+            tickets, dropped = self._poll_locked()
+            self._discarded = dict(self._matcher.discarded)
+        self._deliver(tickets, dropped)
+        return bool(tickets or dropped)
+
+    def _poll_locked(self) -> tuple[list[tuple[Ticket | None, Match]], list[tuple[str, Path, str]]]:
+        if self.broken is not None:
+            return [], []  # not ours any more: read nothing there until retake()
+        problem = self._check_dirs()
+        if problem is not None:
+            self.broken = problem
+            log.error("dump_dir_changed", dump_dir=str(self.dump_dir), error=problem)
+            failed: list[tuple[Ticket | None, Match]] = [
+                (t, Match(r, None, DumpDirError(problem))) for r, t in self._tickets.items()
+            ]
+            for rid in list(self._tickets):
+                self._matcher.abandon(rid)
+            self._tickets.clear()
+            return failed, []
+        try:
+            decided, dropped = self._matcher.poll(time.monotonic())
+        except Exception as exc:  # the dump dir is ours; log and keep polling
+            log.error("dump_scan_failed", error=f"{type(exc).__name__}: {exc}")
+            return [], []
+        decided = [self._unproven(m) for m in decided]
+        return [(self._tickets.pop(m.rid, None), m) for m in decided], dropped
+
+    def _check_dirs(self) -> str | None:
+        try:
+            now = dir_identity(self.dump_dir, self.staging)
+        except OSError as exc:
+            return (
+                f"the dump dir {self.dump_dir} (or its staging dir) is gone or not a "
+                f"directory any more: {exc.strerror or exc}"
+            )
+        if now != self._identity:
+            return (
+                f"the dump dir {self.dump_dir} was replaced while the worker ran (removed and "
+                "re-created, moved, or swapped for a link)"
+            )
+        return None
+
+    def _unproven(self, match: Match) -> Match:
+        """A request answered without any dump, while nothing at all was ever written into
+        the dump dir since the worker took it (or since its server came back): the readiness
+        marker vouches for a hook that is not there (a marker left by an earlier server, or
+        a server dumping elsewhere). That is not the sample's fault: HookInactiveError makes
+        the worker hand the work back and exit 2, as it does without a marker."""
+        if not isinstance(match.error, NoDumpError) or self._matcher.proven:
+            return match
+        err = HookInactiveError(
+            f"the server answered request {match.rid!r} but no dump at all appeared in "
+            f"{self.dump_dir} within {self.timeout_s:.0f}s, nor any since the worker took the "
+            f"dump dir: the readiness marker {READY_FILE} there is not from a live dump hook "
+            "(left by an earlier server, or the server dumps to another directory: check "
+            "its SGLANG_HS_DUMP_DIR / --dump-dir and its log; docs/sglang.md)"
+        )
+        return Match(match.rid, None, err)
+
     def _deliver(
         self, tickets: list[tuple[Ticket | None, Match]], dropped: list[tuple[str, Path, str]]
     ) -> None:
         for why, path, rid in dropped:
-            log.warning("dump_discarded", why=why, dump=path.name, rid=rid[:200])
+            if why == UNREMOVABLE:
+                log.error(
+                    "dump_unremovable",
+                    dump=path.name,
+                    detail=rid[:200],
+                    hint="remove it by hand; it is skipped from now on",
+                )
+            else:
+                log.warning("dump_discarded", why=why, dump=path.name, rid=rid[:200])
             if self._on_discard is not None:
                 self._on_discard(why)
         for ticket, match in tickets:

@@ -8,6 +8,7 @@ server instead of memory growing.
 
 from __future__ import annotations
 
+import functools
 import queue
 import secrets
 import time
@@ -84,9 +85,18 @@ class SendStage:
         try:
             check_meta(found.meta, view.expected(rid, sample))
         except BaseException:
+            self.dispatcher.release(rid)
             remove_dump(found.path)
             raise
         self.metrics.observe("request", t1 - t0)
         self.metrics.observe("wait_done", t2 - t1)
         timings = {"request_ms": (t1 - t0) * 1e3, "wait_ms": (t2 - t1) * 1e3, "stage_ms": 0.0}
-        return StagedSample(item, sample, found.path, found.meta, view, timings)
+        return StagedSample(
+            item,
+            sample,
+            found.path,
+            found.meta,
+            view,
+            timings,
+            confirm_single=functools.partial(self.dispatcher.confirm_single, rid),
+        )

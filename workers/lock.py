@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -24,7 +25,16 @@ class DumpDirLock:
         self._fd: int | None = None
 
     def acquire(self, owner: str) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        # Never follow a link (as root, truncating the file a planted link names would
+        # destroy it) and never block on a FIFO: a regular file or a clear error.
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the dump dir lock {self.path}: {exc}") from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ConfigError(f"the dump dir lock {self.path} is not a regular file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

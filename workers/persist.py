@@ -76,6 +76,9 @@ class StagedSample:
     """Already checked against the request (rid, fingerprint, count) and the pins."""
     view: RunView
     timings: dict[str, float] = field(default_factory=dict)
+    confirm_single: Callable[[], None] | None = None
+    """Raises MultipleDumpsError if a second dump carrying the rid came meanwhile (the
+    dispatcher's last look); called before anything is pinned or written."""
 
 
 class PersistStage:
@@ -180,6 +183,8 @@ class PersistStage:
                 raise _DoneElsewhere(sid)
 
         try:
+            if item.confirm_single is not None:
+                item.confirm_single()  # a second dump for the rid fails the attempt (item 12)
             t1 = time.perf_counter()
             self.metrics.observe("validate", t1 - t0)
             rel = output_relpath(sid)

@@ -11,7 +11,9 @@ retried and, after ``max_attempts``, dead-lettered with its message.
     SERVER_FAIL  server died mid-request, 5xx answer       RETRY (no attempt used) / HAND_BACK,
                                                            DEAD after max_server_crashes
     PAUSE        server down, dataset unreadable (EIO,    HAND_BACK the chunk untouched and
-                 missing), disk full, Redis unreachable   back off: never the sample's fault
+                 missing), disk full, Redis unreachable,  back off: never the sample's fault
+                 dump dir replaced, hook not live         (the last two: take the dir again /
+                                                          exit 2)
     RUN_CHANGED  run purged or re-created                 drop in-flight work, re-read the run
 """
 
@@ -22,7 +24,9 @@ from dataclasses import dataclass
 
 from hsq.errors import (
     DatasetError,
+    DumpDirError,
     DumpError,
+    HookInactiveError,
     HsqError,
     OutputError,
     RunChangedError,
@@ -69,6 +73,10 @@ class Pause(enum.Enum):
     OUTPUT_UNWRITABLE = "output_unwritable"
     STORE_DOWN = "store_down"
     SERVER_ERRORS = "server_errors"
+    DUMP_DIR = "dump_dir_changed"
+    """The dump dir was removed or replaced: take it again, then go on."""
+    HOOK_INACTIVE = "hook_inactive"
+    """Requests get no dump at all and none ever came: the worker stops (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,19 @@ class Decision:
     pause: Pause | None = None
 
 
+# Faults outside the sample that their type alone classifies: (type, reason, pause). The
+# first match wins; all are handed back untouched (Kind.PAUSE).
+_PAUSES: tuple[tuple[type[BaseException], str, Pause], ...] = (
+    (DumpDirError, "dump_dir_changed", Pause.DUMP_DIR),
+    (HookInactiveError, "hook_inactive", Pause.HOOK_INACTIVE),
+    (ServerUnavailableError, "server_unavailable", Pause.SERVER_DOWN),
+    (OutputError, "output_unwritable", Pause.OUTPUT_UNWRITABLE),
+    # EIO and friends reading the dataset or staging: the disk, not the sample.
+    (OSError, "io_error", Pause.DATASET_UNAVAILABLE),
+    (StoreError, "store_error", Pause.STORE_DOWN),
+)
+
+
 def classify(exc: BaseException) -> Failure:
     msg = str(exc) or type(exc).__name__
     if isinstance(exc, RunChangedError):
@@ -101,21 +122,15 @@ def classify(exc: BaseException) -> Failure:
         if exc.reason in DATASET_TRANSIENT:
             return Failure(Kind.PAUSE, exc.reason, msg, Pause.DATASET_UNAVAILABLE)
         return Failure(Kind.PERMANENT, exc.reason, msg)
-    if isinstance(exc, MidRequestFailure):
+    if isinstance(exc, MidRequestFailure):  # before ServerUnavailableError, its base
         return Failure(Kind.SERVER_FAIL, "server_crash", msg, Pause.SERVER_DOWN, mid_request=True)
-    if isinstance(exc, ServerUnavailableError):
-        return Failure(Kind.PAUSE, "server_unavailable", msg, Pause.SERVER_DOWN)
     if isinstance(exc, ServerRejectedError):
         if 400 <= exc.status_code < 500:
             return Failure(Kind.PERMANENT, "rejected", msg)
         return Failure(Kind.SERVER_FAIL, "server_error", msg, Pause.SERVER_ERRORS)
-    if isinstance(exc, OutputError):
-        return Failure(Kind.PAUSE, "output_unwritable", msg, Pause.OUTPUT_UNWRITABLE)
-    if isinstance(exc, OSError):
-        # EIO and friends reading the dataset or staging: the disk, not the sample.
-        return Failure(Kind.PAUSE, "io_error", msg, Pause.DATASET_UNAVAILABLE)
-    if isinstance(exc, StoreError):
-        return Failure(Kind.PAUSE, "store_error", msg, Pause.STORE_DOWN)
+    for kind, reason, pause in _PAUSES:
+        if isinstance(exc, kind):
+            return Failure(Kind.PAUSE, reason, msg, pause)
     return Failure(Kind.SAMPLE, "internal_error", f"{type(exc).__name__}: {msg}")
 
 

@@ -1,13 +1,14 @@
 """Worker start-up: validate the run, the server URL and the dump dir, then take the dump
 dir. Nothing is created, changed or deleted before every check has passed:
-a worker pointed at a shared directory (/tmp, /dev/shm: sticky, or owned by someone else)
-refuses it unless --dump-dir-force, and only a directory it created itself is chmodded.
+a worker pointed at a shared directory (/tmp, /dev/shm: sticky, owned by someone else, or
+writable by other users) refuses it unless --dump-dir-force, and only a directory it
+created itself is chmodded. :func:`take_dump_dir` runs again when the dump dir is removed
+or replaced under a running worker.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from hsq.errors import ConfigError, StoreError
-from hsq.protocol import clear_dump_dir
+from hsq.protocol import clear_dump_dir, remove_entry
 from hsq.store import RunStore, connect
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
@@ -45,16 +46,48 @@ def check_dump_dir(path: Path, force: bool) -> bool:
     problems = []
     if st.st_mode & stat.S_ISVTX:
         problems.append("it has the sticky bit (a shared directory such as /tmp or /dev/shm)")
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        # Another local user could plant dumps, FIFOs or a forged readiness marker in it.
+        problems.append(
+            f"it is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"`chmod 700 {path}` makes it private (the server runs as the same user)"
+        )
     if st.st_uid != os.geteuid():
         problems.append(f"it is owned by uid {st.st_uid}, not by this worker (uid {os.geteuid()})")
     if problems and not force:
         raise ConfigError(
             f"--dump-dir {path} looks shared: {'; '.join(problems)}. The worker deletes every "
-            "req_* in its dump dir; give it a private subdirectory, or --dump-dir-force"
+            "req_* in its dump dir and trusts what its server writes there; give it a "
+            "private directory (mode 0700, owned by the worker's user), or --dump-dir-force"
         )
     if problems:
         log.warning("dump_dir_forced", dump_dir=str(path), problems=problems)
     return False
+
+
+def take_dump_dir(s: WorkerSettings, worker_id: str) -> tuple[DumpDirLock, Path, int]:
+    """Check the dump dir, create it if missing (0700), take its lock, make the staging dir
+    and clear leftovers: (lock, staging dir, dumps cleared). At start, and again when the
+    dump dir was removed or replaced under a running worker."""
+    d = s.dump_dir
+    create = check_dump_dir(d, s.dump_dir_force)
+    try:
+        if create:
+            d.mkdir(parents=True, mode=0o700)
+            os.chmod(d, 0o700)  # ours: private to this worker whatever the umask
+        lock = DumpDirLock(d)
+        lock.acquire(worker_id)
+        try:
+            staging = d / STAGING
+            remove_entry(staging)  # a leftover; a link or a file there is unlinked, not followed
+            staging.mkdir(mode=0o700)
+            cleared = clear_dump_dir(d)  # leftovers of an earlier worker or server: never ours
+        except BaseException:
+            lock.release()
+            raise
+    except OSError as exc:
+        raise ConfigError(f"cannot take the dump dir {d}: {exc}") from exc
+    return lock, staging, cleared
 
 
 def startup(s: WorkerSettings, worker_id: str) -> Started:
@@ -63,17 +96,8 @@ def startup(s: WorkerSettings, worker_id: str) -> Started:
     cfg = store.require_config()  # a run that does not exist: exit 2, nothing touched
     if not os.access(cfg.dataset, os.R_OK):
         raise StoreError(f"dataset {cfg.dataset} is not readable on this node")
-    create = check_dump_dir(s.dump_dir, s.dump_dir_force)
+    check_dump_dir(s.dump_dir, s.dump_dir_force)  # before anything is created anywhere
     view = RunView.of(cfg, s.run)
-    d = s.dump_dir
-    if create:
-        d.mkdir(parents=True, mode=0o700)
-        os.chmod(d, 0o700)  # ours: private to this worker whatever the umask
-    lock = DumpDirLock(d)
-    lock.acquire(worker_id)
-    staging = d / STAGING
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(mode=0o700)
-    cleared = clear_dump_dir(d)  # leftovers of an earlier worker or server: never ours now
+    lock, staging, cleared = take_dump_dir(s, worker_id)
     view.out_root.mkdir(parents=True, exist_ok=True)
     return Started(store, view, lock, staging, cleared)

@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from hsq.errors import ConfigError, RunChangedError, StoreError
+from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
 from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
@@ -53,7 +53,7 @@ from hsq.workers.rate import RateWindow
 from hsq.workers.readiness import require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.settings import WorkerSettings
-from hsq.workers.startup import Started, startup
+from hsq.workers.startup import Started, startup, take_dump_dir
 
 log = structlog.get_logger("hsq.worker")
 
@@ -84,6 +84,7 @@ class Worker:
         self.peak_inflight_tokens = 0
         self._pause: Pause | None = None
         self._pauses = 0
+        self._fatal: HookInactiveError | None = None
         self._changed: str | None = None
         self._hold_until = 0.0
         self._server_errors = 0
@@ -185,6 +186,9 @@ class Worker:
         if self._changed is not None:
             self._reload_run()
             return False
+        broken = self.dispatcher.broken
+        if broken is not None and self._pause is None:
+            self._set_pause(Pause.DUMP_DIR, broken)  # noticed while idle, or before a send
         if self._pause is not None:
             if self.sending:
                 self._wait_event(0.05)
@@ -195,32 +199,40 @@ class Worker:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
         if self.sending < self.settings.inflight:
-            nxt = self.book.peek_tokens()
-            idle = self._idle()
-            if nxt is None and (idle or time.monotonic() >= self._claim_after):
-                if self._claim(block=idle and not self.settings.burst):
-                    nxt = self.book.peek_tokens()
-                else:  # an empty queue: with work in flight, look again in a while
-                    self._claim_after = time.monotonic() + self.settings.claim_timeout_s
-            if nxt is not None and self._tokens_allow(nxt):
-                item = self.book.next_item()
-                assert item is not None
-                self._dispatch(item)
-                return False
-            if nxt is None and self._idle():
-                self.state = "idle"
-                if self.settings.burst:
-                    if self._run_finished():
-                        return True
-                    # Another worker still holds jobs (that may come back): wait here.
-                    self._claim(block=True)
-                return False
-            if nxt is None:
-                # The queue is empty and work is in flight: wait for it to settle.
-                self._wait_event(max(0.0, self._claim_after - time.monotonic()))
-                return False
+            done = self._fill()
+            if done is not None:
+                return done
         self._wait_event(0.05)
         return False
+
+    def _fill(self) -> bool | None:
+        """Claim and send while there is room in flight; a bool ends this turn of _step
+        (True: a --burst worker is finished), None lets it wait for an event."""
+        nxt = self.book.peek_tokens()
+        idle = self._idle()
+        if nxt is None and (idle or time.monotonic() >= self._claim_after):
+            if self._claim(block=idle and not self.settings.burst):
+                nxt = self.book.peek_tokens()
+            else:  # an empty queue: with work in flight, look again in a while
+                self._claim_after = time.monotonic() + self.settings.claim_timeout_s
+        if nxt is not None and self._tokens_allow(nxt):
+            item = self.book.next_item()
+            assert item is not None
+            self._dispatch(item)
+            return False
+        if nxt is None and self._idle():
+            self.state = "idle"
+            if self.settings.burst:
+                if self._run_finished():
+                    return True
+                # Another worker still holds jobs (that may come back): wait here.
+                self._claim(block=True)
+            return False
+        if nxt is None:
+            # The queue is empty and work is in flight: wait for it to settle.
+            self._wait_event(max(0.0, self._claim_after - time.monotonic()))
+            return False
+        return None
 
     def _tokens_allow(self, tokens: int) -> bool:
         budget = self.settings.max_inflight_tokens
@@ -347,6 +359,8 @@ class Worker:
     def _set_pause(self, pause: Pause, why: str) -> None:
         if pause is Pause.STORE_DOWN:
             log.error("redis_unavailable", error=why)
+        if pause is Pause.HOOK_INACTIVE and self._fatal is None:
+            self._fatal = HookInactiveError(why)  # raised once in-flight work has settled
         if self._pause is None or pause is Pause.STORE_DOWN:
             if self._pause is None:
                 log.warning("pausing", cause=pause.value, error=why)
@@ -397,8 +411,12 @@ class Worker:
         pause = self._pause
         assert pause is not None
         self._settle()
+        if self._fatal is not None:
+            raise self._fatal  # every chunk was handed back: exit 2, nothing touched
         self._pauses += 1
-        if pause is Pause.SERVER_DOWN:
+        if pause is Pause.DUMP_DIR:
+            self._retake_dump_dir()
+        elif pause is Pause.SERVER_DOWN:
             self._wait_for_server()
         elif pause is Pause.STORE_DOWN:
             self._release_when_store_back()
@@ -409,6 +427,21 @@ class Worker:
         self._pause = None
         if self.state != "server_down":
             self.state = "working"
+
+    def _retake_dump_dir(self) -> None:
+        """The dump dir was removed, re-created or swapped under us: every chunk was handed
+        back; take the directory at that path again with the start-up checks (create it if
+        missing) and go on. A path that fails those checks now stops the worker (exit 2)."""
+        why = self.dispatcher.broken
+        self.lock.release()
+        self.lock, staging, cleared = take_dump_dir(self.settings, self.id)
+        self.dispatcher.retake(staging)
+        log.warning(
+            "dump_dir_taken_again",
+            dump_dir=str(self.settings.dump_dir),
+            cleared_dumps=cleared,
+            was=why,
+        )
 
     def _release_when_store_back(self) -> None:
         n = 0
