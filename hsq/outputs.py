@@ -3,9 +3,11 @@
     <out>/<run>/<shard>/<sample_id>.safetensors     shard = first 2 hex of sha256(id)
 
 Tensors: input_ids int64 [T], loss_mask int64 [T], aux_hidden_states [T, k*H],
-last_hidden_state [T, H] (post-norm); with the run's store dtype fp8-e4m3 the two states are
-float8_e4m3fn plus float32 `*_scale` tensors (hsq/quant.py). Metadata: format, sample_id,
-run, layer_ids, layer_convention, model_id, num_tokens, input_fingerprint, store_dtype.
+last_hidden_state [T, H] (post-norm), and in runs enqueued with --prenorm
+last_hidden_state_prenorm [T, H] (the final layer before the norm); with the run's store
+dtype fp8-e4m3 the states are float8_e4m3fn plus float32 `*_scale` tensors (hsq/quant.py).
+Metadata: format, sample_id, run, layer_ids, layer_convention, model_id, num_tokens,
+input_fingerprint, store_dtype.
 """
 
 from __future__ import annotations
@@ -80,19 +82,27 @@ def write_output(
     dump: DumpTensors,
     run: str,
     store_dtype: str = "bf16",
+    *,
+    prenorm: bool = False,
 ) -> tuple[int, str]:
     """Write a sample's training file durably from a validated dump; (bytes, checksum).
 
-    bf16: the hidden states are copied file to file in the kernel (copy_file_range), never
-    through Python objects; the crc32 is computed from the dump's mapping on the way.
-    fp8-e4m3: they are quantized here (torch kernels, GIL released) and written from memory.
+    bf16, and fp8-e4m3 from a dump the server quantized already (encoding fp8-e4m3): the
+    stored tensors are copied file to file in the kernel (copy_file_range), never through
+    Python objects; the crc32 is computed from the dump's mapping on the way.
+    fp8-e4m3 from a plain dump: the states are quantized here (torch kernels, GIL released)
+    and written from memory. `prenorm`: the run stores last_hidden_state_prenorm (a dump
+    that has it in a run that does not store it: the tensor is left out).
     """
-    from hsq import quant, stfile
-    from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION
+    from hsq import quant
+    from hsq.errors import MetaMismatchError
+    from hsq.protocol import FP8, LAYER_CONVENTION, scale_name, state_tensors
 
     n = len(sample.input_ids)
     mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-    aux, last = dump.header.tensors[AUX_TENSOR], dump.header.tensors[LAST_TENSOR]
+    if prenorm and not meta.prenorm:
+        raise MetaMismatchError("the run stores the pre-norm final state; the dump has none")
+    states = state_tensors(len(meta.layer_ids), prenorm)
     metadata = {
         "format": OUTPUT_FORMAT,
         "sample_id": sample.id,
@@ -104,22 +114,42 @@ def write_output(
         "input_fingerprint": meta.input_fingerprint,
         quant.META_KEY: quant.check_store_dtype(store_dtype),
     }
+    if meta.encoding == FP8:
+        if store_dtype != quant.FP8:  # check_meta refuses it first; never store a mix
+            raise MetaMismatchError(f"an {FP8} dump cannot be stored as {store_dtype}")
+        names = [x for name, _ in states for x in (name, scale_name(name))]
+        return _write_copied(path, sample, mask, dump, names, metadata)
     if store_dtype == quant.FP8:
-        return _write_fp8(path, sample, mask, meta, dump, metadata)
+        return _write_fp8(path, sample, mask, dump, states, metadata)
+    return _write_copied(path, sample, mask, dump, [name for name, _ in states], metadata)
+
+
+def _write_copied(
+    path: Path,
+    sample: Sample,
+    mask: list[int],
+    dump: DumpTensors,
+    names: list[str],
+    metadata: dict[str, str],
+) -> tuple[int, str]:
+    """The dump's tensors `names` as they are (bf16, or values and scales the server
+    quantized), after input_ids and loss_mask."""
+    from hsq import stfile
+
+    n = len(sample.input_ids)
+    infos = [dump.header.tensors[name] for name in names]
     header = stfile.build_header(
         [
             ("input_ids", "I64", [n], 8 * n),
             ("loss_mask", "I64", [n], 8 * n),
-            (AUX_TENSOR, aux.dtype, aux.shape, aux.nbytes),
-            (LAST_TENSOR, last.dtype, last.shape, last.nbytes),
+            *((i.name, i.dtype, i.shape, i.nbytes) for i in infos),
         ],
         metadata,
     )
     sources: list[memoryview | bytes | tuple[int, int, int]] = [
         _int64_bytes(sample.input_ids),
         _int64_bytes(mask),
-        (dump.fd, aux.start, aux.nbytes),
-        (dump.fd, last.start, last.nbytes),
+        *((dump.fd, i.start, i.nbytes) for i in infos),
     ]
     nbytes, crc = write_durably(path, lambda fd: stfile.write(fd, header, sources, crc_of=dump.mm))
     return nbytes, f"crc32:{crc:08x}"
@@ -129,14 +159,13 @@ def _write_fp8(
     path: Path,
     sample: Sample,
     mask: list[int],
-    meta: DumpMeta,
     dump: DumpTensors,
+    states: list[tuple[str, int]],
     metadata: dict[str, str],
 ) -> tuple[int, str]:
     import torch
 
     from hsq import quant, stfile
-    from hsq.protocol import AUX_TENSOR, LAST_TENSOR
 
     n = len(sample.input_ids)
     entries: list[tuple[str, str, list[int], int]] = [
@@ -147,7 +176,7 @@ def _write_fp8(
         _int64_bytes(sample.input_ids),
         _int64_bytes(mask),
     ]
-    for name, groups in ((AUX_TENSOR, len(meta.layer_ids)), (LAST_TENSOR, 1)):
+    for name, groups in states:
         info = dump.header.tensors[name]
         dtype = stfile.torch_dtype(info.dtype)
         x = torch.frombuffer(
@@ -269,11 +298,13 @@ def check_output(
     *,
     deep: bool = False,
     store_dtype: str | None = None,
+    prenorm: bool = False,
 ) -> list[str]:
     """Problems with one output file (empty list: fine). Deep reads every byte.
 
     `store_dtype` is the run's storage format: a file in another format is a problem (a
-    run holds one format, so readers never meet a mix)."""
+    run holds one format, so readers never meet a mix). `prenorm`: the run stores the
+    pre-norm final state, so a file without it is a problem."""
     from hsq import quant
 
     try:
@@ -291,7 +322,10 @@ def check_output(
             problems.append(f"sample_id {meta.get('sample_id')!r} != {sample_id!r}")
         if meta.get("num_tokens") != str(n):
             problems.append(f"num_tokens {meta.get('num_tokens')} != manifest {n}")
-        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+        names = ["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
+        if prenorm or quant.PRENORM in header.tensors:
+            names.append(quant.PRENORM)
+        for name in names:
             info = header.tensors.get(name)
             if info is None or not info.shape or info.shape[0] != n:
                 shape = None if info is None else info.shape
@@ -325,7 +359,9 @@ def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
     except Exception as exc:  # safetensors raises several types for damaged files
         return [f"unreadable tensors: {exc}"]
     problems = []
-    for name in ("aux_hidden_states", "last_hidden_state"):
+    for name in ("aux_hidden_states", "last_hidden_state", quant.PRENORM):
+        if name not in tensors:
+            continue  # the header check reported a missing required tensor already
         if fmt == quant.FP8:
             sname = quant.scale_name(name)
             problems += [
@@ -374,6 +410,9 @@ class OutputSample:
     scales: dict[str, Any] = field(default_factory=dict)
     """Only with open_output(raw=True) on an fp8 file: `<name>_scale` float32 tensors
     ([T, k] for aux, [T, 1] for last); the hidden states are then the stored fp8 values."""
+    last_hidden_state_prenorm: Any = None
+    """[T, H], the final layer *before* the model's final norm; None unless the run was
+    enqueued with --prenorm (vLLM speculators trains on it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -427,6 +466,7 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         raise OutputError(f"{path}: missing tensors {missing}")
     ids, mask = tensors["input_ids"], tensors["loss_mask"]
     aux, last = tensors[AUX_TENSOR], tensors[LAST_TENSOR]
+    prenorm = tensors.get(quant.PRENORM)
     n = ids.shape[0] if ids.dim() == 1 else -1
     if (
         ids.dtype != torch.int64
@@ -437,6 +477,7 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         or aux.shape[0] != n
         or last.shape[0] != n
         or aux.shape[1] % max(last.shape[1], 1) != 0
+        or (prenorm is not None and list(prenorm.shape) != list(last.shape))
     ):
         raise OutputError(
             f"{path}: inconsistent shapes: input_ids {list(ids.shape)}, loss_mask "
@@ -455,4 +496,5 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         layer_ids=layer_ids,
         metadata=dict(meta),
         scales=scales,
+        last_hidden_state_prenorm=prenorm,
     )

@@ -23,8 +23,12 @@ from typing import Any
 import pytest
 import torch
 
+from hsq import quant
 from hsq.errors import ConfigError
 from hsq.protocol import (
+    AUX_TENSOR,
+    LAST_TENSOR,
+    PRENORM_TENSOR,
     READY_FILE,
     Dump,
     Expected,
@@ -54,6 +58,7 @@ from hsq.sglang_server.sglang_hook.layers import (
     default_layer_ids,
     effective_layer_ids,
     find_capture_list,
+    find_final_norm,
     parse_layer_ids,
 )
 from hsq.sglang_server.sglang_hook.plan import RidFilter, build_plan
@@ -76,6 +81,7 @@ class States:
     ids: list[int]
     aux: torch.Tensor  # [T, k*H]
     last: torch.Tensor  # [T, H]
+    pre: torch.Tensor  # [T, H], the final norm's input
 
 
 def states_for(n: int, seed: int) -> States:
@@ -83,7 +89,8 @@ def states_for(n: int, seed: int) -> States:
     ids = torch.randint(0, 32000, (n,), generator=g).tolist()
     aux = torch.randn(n, len(LAYERS) * H, generator=g).to(torch.bfloat16)
     last = torch.randn(n, H, generator=g).to(torch.bfloat16)
-    return States(ids, aux, last)
+    pre = (torch.randn(n, H, generator=g) * 20).to(torch.bfloat16)
+    return States(ids, aux, last, pre)
 
 
 @dataclass
@@ -114,7 +121,7 @@ class Server:
         plan = self.hook.plan(reqs, [p for _, p, _ in batch], [e for _, _, e in batch])
         if plan is None:
             return False
-        ids, aux, last = [], [], []
+        ids, aux, last, pre = [], [], [], []
         for r, p, e in batch:
             s = self.states.get(r.rid) or states_for(len(r.origin_input_ids), seed=99)
             # Rows past the prompt (a decode row of a mixed batch) are not prompt states.
@@ -126,16 +133,23 @@ class Server:
                 )
             )
             last.append(torch.cat([s.last[p : p + e], torch.ones(tail, H, dtype=torch.bfloat16)]))
+            pre.append(torch.cat([s.pre[p : p + e], torch.ones(tail, H, dtype=torch.bfloat16)]))
         input_ids = torch.cat([*ids, torch.zeros(pad, dtype=torch.int64)])
         hidden = torch.cat([*last, torch.zeros(pad, H, dtype=torch.bfloat16)])
+        prenorm = torch.cat([*pre, torch.zeros(pad, H, dtype=torch.bfloat16)])
         packed_aux = torch.cat([*aux, torch.zeros(pad, len(LAYERS) * H, dtype=torch.bfloat16)])
         # Llama passes a list of k [T, H] tensors (cloned by SGLang), DeepSeek one packed.
         per_layer = [packed_aux[:, j * H : (j + 1) * H].clone() for j in range(len(LAYERS))]
         aux_arg: Any = packed_aux if packed else per_layer
+        if self.hook.cfg.prenorm:
+            return self.hook.capture(plan, input_ids, hidden, aux_arg, prenorm)
         return self.hook.capture(plan, input_ids, hidden, aux_arg)
 
     def dumps(self) -> dict[str, Dump]:
+        """Every dump, read back as the worker reads it, each compared with the states
+        its request computed (fp8: with hsq.quant.quantize of them, bit for bit)."""
         self.hook.flush()
+        cfg = self.hook.cfg
         out: dict[str, Dump] = {}
         for path in scan(self.dump_dir).complete:
             rid = path.joinpath("meta.json").read_text().split('"rid": "')[1].split('"')[0]
@@ -144,14 +158,26 @@ class Server:
                 rid=rid,
                 input_fingerprint=fingerprint(s.ids),
                 num_tokens=len(s.ids),
-                layer_ids=LAYERS,
+                layer_ids=self.hook.ctx.layer_ids,
                 hidden_size=H,
                 dtype="bfloat16",
-                model_id=IDENT.model_id,
+                model_id=self.hook.ctx.model.model_id,
+                store_dtype="fp8-e4m3" if cfg.encoding == "fp8-e4m3" else "bf16",
+                prenorm=cfg.prenorm,
             )
             dump = read_dump(path, exp)
-            assert torch.equal(dump.aux_hidden_states, s.aux)
-            assert torch.equal(dump.last_hidden_state, s.last)
+            assert dump.meta.encoding == cfg.encoding and dump.meta.prenorm == cfg.prenorm
+            want = {AUX_TENSOR: (s.aux, 3), LAST_TENSOR: (s.last, 1)}
+            if cfg.prenorm:
+                want[PRENORM_TENSOR] = (s.pre, 1)
+            for name, (x, groups) in want.items():
+                got = dump.tensors[name]
+                if cfg.encoding == "fp8-e4m3":
+                    q, scale = quant.quantize(x, groups)
+                    assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), name
+                    assert torch.equal(dump.tensors[name + "_scale"], scale), name
+                else:
+                    assert torch.equal(got, x), name
             out[rid] = dump
         return out
 
@@ -353,7 +379,9 @@ def test_full_queue_blocks_the_scheduler(tmp_path: Path) -> None:
     from hsq.sglang_server.sglang_hook.accumulator import Chunk
 
     s = srv.states["hsq-a"]
-    chunk = Chunk(plan.entries[0], torch.tensor(s.ids), s.last, [s.aux])
+    chunk = Chunk(
+        plan.entries[0], torch.tensor(s.ids), {AUX_TENSOR: [s.aux], LAST_TENSOR: [s.last]}
+    )
     gate = Gate()
     sink.submit([chunk], gate)  # taken by the writer, which waits on the gate
     sink.submit([chunk], None)  # queued: the queue is now full
@@ -1028,3 +1056,198 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "hs_dump: refusing to start: layer ids must not repeat" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------- pre-norm, fp8
+
+
+@pytest.mark.parametrize("encoding", ["plain", "fp8-e4m3"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-aux", "aux-list"])
+def test_prenorm_and_fp8_dumps_over_chunks_and_batches(
+    tmp_path: Path, encoding: str, packed: bool
+) -> None:
+    """SGLANG_HS_PRENORM=1 and SGLANG_HS_DUMP_ENCODING: each dump holds the pre-norm state
+    (and with fp8, values and scales exactly as hsq.quant.quantize makes them from the
+    whole prompt, although the hook quantized chunk by chunk), read back and compared."""
+    srv = make_server(tmp_path, prenorm=True, encoding=encoding)
+    try:
+        long, a, b = srv.add("hsq-long", 11), srv.add("hsq-a", 5), srv.add("hsq-b", 1)
+        assert srv.forward([(long, 0, 4), (a, 0, 5)], packed=packed)
+        assert srv.forward([(a, 5, 1), (long, 4, 4), (b, 0, 1)], packed=packed, pad=6)
+        assert srv.forward([(long, 8, 3)], packed=packed)
+        dumps = srv.dumps()  # each compared with its states inside
+        assert sorted(dumps) == ["hsq-a", "hsq-b", "hsq-long"]
+        meta = dumps["hsq-long"].meta
+        assert meta.format_version == 2 and meta.num_tokens == 11
+        assert meta.tensors[PRENORM_TENSOR] == [11, H]
+        if encoding == "fp8-e4m3":
+            assert meta.dtype == "bfloat16"  # what the states were quantized from
+            assert dumps["hsq-long"].tensors[AUX_TENSOR].dtype == torch.float8_e4m3fn
+            assert meta.tensors[AUX_TENSOR + "_scale"] == [11, 3]
+    finally:
+        srv.hook.close()
+
+
+def test_fp8_without_prenorm_has_no_prenorm_tensor(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, encoding="fp8-e4m3")
+    try:
+        a = srv.add("hsq-a", 7)
+        assert srv.forward([(a, 0, 7)])
+        dump = srv.dumps()["hsq-a"]
+        assert sorted(dump.tensors) == sorted(
+            [AUX_TENSOR, AUX_TENSOR + "_scale", LAST_TENSOR, LAST_TENSOR + "_scale"]
+        )
+        assert dump.meta.format_version == 2 and not dump.meta.prenorm
+    finally:
+        srv.hook.close()
+
+
+def test_plain_dumps_stay_format_1(server: Server) -> None:
+    """Without the new options a dump is byte-for-byte the old format: a worker that reads
+    only format 1 keeps working with this hook."""
+    a = server.add("hsq-a", 3)
+    assert server.forward([(a, 0, 3)])
+    dump = server.dumps()["hsq-a"]
+    raw = (dump.path / "meta.json").read_text()
+    assert dump.meta.format_version == 1 and '"encoding"' not in raw and '"prenorm"' not in raw
+
+
+def test_missing_or_misshapen_prenorm_is_not_captured(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, prenorm=True)
+    try:
+        a = srv.add("hsq-a", 4)
+        plan = srv.hook.plan([a], [0], [4])
+        assert plan is not None
+        s = srv.states["hsq-a"]
+        ids = torch.tensor(s.ids)
+        assert not srv.hook.capture(plan, ids, s.last, s.aux)  # the norm's tap did not fire
+        assert not srv.hook.capture(plan, ids, s.last, s.aux, s.pre[:2])  # too few rows
+        assert not srv.hook.capture(plan, ids, s.last, s.aux, s.aux)  # not [T, H]
+        assert srv.dumps() == {} and srv.hook.skipped_batches == 3
+        # A float32 residual (SGLang's fp32_residual) is dumped in the states' dtype.
+        assert srv.hook.capture(plan, ids, s.last, s.aux, s.pre.float())
+        assert list(srv.dumps()) == ["hsq-a"]
+    finally:
+        srv.hook.close()
+
+
+class FusedAddNorm(torch.nn.Module):
+    """SGLang's RMSNorm as the final norm calls it: with a residual, the fused kernel
+    writes hidden + residual into `residual` and the normalized value into `x` (in
+    place), and returns both; without one it is out of place."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return x * 0.5
+        residual.add_(x)
+        x.copy_(residual * 0.5)
+        return x, residual
+
+
+def prenorm_runner(tmp_path: Path, arch: str = "KimiK25ForConditionalGeneration") -> FakeRunner:
+    runner = FakeRunner.kimi(tmp_path)
+    runner.model.language_model.model.norm = FusedAddNorm()
+    runner.model_config.hf_config.architectures = [arch]
+    return runner
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["fused-add", "no-residual"])
+def test_plugin_taps_the_final_norm_for_the_prenorm_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_residual: bool
+) -> None:
+    """The glue end to end: the load hook registers the norm tap and announces prenorm in
+    the marker; in a planned prefill the tap keeps the norm's input (the residual sum the
+    fused kernel returns), the logits call hands it to the DumpHook; decode forwards
+    and forwards without a plan leave nothing behind."""
+    dump_dir = use_plugin(monkeypatch, tmp_path)
+    monkeypatch.setenv("SGLANG_HS_PRENORM", "1")
+    runner = prenorm_runner(tmp_path)
+    plugin.around_load_model(runner.load, runner)
+    hook = plugin._hook
+    assert hook is not None
+    try:
+        marker = read_ready(dump_dir)
+        assert marker is not None and marker.prenorm and marker.format_version == 2
+        srv = Server(hook, dump_dir)
+        a, b = srv.add("hsq-a", 3), srv.add("hsq-b", 5)
+        s_a, s_b = srv.states["hsq-a"], srv.states["hsq-b"]
+        pre = torch.cat([s_a.pre, s_b.pre])
+        norm = runner.model.language_model.model.norm
+
+        def run_batch(_sched: object, _batch: object) -> object:
+            if with_residual:  # the model's last layer leaves (hidden, residual), sum = pre
+                residual = (pre.float() * 0.25).to(torch.bfloat16)
+                normed, _ = norm((pre - residual).clone(), residual.clone())
+            else:
+                normed = norm(pre.clone())
+            assert isinstance(normed, torch.Tensor)
+            hidden = torch.cat([s_a.last, s_b.last])  # what the test compares the dump with
+            aux = torch.cat([s_a.aux, s_b.aux])
+            ids = torch.tensor(s_a.ids + s_b.ids)
+            return plugin.around_logits(lambda *_a, **_k: "x", None, ids, hidden, None, None, aux)
+
+        if with_residual:  # the sum the kernel forms is what the dump must hold
+            residual = (pre.float() * 0.25).to(torch.bfloat16)
+            summed = (pre - residual) + residual
+            srv.states["hsq-a"].pre, srv.states["hsq-b"].pre = summed[:3], summed[3:]
+        batch = SimpleNamespace(
+            reqs=[a, b],
+            prefix_lens=[0, 0],
+            extend_lens=[3, 5],
+            forward_mode=SimpleNamespace(name="EXTEND"),
+        )
+        assert plugin.around_run_batch(run_batch, None, batch) == "x"
+        assert sorted(srv.dumps()) == ["hsq-a", "hsq-b"]
+        norm(pre.clone())  # outside a planned prefill (decode, CUDA-graph capture): ignored
+        assert getattr(plugin._prenorm, "value", None) is None
+    finally:
+        hook.close()
+
+
+def test_prenorm_is_refused_for_a_family_hsq_has_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_plugin(monkeypatch, tmp_path)
+    monkeypatch.setenv("SGLANG_HS_PRENORM", "1")
+    runner = prenorm_runner(tmp_path, arch="Gemma3ForCausalLM")
+    with pytest.raises(ConfigError, match="pre-norm final state is captured only") as err:
+        plugin.around_load_model(runner.load, runner)
+    assert "Gemma3ForCausalLM" in str(err.value) and runner.loads == 0
+
+
+def test_prenorm_is_refused_when_the_model_has_no_final_norm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_plugin(monkeypatch, tmp_path)
+    monkeypatch.setenv("SGLANG_HS_PRENORM", "1")
+    runner = FakeRunner.kimi(tmp_path)  # a stand-in model without a norm module
+    with pytest.raises(ConfigError, match="no final norm"):
+        plugin.around_load_model(runner.load, runner)
+    assert not (tmp_path / "dumps" / READY_FILE).exists()
+
+
+def test_find_final_norm() -> None:
+    norm = FusedAddNorm()
+    assert find_final_norm(SimpleNamespace(model=SimpleNamespace(norm=norm))) is norm
+    kimi = SimpleNamespace(language_model=SimpleNamespace(model=SimpleNamespace(norm=norm)))
+    assert find_final_norm(kimi) is norm
+    assert find_final_norm(SimpleNamespace(model=SimpleNamespace(norm=None))) is None
+
+
+def test_encoding_and_prenorm_from_env() -> None:
+    env = {
+        "SGLANG_HS_DUMP_DIR": "/d",
+        "SGLANG_HS_DUMP_ENCODING": "fp8-e4m3",
+        "SGLANG_HS_PRENORM": "1",
+    }
+    cfg = HookConfig.from_env(env)
+    assert cfg is not None and cfg.encoding == "fp8-e4m3" and cfg.prenorm
+    assert HookConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match="SGLANG_HS_DUMP_ENCODING"):
+        HookConfig.from_env({**env, "SGLANG_HS_DUMP_ENCODING": "fp8"})
+    with pytest.raises(ValueError, match="SGLANG_HS_PRENORM"):
+        HookConfig.from_env({**env, "SGLANG_HS_PRENORM": "maybe"})
+    cmd = launch_command("m", "/d", sglang_version="0.5.23", encoding="fp8-e4m3", prenorm=True)
+    assert "SGLANG_HS_DUMP_ENCODING=fp8-e4m3" in cmd and "SGLANG_HS_PRENORM=1" in cmd

@@ -115,8 +115,11 @@ class PersistStage:
             self.metrics.observe("validate", t1 - t0)
             rel = output_relpath(sid)
             out = item.view.out_root / rel
-            store_dtype = item.view.cfg.store_dtype
-            nbytes, crc = write_output(out, item.sample, item.meta, tensors, self.run, store_dtype)
+            cfg = item.view.cfg
+            store_dtype = cfg.store_dtype
+            nbytes, crc = write_output(
+                out, item.sample, item.meta, tensors, self.run, store_dtype, prenorm=cfg.prenorm
+            )
         finally:
             tensors.close()
         entry = ManifestEntry(
