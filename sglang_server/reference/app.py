@@ -257,10 +257,14 @@ def build_engine(settings: ReferenceSettings) -> Engine:
     )
 
 
-def dump_bytes_per_token(model: HiddenStateModel, encoding: str) -> int:
-    """Host bytes one token's dump tensors take (the pinned ring is sized from it)."""
+def dump_bytes_per_token(
+    model: HiddenStateModel, encoding: str, *, prenorm: bool | None = None
+) -> int:
+    """Host bytes one token's dump tensors take (the pinned ring is sized from it);
+    `prenorm` None: as the model captures."""
+    pre = model.prenorm if prenorm is None else prenorm
     shapes = expected_shapes(
-        1, len(model.layer_ids), model.hidden_size, encoding=encoding, prenorm=model.prenorm
+        1, len(model.layer_ids), model.hidden_size, encoding=encoding, prenorm=pre
     )
     if encoding == FP8:  # one byte a value, float32 scales
         return sum(s[1] * (4 if n.endswith(SCALE_SUFFIX) else 1) for n, s in shapes.items())
