@@ -14,6 +14,8 @@ the modes differ only in what happens around the forward:
     prenorm      `dump` with --prenorm (one more [T, H] tensor)
     hook         the forward plus the SGLang hook's DumpHook.capture and writer thread
                  (sglang_server/sglang_hook), without SGLang: the hook's own cost
+    hook-staged  `hook` with SGLANG_HS_DEVICE_STAGING=1 (rows cloned on the GPU, so the
+                 next forward does not wait for the copy to the host)
 
 The engine is driven with exactly one batch in its queue at a time (pause, queue the
 batch's requests, resume), so the batches match the forward-only replay; each mode runs
@@ -56,7 +58,17 @@ from hsq.sglang_server.sglang_hook.dump_hook import DumpHook
 from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
 from hsq.sglang_server.sglang_hook.plan import BatchPlan, RidFilter, build_plan
 
-MODES = ("forward", "engine", "copy", "dump", "dump-spin", "fp8", "prenorm", "hook")
+MODES = (
+    "forward",
+    "engine",
+    "copy",
+    "dump",
+    "dump-spin",
+    "fp8",
+    "prenorm",
+    "hook",
+    "hook-staged",
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "h200": {
         "model": "llama-8b",
@@ -186,13 +198,21 @@ class HookRig:
     ids: list[torch.Tensor]
 
 
-def hook_rig(model: HiddenStateModel, w: Workload, dump_dir: Path) -> HookRig:
+def hook_rig(
+    model: HiddenStateModel, w: Workload, dump_dir: Path, *, staged: bool = False
+) -> HookRig:
     @dataclass
     class Req:
         rid: str
         origin_input_ids: list[int]
 
-    cfg = HookConfig(dump_dir=dump_dir, fsync=False, queue_items=8, queue_bytes=8 << 30)
+    cfg = HookConfig(
+        dump_dir=dump_dir,
+        fsync=False,
+        queue_items=8,
+        queue_bytes=8 << 30,
+        device_staging=staged,
+    )
     hook = DumpHook(cfg, DumpContext(model.identity, model.layer_ids), attn_tp_rank=0)
     plans, ids = [], []
     for group in w.groups:
@@ -234,7 +254,7 @@ class Rig:
         self.writers: dict[str, DumpWriter] = {}
         self.engines: dict[str, Engine] = {}
         for mode in self.modes:
-            if mode in ("forward", "hook"):
+            if mode == "forward" or mode.startswith("hook"):
                 continue
             enc = FP8 if mode == "fp8" else PLAIN
             per = dump_bytes_per_token(model, enc, prenorm=mode == "prenorm")
@@ -257,7 +277,11 @@ class Rig:
                 max_batch_tokens=args.batch_tokens,
                 encoding=enc,
             )
-        self.hook = hook_rig(model, w, dump_dir) if "hook" in self.modes else None
+        self.hooks = {
+            m: hook_rig(model, w, dump_dir, staged=m == "hook-staged")
+            for m in self.modes
+            if m.startswith("hook")
+        }
         self.pool = ThreadPoolExecutor(args.batch_requests, thread_name_prefix="client")
 
     def run(self, mode: str) -> None:
@@ -265,9 +289,8 @@ class Rig:
         try:
             if mode == "forward":
                 run_forward(self.model, self.w)
-            elif mode == "hook":
-                assert self.hook is not None
-                run_hook(self.model, self.w, self.hook)
+            elif mode in self.hooks:
+                run_hook(self.model, self.w, self.hooks[mode])
             else:
                 run_engine(self.engines[mode], self.w, self.pool)
             sync(self.model.device)
@@ -278,8 +301,8 @@ class Rig:
         self.pool.shutdown()
         for wr in self.writers.values():
             wr.close()
-        if self.hook is not None:
-            self.hook.hook.close()
+        for rig in self.hooks.values():
+            rig.hook.close()
 
 
 def measure(

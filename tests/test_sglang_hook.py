@@ -336,10 +336,18 @@ def test_rows_that_do_not_fit_the_plan_are_not_captured(server: Server) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_copies_are_pinned_async_and_exact(server: Server) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"device_staging": True}, {"encoding": "fp8-e4m3", "prenorm": True}],
+    ids=["plain", "device-staging", "fp8-prenorm"],
+)
+def test_cuda_copies_are_pinned_async_and_exact(tmp_path: Path, cfg: dict[str, Any]) -> None:
     """The GPU path: side-stream copies into pinned memory, then the states are
     overwritten in place on the compute stream (as a reused CUDA-graph buffer would be);
-    the dump must still hold the values at capture time."""
+    the dump must still hold the values at capture time, whether the next forward waited
+    for the host copy (plain) or the copy reads the hook's own device tensors (staged
+    clones, fp8 values)."""
+    server = make_server(tmp_path, **cfg)
     a, b = server.add("hsq-a", 300), server.add("hsq-b", 1000)
     plan = server.hook.plan([a, b], [0, 0], [300, 1000])
     assert plan is not None
@@ -347,14 +355,18 @@ def test_cuda_copies_are_pinned_async_and_exact(server: Server) -> None:
     ids = torch.tensor(s_a.ids + s_b.ids, device="cuda")
     hidden = torch.cat([s_a.last, s_b.last]).cuda()
     aux = [torch.cat([s_a.aux, s_b.aux])[:, j * H : (j + 1) * H].cuda() for j in range(3)]
+    pre = torch.cat([s_a.pre, s_b.pre]).cuda()
     torch.cuda.synchronize()
-    assert server.hook.capture(plan, ids, hidden, aux)
-    hidden.fill_(float("nan"))
-    for t in aux:
-        t.fill_(float("nan"))
-    assert sorted(server.dumps()) == ["hsq-a", "hsq-b"]
-    host, ready = HostCopier().copy([hidden])
-    assert host[0].is_pinned() and ready is not None
+    try:
+        assert server.hook.capture(plan, ids, hidden, aux, pre if server.hook.cfg.prenorm else None)
+        for t in (hidden, pre, *aux):
+            t.fill_(float("nan"))
+        ids.fill_(0)
+        assert sorted(server.dumps()) == ["hsq-a", "hsq-b"]
+        host, ready = HostCopier().copy([hidden])
+        assert host[0].is_pinned() and ready is not None
+    finally:
+        server.hook.close()
 
 
 # ---------------------------------------------------------------------------- writer
@@ -1251,3 +1263,19 @@ def test_encoding_and_prenorm_from_env() -> None:
         HookConfig.from_env({**env, "SGLANG_HS_PRENORM": "maybe"})
     cmd = launch_command("m", "/d", sglang_version="0.5.23", encoding="fp8-e4m3", prenorm=True)
     assert "SGLANG_HS_DUMP_ENCODING=fp8-e4m3" in cmd and "SGLANG_HS_PRENORM=1" in cmd
+
+
+def test_device_staging_dumps_the_same_states(tmp_path: Path) -> None:
+    """SGLANG_HS_DEVICE_STAGING=1: rows cloned on the device before the host copy; the
+    dumps are the same (on the GPU the next forward then need not wait for the copy)."""
+    srv = make_server(tmp_path, device_staging=True)
+    try:
+        long, a = srv.add("hsq-long", 9), srv.add("hsq-a", 4)
+        assert srv.forward([(long, 0, 5), (a, 0, 4)], packed=False)
+        assert srv.forward([(long, 5, 4)], packed=False, pad=3)
+        assert sorted(srv.dumps()) == ["hsq-a", "hsq-long"]
+    finally:
+        srv.hook.close()
+    assert HookConfig.from_env(
+        {"SGLANG_HS_DUMP_DIR": "/d", "SGLANG_HS_DEVICE_STAGING": "1"}
+    ) == HookConfig(Path("/d"), device_staging=True)

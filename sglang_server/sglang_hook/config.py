@@ -22,6 +22,7 @@ ENV_EVICT_AFTER_S = "SGLANG_HS_EVICT_AFTER_S"
 ENV_FSYNC = "SGLANG_HS_FSYNC"
 ENV_DUMP_ENCODING = "SGLANG_HS_DUMP_ENCODING"
 ENV_PRENORM = "SGLANG_HS_PRENORM"
+ENV_DEVICE_STAGING = "SGLANG_HS_DEVICE_STAGING"
 KNOWN_ENV = frozenset(
     {
         ENV_DUMP_DIR,
@@ -33,6 +34,7 @@ KNOWN_ENV = frozenset(
         ENV_FSYNC,
         ENV_DUMP_ENCODING,
         ENV_PRENORM,
+        ENV_DEVICE_STAGING,
     }
 )
 ENCODINGS = ("plain", "fp8-e4m3")
@@ -63,6 +65,10 @@ class HookConfig:
     prenorm: bool = False
     """Also dump the final norm's input (last_hidden_state_prenorm), for runs enqueued
     with --prenorm; refused at start-up for model families whose final norm is not known."""
+    device_staging: bool = False
+    """Clone the captured rows on the GPU first, so the next forward does not wait for
+    the copy to the host (costs GPU memory for one forward's states until it lands).
+    fp8 dumps always work this way: their quantized tensors are the hook's own."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HookConfig | None:
@@ -84,6 +90,7 @@ class HookConfig:
             fsync=env.get(ENV_FSYNC, "1").strip().lower() not in ("0", "false", "no"),
             encoding=env.get(ENV_DUMP_ENCODING, "plain").strip() or "plain",
             prenorm=_bool(env, ENV_PRENORM),
+            device_staging=_bool(env, ENV_DEVICE_STAGING),
         )
         if cfg.queue_items < 1 or cfg.queue_bytes < 1 or cfg.evict_after_s <= 0:
             raise ValueError(f"queue sizes and eviction time must be positive: {cfg}")
@@ -104,6 +111,8 @@ class HookConfig:
             env[ENV_DUMP_ENCODING] = self.encoding
         if self.prenorm:
             env[ENV_PRENORM] = "1"
+        if self.device_staging:
+            env[ENV_DEVICE_STAGING] = "1"
         return env
 
 

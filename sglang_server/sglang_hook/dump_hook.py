@@ -130,7 +130,18 @@ class DumpHook:
         for e in plan.entries:
             flat.append(input_ids[e.rows])
             flat += [p[e.rows] for pieces in states.values() for p in pieces]
-        host, ready = self._copier.copy(flat)
+        # fp8 values and scales are the hook's own tensors already; with device staging
+        # the rest are cloned on the device (HBM: far faster than the copy to the host),
+        # so the next forward need not wait for the host copy (HostCopier, `owned`).
+        quantized = self.cfg.encoding == FP8
+        owned = quantized or self.cfg.device_staging
+        if owned:
+            per_entry = 1 + sum(len(pieces) for pieces in states.values())
+            flat = [
+                t if quantized and i % per_entry else t.clone()  # i % per_entry == 0: ids
+                for i, t in enumerate(flat)
+            ]
+        host, ready = self._copier.copy(flat, owned=owned)
         chunks = []
         it = iter(host)
         source = hidden.dtype if self.cfg.encoding == FP8 else None

@@ -53,16 +53,21 @@ class DumpContext:
 class HostCopier:
     """Copies tensors to host memory without blocking the caller.
 
-    After queueing the copies on the side stream, the compute stream is made to wait for
-    them: the next forward may overwrite the sources in place (CUDA-graph output buffers
-    are reused without going through the allocator, so record_stream alone would not
-    protect them). That orders GPU work only; the CPU never waits.
+    After queueing the copies of SGLang's own tensors on the side stream, the compute
+    stream is made to wait for them: the next forward may overwrite the sources in place
+    (CUDA-graph output buffers are reused without going through the allocator, so
+    record_stream alone would not protect them). That orders GPU work only; the CPU never
+    waits, but the next forward starts only once the copy is done. Tensors the hook made
+    itself (``owned``: fp8 values and scales, device-side clones) go through the allocator
+    only, so record_stream protects them and the next forward need not wait.
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
+    def copy(
+        self, tensors: Sequence[torch.Tensor], *, owned: bool = False
+    ) -> tuple[list[torch.Tensor], object | None]:
         """Host copies and an event to wait on (None when they are ready already). The
         event is a blocking-sync one: the writer thread sleeps on it instead of spinning
         in the CUDA driver while the scheduler launches the next forward."""
@@ -84,7 +89,8 @@ class HostCopier:
                 out.append(host)
             ready = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             ready.record(stream)
-        compute.wait_event(ready)
+        if not owned:
+            compute.wait_event(ready)
         return out, ready
 
 
