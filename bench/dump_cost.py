@@ -25,7 +25,7 @@ batch's requests, resume), so the batches match the forward-only replay; each mo
 allocations during the mode. One JSON line at the end.
 
     python bench/dump_cost.py --preset h200     # one H200, llama-8b shape, about 3 minutes
-    python bench/dump_cost.py --preset cpu      # the tiny model on a CPU, well under a minute
+    python bench/dump_cost.py --preset cpu      # the tiny model on a CPU, about a minute
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "workloads": "16-128:64,256-1024:12",
         "batch_requests": 8,
         "batch_tokens": 4096,
-        "repeats": 3,
     },
     "smoke": {
         "model": "tiny",
