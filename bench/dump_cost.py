@@ -1,20 +1,31 @@
-"""Server-side dump cost: the reference engine's prefill with dumping vs the bare forward.
+"""Server-side dump cost: prefill with dumps against the forward alone, per workload.
 
-In one process, for each length: K forwards of the model alone, then K requests through
-the engine (forward, cast, pinned async device-to-host copy, hand-off to the writer thread,
-which writes the dump while the next forward runs), with the writer drained at the end.
-The ratio is what dumping adds to prefill time.
+For each workload (LO-HI:COUNT: COUNT requests of random lengths in [LO, HI]) the requests
+are cut into batches once, as the reference engine's FIFO forms them from a full queue
+(--batch-requests, --batch-tokens padded), and every mode runs exactly those batches, so
+the modes differ only in what happens around the forward:
 
-With --workloads (e.g. 64-512:64,1024-4096:24: random lengths in a range, that many
-requests), the batched figure: the model's forward-only rate over the batches the engine
-forms (FIFO, --batch-requests, --batch-tokens padded), against the engine's rate with
---clients threads keeping requests in flight (batched forward, one host copy per batch, one
-dump per request written while the next batch runs). Target: capacity with dumps >= 0.90
-of the forward-only batched rate.
+    forward      the model's forward alone (HiddenStateModel.forward_batch), back to back
+    engine       the reference engine (requests, batching, per-request results), no dumps
+    copy         + the device-to-host copy into the pinned ring, no files written
+    dump         + the dump files, written by the writer thread (tmpfs, no fsync): the server
+    dump-spin    `dump` with the writer spinning on the copy event (the old behaviour)
+    fp8          `dump` with --dump-encoding fp8-e4m3 (quantized on the device)
+    prenorm      `dump` with --prenorm (one more [T, H] tensor)
+    hook         the forward plus the SGLang hook's DumpHook.capture and writer thread
+                 (sglang_server/sglang_hook), without SGLang: the hook's own cost
+    hook-staged  `hook` with SGLANG_HS_DEVICE_STAGING=1 (rows cloned on the GPU, so the
+                 next forward does not wait for the copy to the host)
 
-    python -m bench.dump_cost --model llama-8b --device cuda --lengths 2048,8192
-    python -m bench.dump_cost --model llama-8b --device cuda --lengths "" \
-        --workloads 64-512:64,1024-4096:24
+The engine is driven with exactly one batch in its queue at a time (pause, queue the
+batch's requests, resume), so the batches match the forward-only replay; each mode runs
+--repeats times, interleaved, best time kept. Reported: tokens/s per mode, its ratio to
+`forward` (target for `dump`: >= 0.95), how long the writer held the engine up
+(backpressure), the writer's copy-wait and write time, and the CUDA allocator's device
+allocations during the mode. One JSON line at the end.
+
+    python -m bench.dump_cost --preset h200     # one H200, llama-8b shape, about 3 minutes
+    python -m bench.dump_cost --preset cpu      # the tiny model on a CPU, about a minute
 """
 
 from __future__ import annotations
@@ -22,50 +33,107 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import statistics
+import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hsq.protocol import clear_dump_dir
-from hsq.sglang_server.reference.dumper import DumpWriter
+from hsq.logs import configure
+from hsq.protocol import FP8, PLAIN, clear_dump_dir
+from hsq.sglang_server.reference.app import dump_bytes_per_token
+from hsq.sglang_server.reference.dumper import DumpWriter, HostBatch, WriterStats, _Job
 from hsq.sglang_server.reference.engine import Engine
 from hsq.sglang_server.reference.faults import FaultPlan
-from hsq.sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.model import HiddenStateModel, bucket_length, load_model
+from hsq.sglang_server.sglang_hook.config import HookConfig
+from hsq.sglang_server.sglang_hook.dump_hook import DumpHook
+from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
+from hsq.sglang_server.sglang_hook.plan import BatchPlan, RidFilter, build_plan
+
+MODES = (
+    "forward",
+    "engine",
+    "copy",
+    "dump",
+    "dump-spin",
+    "fp8",
+    "prenorm",
+    "hook",
+    "hook-staged",
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    "h200": {
+        "model": "llama-8b",
+        "device": "cuda",
+        "workloads": "64-512:96,1024-4096:24",
+        "batch_requests": 16,
+        "batch_tokens": 16384,
+    },
+    "cpu": {
+        "model": "tiny",
+        "device": "cpu",
+        "workloads": "16-128:64,256-1024:12",
+        "batch_requests": 8,
+        "batch_tokens": 4096,
+    },
+    "smoke": {
+        "model": "tiny",
+        "device": "cpu",
+        "workloads": "8-32:8",
+        "batch_requests": 4,
+        "batch_tokens": 256,
+        "repeats": 1,
+    },
+}
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def varlen_probe(model: object, device: str, n: int = 20) -> None:
-    """Median forward time over n new lengths in 64..512 against one fixed length."""
-    import random
-    import statistics
+class NullWriter(DumpWriter):
+    """`engine` mode: the engine's path with nothing copied or written."""
 
-    rng = random.Random(0)
-    fwd = model.forward  # type: ignore[attr-defined]
-    vocab = model.vocab_size  # type: ignore[attr-defined]
-    for label, lens in (
-        ("varying", [rng.randint(64, 512) for _ in range(n)]),
-        ("fixed", [288] * n),
-    ):
-        times = []
-        for length in lens:
-            ids = [rng.randrange(vocab) for _ in range(length)]
-            sync(device)
-            t0 = time.perf_counter()
-            fwd(ids)
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-        print(
-            f"forward, {label} lengths: median {statistics.median(times):.1f} ms, "
-            f"max {max(times):.1f} ms"
-        )
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> HostBatch:
+        return HostBatch(tensors)
+
+    def submit(self, parts: list[Any], batch: HostBatch) -> None:
+        pass
+
+
+class CopyOnlyWriter(DumpWriter):
+    """`copy` mode: the device-to-host copies land, the files are never written."""
+
+    def _write(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        job.batch.wait()
+        self.stats.copy_wait_s += time.perf_counter() - t0
+        self.release(job.batch)
+
+
+@dataclass
+class Workload:
+    spec: str
+    seqs: list[list[int]]
+    groups: list[list[int]]
+    """Request indices per batch: what every mode runs."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.seqs)
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return max(sum(len(self.seqs[i]) for i in g) for g in self.groups)
 
 
 def fifo_batches(seqs: list[list[int]], max_requests: int, max_tokens: int) -> list[list[int]]:
@@ -85,227 +153,307 @@ def fifo_batches(seqs: list[list[int]], max_requests: int, max_tokens: int) -> l
     return out
 
 
-def drive(engine: Engine, seqs: list[list[int]], clients: int) -> None:
-    """`clients` threads keep requests in flight until every sequence was served."""
-    todo = list(reversed(seqs))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                ids = todo.pop()
-            engine.generate(ids)
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    engine.writer.flush()
-
-
-def batched(
-    model: Any, device: str, dump_dir: Path, spec: str, args: argparse.Namespace, per_token: int
-) -> dict[str, Any]:
+def make_workload(spec: str, vocab: int, args: argparse.Namespace) -> Workload:
     span, _, count = spec.partition(":")
     lo, _, hi = span.partition("-")
     rng = random.Random(spec)
     seqs = [
-        [rng.randrange(model.vocab_size) for _ in range(rng.randint(int(lo), int(hi)))]
+        [rng.randrange(vocab) for _ in range(rng.randint(int(lo), int(hi)))]
         for _ in range(int(count))
     ]
-    tokens = sum(len(s) for s in seqs)
-    groups = fifo_batches(seqs, args.batch_requests, args.batch_tokens)  # warm-up only
-    writer = DumpWriter(
-        dump_dir,
-        depth=2,
+    return Workload(spec, seqs, fifo_batches(seqs, args.batch_requests, args.batch_tokens))
+
+
+def run_engine(engine: Engine, w: Workload, pool: ThreadPoolExecutor) -> None:
+    """Each batch queued whole while the engine is paused, then released: the engine runs
+    exactly `w.groups`. The next batch is queued as soon as this one is launched (its
+    requests answered), while the device still computes it, as a busy server's queue is."""
+    for group in w.groups:
+        engine.pause()
+        futures = [pool.submit(engine.generate, w.seqs[i]) for i in group]
+        while engine.pending < len(group):
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                engine.resume()
+                raise RuntimeError("a request failed before its batch formed") from (
+                    failed[0].exception()
+                )
+            time.sleep(0.0001)
+        engine.resume()
+        for f in futures:
+            f.result()
+    engine.writer.flush()
+
+
+def run_forward(model: HiddenStateModel, w: Workload) -> None:
+    for group in w.groups:
+        model.forward_batch([w.seqs[i] for i in group])
+
+
+@dataclass
+class HookRig:
+    hook: DumpHook
+    plans: list[BatchPlan]
+    ids: list[torch.Tensor]
+
+
+def hook_rig(
+    model: HiddenStateModel, w: Workload, dump_dir: Path, *, staged: bool = False
+) -> HookRig:
+    @dataclass
+    class Req:
+        rid: str
+        origin_input_ids: list[int]
+
+    cfg = HookConfig(
+        dump_dir=dump_dir,
         fsync=False,
-        device=model.device,
-        max_bytes=max(args.batch_tokens, int(hi)) * per_token + 256,
+        queue_items=8,
+        queue_bytes=8 << 30,
+        device_staging=staged,
     )
-    engine = Engine(
-        model,
-        writer,
-        FaultPlan(),
-        max_tokens=int(hi),
-        max_batch_requests=args.batch_requests,
-        max_batch_tokens=args.batch_tokens,
-    )
+    hook = DumpHook(cfg, DumpContext(model.identity, model.layer_ids), attn_tp_rank=0)
+    plans, ids = [], []
+    for group in w.groups:
+        reqs = [Req(f"hsq-{i}", w.seqs[i]) for i in group]
+        lens = [len(w.seqs[i]) for i in group]
+        plan = build_plan(reqs, [0] * len(group), lens, RidFilter())
+        assert plan is not None
+        plans.append(plan)
+        flat = [t for i in group for t in w.seqs[i]]
+        ids.append(torch.tensor(flat, dtype=torch.long, device=model.device))
+    return HookRig(hook, plans, ids)
 
-    def run_engine() -> None:
-        drive(engine, seqs, args.clients)
 
-    formed: list[list[list[int]]] = []
-    real_forward = model.forward_batch
+def run_hook(model: HiddenStateModel, w: Workload, rig: HookRig) -> None:
+    """What the SGLang hook adds to a forward: capture() on the forward's outputs (packed
+    per request, as the logits processor sees them) and the writer thread."""
+    for group, plan, ids in zip(w.groups, rig.plans, rig.ids, strict=True):
+        cap = model.forward_batch([w.seqs[i] for i in group])
+        if not rig.hook.capture(plan, ids, cap.last, cap.aux):
+            raise RuntimeError("the hook refused a batch; see the log")
+    rig.hook.flush(600)
 
-    def recording(batch: list[list[int]]) -> Any:
-        formed.append(batch)
-        return real_forward(batch)
 
-    def run_forward() -> None:
-        # The batches the engine formed in its last run: the same work, without dumps.
-        for batch in replay:
-            real_forward(batch)
+def device_allocs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0))
 
-    replay = [[seqs[i] for i in g] for g in groups]
-    if args.warmup_shapes:
-        engine.warmup_shapes()
-    run_forward()  # warm-up: allocator, pinned buffers
-    run_engine()
-    sync(device)
-    clear_dump_dir(dump_dir)
-    times: dict[str, float] = {}
-    batches0 = engine.batches
-    model.forward_batch = recording
-    for mode in ("engine", "forward", "engine", "forward"):
-        if mode == "engine":
-            formed.clear()
-        sync(device)
-        t0 = time.perf_counter()
-        run_forward() if mode == "forward" else run_engine()
-        sync(device)
-        dt = time.perf_counter() - t0
-        times[mode] = min(times.get(mode, dt), dt)
-        clear_dump_dir(dump_dir)
-        if mode == "engine":
-            replay = list(formed)
-    model.forward_batch = real_forward
-    writer.close()
+
+class Rig:
+    """Every mode's engine, writer (and the hook) for one workload, built once: their
+    pinned rings are allocated once, and round 0 warms them all up."""
+
+    def __init__(
+        self, w: Workload, model: HiddenStateModel, dump_dir: Path, args: argparse.Namespace
+    ) -> None:
+        self.w, self.model = w, model
+        self.modes = [m for m in args.modes.split(",") if m]
+        self.writers: dict[str, DumpWriter] = {}
+        self.engines: dict[str, Engine] = {}
+        for mode in self.modes:
+            if mode == "forward" or mode.startswith("hook"):
+                continue
+            enc = FP8 if mode == "fp8" else PLAIN
+            per = dump_bytes_per_token(model, enc, prenorm=mode == "prenorm")
+            cls = {"engine": NullWriter, "copy": CopyOnlyWriter}.get(mode, DumpWriter)
+            self.writers[mode] = cls(
+                dump_dir,
+                depth=2,
+                fsync=False,
+                device=model.device,
+                max_bytes=0 if mode == "engine" else w.max_batch_tokens * per + 1024,
+                threads=args.writer_threads,
+                blocking_event=mode != "dump-spin",
+            )
+            self.engines[mode] = Engine(
+                model,
+                self.writers[mode],
+                FaultPlan(),
+                max_tokens=max(len(x) for x in w.seqs),
+                max_batch_requests=args.batch_requests,
+                max_batch_tokens=args.batch_tokens,
+                encoding=enc,
+            )
+        self.hooks = {
+            m: hook_rig(model, w, dump_dir, staged=m == "hook-staged")
+            for m in self.modes
+            if m.startswith("hook")
+        }
+        self.pool = ThreadPoolExecutor(args.batch_requests, thread_name_prefix="client")
+
+    def run(self, mode: str) -> None:
+        self.model.prenorm = mode == "prenorm"
+        try:
+            if mode == "forward":
+                run_forward(self.model, self.w)
+            elif mode in self.hooks:
+                run_hook(self.model, self.w, self.hooks[mode])
+            else:
+                run_engine(self.engines[mode], self.w, self.pool)
+            sync(self.model.device)
+        finally:
+            self.model.prenorm = False
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for wr in self.writers.values():
+            wr.close()
+        for rig in self.hooks.values():
+            rig.hook.close()
+
+
+def measure(
+    w: Workload, model: HiddenStateModel, dump_dir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    dev = model.device
+    rig = Rig(w, model, dump_dir, args)
+    times: dict[str, list[float]] = {m: [] for m in rig.modes}
+    stats: dict[str, WriterStats] = {}
+    allocs: dict[str, int] = {}
+    try:
+        for rep in range(args.repeats + 1):  # round 0 warms up: shapes, allocator, rings
+            for mode in rig.modes:
+                if mode in rig.writers:
+                    rig.writers[mode].stats = WriterStats()
+                a0 = device_allocs(dev)
+                sync(dev)
+                t0 = time.perf_counter()
+                rig.run(mode)
+                dt = time.perf_counter() - t0
+                clear_dump_dir(dump_dir)
+                if rep == 0:
+                    continue
+                times[mode].append(dt)
+                allocs[mode] = allocs.get(mode, 0) + device_allocs(dev) - a0
+                if mode in rig.writers and dt <= min(times[mode]):
+                    stats[mode] = rig.writers[mode].stats  # the best round's
+    finally:
+        rig.close()
     return {
-        "workload": spec,
-        "requests": len(seqs),
-        "tokens": tokens,
-        "forward_batches": len(groups),
-        "engine_mean_batch": round(2 * len(seqs) / max(engine.batches - batches0, 1), 2),
-        "forward_only_tok_s": round(tokens / times["forward"], 1),
-        "with_dumps_tok_s": round(tokens / times["engine"], 1),
-        "ratio": round(times["forward"] / times["engine"], 4),
+        "workload": w.spec,
+        "requests": len(w.seqs),
+        "tokens": w.tokens,
+        "batches": len(w.groups),
+        "mean_batch": round(statistics.mean(len(g) for g in w.groups), 2),
+        "padded_share": round(
+            1 - w.tokens / sum(len(g) * pad_len(w, g, model) for g in w.groups), 3
+        ),
+        "modes": summarize(w, times, stats, allocs),
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument(
-        "--varlen",
-        action="store_true",
-        help="also time forwards of varying lengths (64-512) against a fixed one",
-    )
-    ap.add_argument("--dump-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    ap.add_argument("--workloads", default="", help="batched: LO-HI:COUNT,... (see above)")
-    ap.add_argument("--batch-requests", type=int, default=16)
-    ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument(
-        "--warmup-shapes",
-        action="store_true",
-        help="run every padded batch shape once first (else the engine meets new shapes "
-        "that the forward-only replay has already seen)",
-    )
-    ap.add_argument("--clients", type=int, default=16, help="requests kept in flight")
-    args = ap.parse_args()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = load_model(
-        args.model, device=args.device, dtype=dtype, dump_dtype=torch.bfloat16, layers=None
-    )
-    dump_dir = Path(tempfile.mkdtemp(prefix="hsq-dumpcost-", dir=args.dump_root))
-    lengths = [int(x) for x in args.lengths.split(",") if x]
-    per_token = (len(model.layer_ids) + 1) * model.hidden_size * 2
-    if args.varlen:
-        varlen_probe(model, args.device)
-    rows = []
-    gen = torch.Generator().manual_seed(0)
-    for n in lengths:
-        writer = DumpWriter(
-            dump_dir,
-            depth=2,
-            fsync=False,
-            device=model.device,
-            max_bytes=max(lengths) * per_token + 256,
-        )
-        engine = Engine(model, writer, FaultPlan(), max_tokens=1 << 20)
-        ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
-        for _ in range(2):  # warm-up: kernels, allocator, pinned host cache
-            model.forward(ids)
-            engine.generate(ids)
-        writer.flush()
-        clear_dump_dir(dump_dir)
-        times: dict[str, float] = {}
-        # interleaved, best of two; "copy" = forward + device-to-host copy, no file write
-        for mode in ("forward", "copy", "engine", "forward", "copy", "engine"):
-            pending = None
-            sync(args.device)
-            t0 = time.perf_counter()
-            for _ in range(args.repeats):
-                if mode == "forward":
-                    model.forward(ids)
-                elif mode == "copy":
-                    cap = model.forward(ids)
-                    if pending is not None:  # release the previous buffer once its copy landed
-                        pending.wait()
-                        writer.release(pending)
-                    pending = writer.to_host({"aux": cap.aux, "last": cap.last})
-                else:
-                    engine.generate(ids)
-            if pending is not None:
-                pending.wait()
-                writer.release(pending)
-            sync(args.device)
-            writer.flush()
-            dt = (time.perf_counter() - t0) / args.repeats
-            times[mode] = min(times.get(mode, dt), dt)
-            clear_dump_dir(dump_dir)
-        writer.close()
-        rows.append(
-            {
-                "tokens": n,
-                "forward_ms": round(times["forward"] * 1e3, 2),
-                "with_copy_ms": round(times["copy"] * 1e3, 2),
-                "with_dump_ms": round(times["engine"] * 1e3, 2),
-                "copy_overhead": round(times["copy"] / times["forward"] - 1, 4),
-                "dump_overhead": round(times["engine"] / times["forward"] - 1, 4),
-                "prefill_tok_s": round(n / times["forward"], 1),
-                "dump_gb_s": round(
-                    n * (len(model.layer_ids) + 1) * model.hidden_size * 2 / times["engine"] / 1e9,
-                    3,
-                ),
-            }
-        )
-    print(f"server-side dump cost: {args.model} on {args.device}")
-    print(
-        f"{'tokens':>7} {'forward ms':>11} {'+copy ms':>9} {'+dump ms':>9} "
-        f"{'copy':>7} {'dump':>7} {'prefill tok/s':>14}"
-    )
-    for r in rows:
-        print(
-            f"{r['tokens']:>7} {r['forward_ms']:>11} "
-            f"{r['with_copy_ms']:>9} {r['with_dump_ms']:>9} {r['copy_overhead']:>7.2%} "
-            f"{r['dump_overhead']:>7.2%} {r['prefill_tok_s']:>14,.0f}"
-        )
-    brows = [
-        batched(model, args.device, dump_dir, w, args, per_token)
-        for w in filter(None, args.workloads.split(","))
-    ]
-    if brows:
-        print(
-            f"batched ({args.clients} in flight, <= {args.batch_requests} requests and "
-            f"{args.batch_tokens} padded tokens per forward)"
-        )
-        for b in brows:
-            print(
-                f"  {b['workload']:>14}: forward only {b['forward_only_tok_s']:>10,.0f} tok/s, "
-                f"with dumps {b['with_dumps_tok_s']:>10,.0f} tok/s, ratio {b['ratio']:.3f} "
-                f"(mean batch {b['engine_mean_batch']})"
+def summarize(
+    w: Workload,
+    times: dict[str, list[float]],
+    stats: dict[str, WriterStats],
+    allocs: dict[str, int],
+) -> dict[str, dict[str, Any]]:
+    best = {m: min(ts) for m, ts in times.items()}
+    base = best.get("forward")
+    rows = {}
+    for mode, t in best.items():
+        row: dict[str, Any] = {
+            "tok_s": round(w.tokens / t, 1),
+            "seconds": round(t, 4),
+            "spread": round(max(times[mode]) / t - 1, 4),
+            "device_allocs": allocs.get(mode, 0),
+        }
+        if base is not None:
+            row["vs_forward"] = round(base / t, 4)
+        if mode in stats:
+            s = stats[mode]
+            row.update(
+                held_ms=round(s.held_s * 1e3, 1),
+                copy_wait_ms=round(s.copy_wait_s * 1e3, 1),
+                write_ms=round(s.write_s * 1e3, 1),
+                dump_bytes=s.bytes,
             )
-    print(
-        json.dumps(
-            {"dump_cost": rows, "batched": brows, "model": args.model, "device": args.device}
-        )
+        rows[mode] = row
+    return rows
+
+
+def pad_len(w: Workload, group: list[int], model: HiddenStateModel) -> int:
+    longest = max(len(w.seqs[i]) for i in group)
+    return bucket_length(longest) if model.device.type == "cuda" else longest
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--model")
+    ap.add_argument("--device")
+    ap.add_argument("--workloads", help="LO-HI:COUNT,... (random lengths in [LO, HI])")
+    ap.add_argument("--batch-requests", type=int)
+    ap.add_argument("--batch-tokens", type=int, help="padded tokens per forward")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    ap.add_argument("--repeats", type=int, help="timed rounds after one warm-up round")
+    ap.add_argument("--writer-threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    ap.add_argument("--dump-root", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    for key in ("model", "device", "workloads", "batch_requests", "batch_tokens", "repeats"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, 2))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configure("WARNING", "console")  # the writers' per-dump debug lines would drown the table
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        ap.error(f"unknown modes {sorted(unknown)}")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    # The pre-norm tap is always installed (a reference kept per forward); modes other
+    # than `prenorm` do not dump it.
+    model = load_model(
+        args.model, device=args.device, dtype=dtype, dump_dtype=torch.bfloat16, layers=None,
+        prenorm=True,
+    )  # fmt: skip
+    model.prenorm = False
+    load_s = time.perf_counter() - t0
+    dump_dir = Path(tempfile.mkdtemp(prefix="hsq-dumpcost-", dir=args.dump_root))
+    results = []
+    try:
+        for spec in filter(None, args.workloads.split(",")):
+            w = make_workload(spec, model.vocab_size, args)
+            results.append(measure(w, model, dump_dir, args))
+            report(results[-1], sys.stdout.write)
+    finally:
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    out = {
+        "dump_cost": results,
+        "model": args.model,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "batch_requests": args.batch_requests,
+        "batch_tokens": args.batch_tokens,
+        "writer_threads": args.writer_threads,
+        "repeats": args.repeats,
+        "model_load_s": round(load_s, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+        "args": {k: v for k, v in vars(args).items() if k != "preset"} | {"preset": args.preset},
+    }
+    print(json.dumps(out))
+    return out
+
+
+def report(r: dict[str, Any], write: Callable[[str], object]) -> None:
+    write(
+        f"\n{r['workload']}: {r['requests']} requests, {r['tokens']} tokens, {r['batches']} "
+        f"batches (mean {r['mean_batch']} requests, {r['padded_share']:.0%} padding)\n"
     )
+    write(
+        f"  {'mode':<10} {'tok/s':>10} {'vs forward':>10} {'spread':>7} {'held ms':>8} "
+        f"{'copy wait':>9} {'write ms':>9} {'dev allocs':>10}\n"
+    )
+    for mode, m in r["modes"].items():
+        write(
+            f"  {mode:<10} {m['tok_s']:>10,.0f} {m.get('vs_forward', float('nan')):>10.3f} "
+            f"{m['spread']:>7.1%} {m.get('held_ms', ''):>8} {m.get('copy_wait_ms', ''):>9} "
+            f"{m.get('write_ms', ''):>9} {m['device_allocs']:>10}\n"
+        )
 
 
 if __name__ == "__main__":

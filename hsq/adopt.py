@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hsq.dataset import Sample
 from hsq.errors import HsqError
@@ -15,8 +17,22 @@ from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, outp
 
 def detect_store_dtype(out_root: Path) -> str | None:
     """The storage format of the first readable output file under out_root (a run holds one)."""
-    from hsq.outputs import read_header
     from hsq.quant import store_dtype_of
+
+    header = _first_header(out_root, lambda h: store_dtype_of(h.metadata))
+    return None if header is None else store_dtype_of(header.metadata)
+
+
+def detect_prenorm(out_root: Path) -> bool | None:
+    """Whether the first readable output file under out_root stores the pre-norm state."""
+    from hsq.quant import PRENORM
+
+    header = _first_header(out_root)
+    return None if header is None else PRENORM in header.tensors
+
+
+def _first_header(out_root: Path, check: Callable[[Any], object] | None = None) -> Any:
+    from hsq.outputs import read_header
 
     if not out_root.is_dir():
         return None
@@ -24,14 +40,21 @@ def detect_store_dtype(out_root: Path) -> str | None:
         for name in sorted(files):
             if name.endswith(SUFFIX):
                 try:
-                    return store_dtype_of(read_header(Path(dirpath) / name).metadata)
+                    header = read_header(Path(dirpath) / name)
+                    if check is not None:
+                        check(header)
+                    return header
                 except (OSError, ValueError, HsqError):
                     continue
     return None
 
 
 def adopt_output(
-    out_root: Path, sample: Sample, run: str, store_dtype: str | None = None
+    out_root: Path,
+    sample: Sample,
+    run: str,
+    store_dtype: str | None = None,
+    prenorm: bool = False,
 ) -> tuple[ManifestEntry | None, str]:
     """Check an existing output file of `sample` as `recover` does: header, every tensor,
     token ids against the dataset line (fingerprint and values), finite states; returns
@@ -74,7 +97,7 @@ def adopt_output(
         return None, f"stored as {entry.store_dtype}, the run stores {store_dtype}"
     problems = _tensor_problems(path, sample)
     if not problems:  # both formats' tensor checks (fp8: scales, no NaN; bf16: finite)
-        problems = "; ".join(check_output(path, sample.id, entry, deep=True))
+        problems = "; ".join(check_output(path, sample.id, entry, deep=True, prenorm=prenorm))
     if problems:
         return None, problems
     return entry, ""

@@ -32,6 +32,8 @@ log = structlog.get_logger("hsq.data")
 
 MANIFEST = "manifest.jsonl"
 KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+PRENORM = "last_hidden_state_prenorm"
+"""In items (and batches) of runs enqueued with --prenorm only."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ def scan_outputs(root: Path) -> list[Item]:
 
 class HiddenStateDataset:
     """`ds[i]` -> {"id", "input_ids" [T], "loss_mask" [T], "aux_hidden_states" [T, k*H],
-    "last_hidden_state" [T, H]}, T cut to `max_length` if given (views, no copies)."""
+    "last_hidden_state" [T, H]}, plus "last_hidden_state_prenorm" [T, H] for runs that store
+    it, T cut to `max_length` if given (views, no copies)."""
 
     def __init__(
         self, path: str | Path, *, max_length: int | None = None, raw_fp8: bool = False
@@ -104,12 +107,16 @@ class HiddenStateDataset:
         if out.sample_id != item.sample_id:
             raise OutputError(f"{item.relpath} holds {out.sample_id!r}, not {item.sample_id!r}")
         n = self.max_length
+        extra = {}
+        if out.last_hidden_state_prenorm is not None:
+            extra[PRENORM] = out.last_hidden_state_prenorm[:n]
         return {
             "id": item.sample_id,
             "input_ids": out.input_ids[:n],
             "loss_mask": out.loss_mask[:n],
             "aux_hidden_states": out.aux_hidden_states[:n],
             "last_hidden_state": out.last_hidden_state[:n],
+            **extra,
             **{name: scale[:n] for name, scale in out.scales.items()},
         }
 
@@ -121,7 +128,8 @@ def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
     from torch.nn.utils.rnn import pad_sequence
 
     out: dict[str, Any] = {"id": [b["id"] for b in batch]}
-    for key in KEYS:
+    keys = (*KEYS, PRENORM) if all(PRENORM in b for b in batch) else KEYS
+    for key in keys:
         pad = pad_token_id if key == "input_ids" else 0
         out[key] = pad_sequence([b[key] for b in batch], batch_first=True, padding_value=pad)
     lengths = torch.tensor([b["input_ids"].shape[0] for b in batch])

@@ -3,9 +3,11 @@
     <out>/<run>/<shard>/<sample_id>.safetensors     shard = first 2 hex of sha256(id)
 
 Tensors: input_ids int64 [T], loss_mask int64 [T], aux_hidden_states [T, k*H],
-last_hidden_state [T, H] (post-norm); with the run's store dtype fp8-e4m3 the two states are
-float8_e4m3fn plus float32 `*_scale` tensors (hsq/quant.py). Metadata: format, sample_id,
-run, layer_ids, layer_convention, model_id, num_tokens, input_fingerprint, store_dtype.
+last_hidden_state [T, H] (post-norm), and in runs enqueued with --prenorm
+last_hidden_state_prenorm [T, H] (the final layer before the norm); with the run's store
+dtype fp8-e4m3 the states are float8_e4m3fn plus float32 `*_scale` tensors (hsq/quant.py).
+Metadata: format, sample_id, run, layer_ids, layer_convention, model_id, num_tokens,
+input_fingerprint, store_dtype.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def write_output(
     run: str,
     store_dtype: str = "bf16",
     *,
+    prenorm: bool = False,
     stats: dict[str, float] | None = None,
     before_rename: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
@@ -94,13 +97,19 @@ def write_output(
     NonFiniteDumpError or CorruptDumpError for a bad dump, OutputError when the disk
     refuses. `stats` gathers seconds per step; `before_rename` runs after the fsync, right
     before the file takes its name, and may raise to leave nothing behind.
+    An fp8-e4m3 dump (the server quantized it) goes the same way as bf16: its values and
+    scales are checked and copied as they are. `prenorm`: the run stores
+    last_hidden_state_prenorm (a dump that has it in a run that does not: left out).
     """
     from hsq import quant, stfile
-    from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION
+    from hsq.errors import MetaMismatchError
+    from hsq.protocol import FP8, LAYER_CONVENTION, scale_name, state_tensors
 
     n = len(sample.input_ids)
     mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
-    aux, last = dump.header.tensors[AUX_TENSOR], dump.header.tensors[LAST_TENSOR]
+    if prenorm and not meta.prenorm:
+        raise MetaMismatchError("the run stores the pre-norm final state; the dump has none")
+    states = state_tensors(len(meta.layer_ids), prenorm)
     metadata = {
         "format": OUTPUT_FORMAT,
         "sample_id": sample.id,
@@ -117,8 +126,13 @@ def write_output(
         ("loss_mask", "I64", [n], 8 * n),
     ]
     sources: list[stfile.Source] = [_int64_bytes(sample.input_ids), _int64_bytes(mask)]
-    if store_dtype == quant.FP8:
-        for name, groups in ((AUX_TENSOR, len(meta.layer_ids)), (LAST_TENSOR, 1)):
+    if meta.encoding == FP8:
+        if store_dtype != quant.FP8:  # check_meta refuses it first; never store a mix
+            raise MetaMismatchError(f"an {FP8} dump cannot be stored as {store_dtype}")
+        copied = [x for name, _ in states for x in (name, scale_name(name))]
+    elif store_dtype == quant.FP8:
+        copied = []
+        for name, groups in states:
             info = dump.header.tensors[name]
             q, scales = _fp8_sources(dump.fd, info, groups, stats)
             sname = quant.scale_name(name)
@@ -128,9 +142,11 @@ def write_output(
             ]
             sources += [q, scales]
     else:
-        for info in (aux, last):
-            entries.append((info.name, info.dtype, info.shape, info.nbytes))
-            sources.append(stfile.Range(dump.fd, info.start, info.nbytes, info.dtype, info.name))
+        copied = [name for name, _ in states]
+    for name in copied:
+        info = dump.header.tensors[name]
+        entries.append((info.name, info.dtype, info.shape, info.nbytes))
+        sources.append(stfile.Range(dump.fd, info.start, info.nbytes, info.dtype, info.name))
     header = stfile.build_header(entries, metadata)
     try:
         return write_durably(
@@ -347,11 +363,13 @@ def check_output(
     *,
     deep: bool = False,
     store_dtype: str | None = None,
+    prenorm: bool = False,
 ) -> list[str]:
     """Problems with one output file (empty list: fine). Deep reads every byte.
 
     `store_dtype` is the run's storage format: a file in another format is a problem (a
-    run holds one format, so readers never meet a mix)."""
+    run holds one format, so readers never meet a mix). `prenorm`: the run stores the
+    pre-norm final state, so a file without it is a problem."""
     from hsq import quant
 
     try:
@@ -369,7 +387,10 @@ def check_output(
             problems.append(f"sample_id {meta.get('sample_id')!r} != {sample_id!r}")
         if meta.get("num_tokens") != str(n):
             problems.append(f"num_tokens {meta.get('num_tokens')} != manifest {n}")
-        for name in ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"):
+        names = ["input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"]
+        if prenorm or quant.PRENORM in header.tensors:
+            names.append(quant.PRENORM)
+        for name in names:
             info = header.tensors.get(name)
             if info is None or not info.shape or info.shape[0] != n:
                 shape = None if info is None else info.shape
@@ -403,7 +424,9 @@ def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
     except Exception as exc:  # safetensors raises several types for damaged files
         return [f"unreadable tensors: {exc}"]
     problems = []
-    for name in ("aux_hidden_states", "last_hidden_state"):
+    for name in ("aux_hidden_states", "last_hidden_state", quant.PRENORM):
+        if name not in tensors:
+            continue  # the header check reported a missing required tensor already
         if fmt == quant.FP8:
             sname = quant.scale_name(name)
             problems += [
@@ -452,6 +475,9 @@ class OutputSample:
     scales: dict[str, Any] = field(default_factory=dict)
     """Only with open_output(raw=True) on an fp8 file: `<name>_scale` float32 tensors
     ([T, k] for aux, [T, 1] for last); the hidden states are then the stored fp8 values."""
+    last_hidden_state_prenorm: Any = None
+    """[T, H], the final layer *before* the model's final norm; None unless the run was
+    enqueued with --prenorm (vLLM speculators trains on it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -505,6 +531,7 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         raise OutputError(f"{path}: missing tensors {missing}")
     ids, mask = tensors["input_ids"], tensors["loss_mask"]
     aux, last = tensors[AUX_TENSOR], tensors[LAST_TENSOR]
+    prenorm = tensors.get(quant.PRENORM)
     n = ids.shape[0] if ids.dim() == 1 else -1
     if (
         ids.dtype != torch.int64
@@ -515,6 +542,7 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         or aux.shape[0] != n
         or last.shape[0] != n
         or aux.shape[1] % max(last.shape[1], 1) != 0
+        or (prenorm is not None and list(prenorm.shape) != list(last.shape))
     ):
         raise OutputError(
             f"{path}: inconsistent shapes: input_ids {list(ids.shape)}, loss_mask "
@@ -533,4 +561,5 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
         layer_ids=layer_ids,
         metadata=dict(meta),
         scales=scales,
+        last_hidden_state_prenorm=prenorm,
     )

@@ -11,6 +11,9 @@ Layout of a dump directory owned by exactly one worker::
     <dump_dir>/req_<N>.tmp/      being written (never read)
     <dump_dir>/req_<N>/          complete once it holds `done`
         hidden_states.safetensors   aux_hidden_states [T, k*H], last_hidden_state [T, H]
+                                    (+ last_hidden_state_prenorm [T, H] with `prenorm`;
+                                    fp8-e4m3 encoding: values in float8 plus a float32
+                                    `<name>_scale` per tensor, as fp8 outputs store them)
         meta.json                   DumpMeta
         done                        written and fsynced last
 
@@ -52,7 +55,11 @@ from hsq.errors import (
     WrongLengthError,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest dump format. A server writes the oldest version that describes its dumps
+(1 for plain dumps without the pre-norm state), so a worker that reads only version 1 keeps
+working with a server that does not use what version 2 added."""
+READ_VERSIONS = (1, 2)
 DUMP_PREFIX = "req_"
 TMP_SUFFIX = ".tmp"
 TENSOR_FILE = "hidden_states.safetensors"
@@ -60,6 +67,18 @@ META_FILE = "meta.json"
 DONE_FILE = "done"
 AUX_TENSOR = "aux_hidden_states"
 LAST_TENSOR = "last_hidden_state"
+PRENORM_TENSOR = "last_hidden_state_prenorm"
+"""The final layer's output *before* the model's final norm (format 2, `prenorm`)."""
+SCALE_SUFFIX = "_scale"
+PLAIN = "plain"
+"""Encoding of a dump whose states are in `dtype` as the model computed them."""
+FP8 = "fp8-e4m3"
+"""Encoding of a dump quantized by the server exactly as an fp8-e4m3 output stores the
+states (hsq/quant.py: float8_e4m3fn values, one float32 scale = absmax/448 per token per
+row of H values): the worker validates and copies it instead of quantizing."""
+ENCODINGS = (PLAIN, FP8)
+_FP8_CODE = "F8_E4M3"
+_SCALE_CODE = "F32"
 LAYER_CONVENTION = "hf_hidden_states"
 DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 """Dump dtypes by meta.json name, with their safetensors codes. `DTYPES` (the torch dtypes
@@ -219,15 +238,32 @@ class DumpMeta:
     layer_ids: list[int]
     hidden_size: int
     dtype: str
+    """The dtype the states were computed in; an fp8-e4m3 dump was quantized from it."""
     model: ModelIdentity
     tensors: dict[str, list[int]]
     request_index: int
     layer_convention: str = LAYER_CONVENTION
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0
+    """0 (the default): the oldest version that describes this dump (format_version_for)."""
     created_unix: float = field(default_factory=time.time)
+    encoding: str = PLAIN
+    """`plain` or `fp8-e4m3` (format 2)."""
+    prenorm: bool = False
+    """Whether the dump holds last_hidden_state_prenorm (format 2)."""
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            version = format_version_for(self.encoding, self.prenorm)
+            object.__setattr__(self, "format_version", version)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        data = asdict(self)
+        # Format 1 dumps keep the exact format 1 layout: a reader of version 1 only would
+        # refuse unknown keys.
+        for key, default in (("encoding", PLAIN), ("prenorm", False)):
+            if data[key] == default:
+                del data[key]
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DumpMeta:
@@ -241,9 +277,15 @@ class DumpMeta:
             meta = cls(**{**raw, "model": ModelIdentity(**raw["model"])})
         except TypeError as exc:  # an unknown field
             raise CorruptDumpError(f"meta.json is malformed: {exc}") from exc
-        if meta.format_version != FORMAT_VERSION:
+        if meta.format_version not in READ_VERSIONS:
             raise CorruptDumpError(
-                f"dump format_version {meta.format_version}, this hsq reads {FORMAT_VERSION}"
+                f"dump format_version {meta.format_version}, this hsq reads "
+                f"{' and '.join(map(str, READ_VERSIONS))}"
+            )
+        if meta.format_version < format_version_for(meta.encoding, meta.prenorm):
+            raise CorruptDumpError(
+                f"meta.json of format {meta.format_version} uses encoding/prenorm of format "
+                f"{format_version_for(meta.encoding, meta.prenorm)}"
             )
         return meta
 
@@ -277,6 +319,8 @@ _META_OPTIONAL: dict[str, Callable[[object], bool]] = {
     "layer_convention": _is_str,
     "format_version": _is_int,
     "created_unix": lambda v: _is_int(v) or isinstance(v, float),
+    "encoding": _is_str,
+    "prenorm": lambda v: isinstance(v, bool),
 }
 _MODEL_TYPES: dict[str, Callable[[object], bool]] = {
     "name": _is_str,
@@ -305,11 +349,46 @@ def _check_fields(
             raise CorruptDumpError(f"{what}: `{name}` has the wrong type: {raw[name]!r:.80}")
 
 
-def expected_shapes(num_tokens: int, num_layers: int, hidden_size: int) -> dict[str, list[int]]:
-    return {
-        AUX_TENSOR: [num_tokens, num_layers * hidden_size],
-        LAST_TENSOR: [num_tokens, hidden_size],
-    }
+def format_version_for(encoding: str, prenorm: bool) -> int:
+    """The oldest format that describes a dump: 1 unless it uses what format 2 added."""
+    return 1 if encoding == PLAIN and not prenorm else 2
+
+
+def state_tensors(num_layers: int, prenorm: bool = False) -> list[tuple[str, int]]:
+    """The hidden-state tensors of a dump in file order, each with its rows of H values
+    per token (the groups an fp8 encoding scales separately)."""
+    out = [(AUX_TENSOR, num_layers), (LAST_TENSOR, 1)]
+    if prenorm:
+        out.append((PRENORM_TENSOR, 1))
+    return out
+
+
+def scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def expected_shapes(
+    num_tokens: int,
+    num_layers: int,
+    hidden_size: int,
+    *,
+    encoding: str = PLAIN,
+    prenorm: bool = False,
+) -> dict[str, list[int]]:
+    """{name: shape} of every tensor a dump holds, in file order."""
+    shapes: dict[str, list[int]] = {}
+    for name, groups in state_tensors(num_layers, prenorm):
+        shapes[name] = [num_tokens, groups * hidden_size]
+        if encoding == FP8:
+            shapes[scale_name(name)] = [num_tokens, groups]
+    return shapes
+
+
+def tensor_dtype_code(name: str, meta: DumpMeta) -> str:
+    """The safetensors dtype a dump's tensor must have."""
+    if meta.encoding == FP8:
+        return _SCALE_CODE if name.endswith(SCALE_SUFFIX) else _FP8_CODE
+    return stfile.dtype_code(DTYPES[meta.dtype])
 
 
 # ---------------------------------------------------------------------------- writing
@@ -323,11 +402,12 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_small(path: Path, data: bytes) -> None:
+def _write_small(path: Path, data: bytes, fsync: bool = True) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
 def write_dump(
@@ -367,11 +447,11 @@ def write_dump(
             os.fsync(fd)
     finally:
         os.close(fd)
-    _write_small(tmp / META_FILE, meta.to_json().encode())
+    _write_small(tmp / META_FILE, meta.to_json().encode(), fsync)
     if before_done is not None:
         before_done(tmp)
     if mark_done:
-        _write_small(tmp / DONE_FILE, b"")
+        _write_small(tmp / DONE_FILE, b"", fsync)
     if fsync:
         _fsync_path(tmp)
     os.rename(tmp, final)
@@ -480,6 +560,10 @@ class Expected:
     hidden_size: int | None = None
     dtype: str | None = None
     model_id: str | None = None
+    store_dtype: str | None = None
+    """The run's storage format: an fp8-e4m3 dump is usable only by an fp8-e4m3 run."""
+    prenorm: bool = False
+    """The run stores the pre-norm final state: a dump without it cannot serve."""
 
 
 @dataclass(frozen=True)
@@ -488,6 +572,9 @@ class Dump:
     meta: DumpMeta
     aux_hidden_states: torch.Tensor
     last_hidden_state: torch.Tensor
+    """For an fp8-e4m3 dump, these are the stored float8 values (scales in `tensors`)."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Every tensor of the file by name (prenorm state, scales, and the two above)."""
 
 
 def check_meta(meta: DumpMeta, exp: Expected) -> None:
@@ -508,7 +595,26 @@ def check_meta(meta: DumpMeta, exp: Expected) -> None:
             raise MetaMismatchError(f"dump {name} is {got!r}, the run expects {want!r}")
     if meta.dtype not in DTYPE_CODES:
         raise CorruptDumpError(f"unknown dtype {meta.dtype!r} in meta.json")
-    want_shapes = expected_shapes(meta.num_tokens, len(meta.layer_ids), meta.hidden_size)
+    if meta.encoding not in ENCODINGS:
+        raise CorruptDumpError(f"unknown encoding {meta.encoding!r} in meta.json")
+    if meta.encoding == FP8 and exp.store_dtype not in (None, FP8):
+        raise MetaMismatchError(
+            f"the server quantized this dump to {FP8} and the run stores {exp.store_dtype}: "
+            f"a run takes such dumps only with `hsq enqueue --store-dtype {FP8}`; otherwise "
+            "start the server without --dump-encoding fp8-e4m3 / SGLANG_HS_DUMP_ENCODING"
+        )
+    if exp.prenorm and not meta.prenorm:
+        raise MetaMismatchError(
+            "the run stores the pre-norm final state (hsq enqueue --prenorm) and this dump "
+            "has none: start the server with --prenorm (SGLang: SGLANG_HS_PRENORM=1)"
+        )
+    want_shapes = expected_shapes(
+        meta.num_tokens,
+        len(meta.layer_ids),
+        meta.hidden_size,
+        encoding=meta.encoding,
+        prenorm=meta.prenorm,
+    )
     if meta.tensors != want_shapes:
         raise CorruptDumpError(f"meta tensors {meta.tensors} disagree with {want_shapes}")
 
@@ -564,23 +670,24 @@ def open_dump_tensors(
         raise CorruptDumpError(f"{path.name}: unreadable tensors: {exc!r}") from exc
     dt = DumpTensors(fd, mm, header)
     try:
-        code = DTYPE_CODES.get(meta.dtype)
-        if code is None:
-            raise CorruptDumpError(f"{path.name}: unknown dtype {meta.dtype!r}")
         if set(header.tensors) != set(meta.tensors):
             raise CorruptDumpError(
                 f"{path.name}: tensors {sorted(header.tensors)}, meta {sorted(meta.tensors)}"
             )
         for name, shape in meta.tensors.items():
             info = header.tensors[name]
+            code = tensor_dtype_code(name, meta)
             if info.shape != shape:
                 raise CorruptDumpError(f"{path.name}: {name} has shape {info.shape}, meta {shape}")
             if info.dtype != code:
                 raise CorruptDumpError(
-                    f"{path.name}: {name} is {info.dtype}, meta says {meta.dtype}"
+                    f"{path.name}: {name} is {info.dtype}, meta says {meta.dtype} "
+                    f"({meta.encoding}): {code}"
                 )
             if check_finite and mm is not None and not stfile.all_finite(mm, info):
                 raise NonFiniteDumpError(f"{path.name}: {name} holds NaN or Inf")
+            if name.endswith(SCALE_SUFFIX) and _has_negative(fd, mm, info):
+                raise CorruptDumpError(f"{path.name}: {name} holds negative scales")
     except BaseException:
         dt.close()
         raise
@@ -604,7 +711,20 @@ def read_dump(path: Path, expected: Expected, *, check_finite: bool = True) -> D
         meta=meta,
         aux_hidden_states=tensors[AUX_TENSOR],
         last_hidden_state=tensors[LAST_TENSOR],
+        tensors=tensors,
     )
+
+
+def _has_negative(fd: int, mm: mmap.mmap | None, info: stfile.TensorInfo) -> bool:
+    """A float32 scale tensor (small: [T, groups]) holding a value below zero."""
+    if info.dtype != _SCALE_CODE or not info.nbytes:
+        return False
+    import numpy as np
+
+    raw = mm[info.start : info.start + info.nbytes] if mm is not None else None
+    if raw is None:
+        raw = os.pread(fd, info.nbytes, info.start)
+    return bool((np.frombuffer(raw, dtype="<f4") < 0).any())
 
 
 # ---------------------------------------------------------------------------- readiness marker
@@ -634,19 +754,33 @@ class ReadyMarker:
     """hsq's version (hsq.__version__) in the server's environment."""
     pid: int
     created_unix: float
-    format_version: int = FORMAT_VERSION
-    """The dump format the server writes; a worker reads only its own."""
+    format_version: int = 0
+    """The dump format the server writes (0, the default: derived from encoding and
+    prenorm, as for DumpMeta); a worker refuses formats it cannot read."""
+    encoding: str = PLAIN
+    """How the server encodes its dumps: `plain` or `fp8-e4m3` (format 2)."""
+    prenorm: bool = False
+    """Whether every dump holds last_hidden_state_prenorm (format 2)."""
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            version = format_version_for(self.encoding, self.prenorm)
+            object.__setattr__(self, "format_version", version)
 
     def to_json(self) -> str:
         data = asdict(self)
         data["layer_ids"] = list(self.layer_ids)
+        for key, default in _READY_OPTIONAL.items():  # format 1 markers stay format 1
+            if data[key] == default:
+                del data[key]
         return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ReadyMarker:
         """Strict: exact keys, exact types, bounded sizes; HookInactiveError otherwise."""
         raw = _load_bounded(text, READY_MAX_BYTES, READY_FILE, HookInactiveError)
-        obj = _ready_obj(raw, {f.name for f in fields(cls)}, READY_FILE)
+        required = {f.name for f in fields(cls)} - set(_READY_OPTIONAL)
+        obj = _ready_obj(raw, required, READY_FILE, optional=set(_READY_OPTIONAL))
         model = _ready_obj(obj["model"], {f.name for f in fields(ModelIdentity)}, "model")
         layers = obj["layer_ids"]
         if (
@@ -670,21 +804,44 @@ class ReadyMarker:
             pid=_ready_int(obj, "pid"),
             created_unix=_ready_float(obj, "created_unix"),
             format_version=_ready_int(obj, "format_version"),
+            encoding=_ready_str(obj, "encoding") if "encoding" in obj else PLAIN,
+            prenorm=_ready_bool(obj, "prenorm") if "prenorm" in obj else False,
         )
-        if marker.format_version != FORMAT_VERSION:
+        if marker.format_version not in READ_VERSIONS:
             raise HookInactiveError(
-                f"the server writes dump format {marker.format_version}, "
-                f"this hsq reads {FORMAT_VERSION}"
+                f"the server writes dump format {marker.format_version}, this hsq reads "
+                f"{' and '.join(map(str, READ_VERSIONS))}"
+            )
+        if marker.encoding not in ENCODINGS:
+            raise HookInactiveError(f"{READY_FILE}: unknown encoding {marker.encoding!r}")
+        if marker.format_version < format_version_for(marker.encoding, marker.prenorm):
+            raise HookInactiveError(
+                f"{READY_FILE}: format {marker.format_version} cannot describe encoding "
+                f"{marker.encoding!r} with prenorm={marker.prenorm}"
             )
         return marker
 
 
-def _ready_obj(raw: object, keys: set[str], what: str) -> dict[str, object]:
+_READY_OPTIONAL: dict[str, object] = {"encoding": PLAIN, "prenorm": False}
+"""Marker keys of format 2, left out of a format 1 marker (a strict reader of format 1
+refuses keys it does not know)."""
+
+
+def _ready_obj(
+    raw: object, keys: set[str], what: str, optional: set[str] | None = None
+) -> dict[str, object]:
     if not isinstance(raw, dict):
         raise HookInactiveError(f"{READY_FILE}: {what} is not an object")
-    if set(raw) != keys:
+    if set(raw) - (optional or set()) != keys:
         raise HookInactiveError(f"{READY_FILE}: {what} keys {sorted(raw)}, expected {sorted(keys)}")
     return raw
+
+
+def _ready_bool(obj: Mapping[str, object], key: str) -> bool:
+    v = obj[key]
+    if not isinstance(v, bool):
+        raise HookInactiveError(f"{READY_FILE}: {key} must be true or false")
+    return v
 
 
 def _ready_str(obj: Mapping[str, object], key: str) -> str:

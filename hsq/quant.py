@@ -2,7 +2,8 @@
 
 Layout of an fp8 output (docs/outputs.md): `aux_hidden_states` [T, k*H] and
 `last_hidden_state` [T, H] as float8_e4m3fn, plus float32 scales `aux_hidden_states_scale`
-[T, k] (one per token per aux layer) and `last_hidden_state_scale` [T, 1]. A value is
+[T, k] (one per token per aux layer) and `last_hidden_state_scale` [T, 1] (and, in runs that
+store it, `last_hidden_state_prenorm` [T, H] with its `_scale` [T, 1]). A value is
 `q * scale`; scale = absmax / 448 (e4m3fn's largest finite value), so nothing overflows and
 the largest magnitude of every row is stored as exactly +-448. A row of zeros has scale 0
 and reads back as exact zeros.
@@ -29,6 +30,8 @@ META_KEY = "store_dtype"
 FP8_MAX = 448.0
 SCALE_SUFFIX = "_scale"
 AUX, LAST = "aux_hidden_states", "last_hidden_state"
+PRENORM = "last_hidden_state_prenorm"
+"""Optional (runs enqueued with --prenorm): the final layer before the model's final norm."""
 FP8_CODE = "F8_E4M3"
 # Below this scale (absmax < ~1e-28) the 448/absmax factor loses range in float32; such rows
 # are stored faithfully enough but their largest value need not land exactly on 448.
@@ -161,10 +164,12 @@ def layout_problems(
     """Header-level checks of the hidden-state tensors for a file's declared format.
     `groups` is the number of aux layers (None: not known, not checked)."""
     problems = []
-    for name, want_groups in ((AUX, groups), (LAST, 1)):
+    for name, want_groups in ((AUX, groups), (LAST, 1), (PRENORM, 1)):
         info = tensors.get(name)
         if info is None:
-            continue  # the caller reports missing base tensors
+            if name == PRENORM and scale_name(name) in tensors:
+                problems.append(f"{scale_name(name)} without {name}")
+            continue  # the caller reports missing base tensors (PRENORM is optional)
         is_fp8 = info.dtype == FP8_CODE
         if is_fp8 != (store_dtype == FP8):
             problems.append(f"{name} is {info.dtype} in a {store_dtype} file")
@@ -203,10 +208,44 @@ def logical_tensors(
     out = dict(stored)
     if fmt == BF16 or raw:
         return out
-    for name in (AUX, LAST):
+    for name in (AUX, LAST, PRENORM):
         sname = scale_name(name)
+        if name == PRENORM and name not in stored and sname not in stored:
+            continue  # optional: only runs enqueued with --prenorm store it
         if name not in stored or sname not in stored:
             raise OutputError(f"fp8 output lacks {name} or {sname}")
         out[name] = dequantize(stored[name], stored[sname], dtype)
         del out[sname]
     return out
+
+
+def quantize_on_device(
+    x: torch.Tensor, groups: int, chunk_tokens: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` for a server: on x's device (a GPU), without ever waiting for it.
+
+    Bit for bit the same values and scales as `quantize` (the same float32 operations;
+    tests/test_fp8.py compares them), but NaN and Inf are not checked here: checking would
+    synchronize the device with the host in the middle of serving. They travel on instead
+    (a NaN row gets a NaN scale) and the worker's finite check refuses the dump.
+    Temporaries are bounded by `chunk_tokens` tokens of float32.
+    """
+    import torch
+
+    if x.dim() != 2 or groups < 1 or x.shape[1] % groups:
+        raise ValueError(f"cannot split a {list(x.shape)} tensor into {groups} groups per row")
+    t, d = x.shape
+    h = d // groups
+    q = torch.empty((t, d), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((t, groups), dtype=torch.float32, device=x.device)
+    big = torch.finfo(torch.float32).max
+    for lo in range(0, t, chunk_tokens):
+        hi = min(t, lo + chunk_tokens)
+        b = x[lo:hi].reshape(hi - lo, groups, h).to(torch.float32, copy=True)  # never x
+        # amax/amin of the float32 copy: NaN propagates into the scale, as with `quantize`.
+        amax = torch.maximum(b.amax(dim=-1), b.amin(dim=-1).neg_())
+        inv = torch.where(amax > 0, FP8_MAX / amax, 0.0).clamp_(max=big)
+        b.mul_(inv.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+        q[lo:hi].view(hi - lo, groups, h).copy_(b)
+        scale[lo:hi] = amax / FP8_MAX
+    return q, scale

@@ -56,6 +56,13 @@ class RunConfig:
     bf16, which is what they stored."""
     generation: str | None = None
     """Set by the store when the run is created; a purge and re-create changes it."""
+    prenorm: bool = setting(
+        False,
+        help="also store the final layer's state before the model's final norm "
+        "(last_hidden_state_prenorm, what vLLM speculators trains on); every server must "
+        "capture it (serve-reference --prenorm, SGLang SGLANG_HS_PRENORM=1); a run keeps one",
+    )
+    """Runs recorded before the field existed read as False, which is what they stored."""
 
     def validate(self) -> None:
         if self.max_attempts < 1:
@@ -83,7 +90,7 @@ class RunConfig:
 
     def conflicts(self, other: RunConfig) -> list[str]:
         """Settings a second `enqueue` may not change for an existing run."""
-        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype")
+        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype", "prenorm")
         return [
             f"{n}: recorded {getattr(self, n)!r}, given {getattr(other, n)!r}"
             for n in names

@@ -212,7 +212,7 @@ def _recover_outputs(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
+            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype, cfg.prenorm)
             if manifest is None:
                 if why != "missing":
                     report.rejected_files[sid] = why

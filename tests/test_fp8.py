@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hsq import quant, stfile
 from hsq.dataset import Sample
-from hsq.errors import ConfigError, NonFiniteDumpError
+from hsq.errors import ConfigError, MetaMismatchError, NonFiniteDumpError
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
@@ -369,3 +369,91 @@ def test_open_output_dequantizes_fp8_and_hands_back_raw_when_asked(tmp_path: Pat
     assert raw.aux_hidden_states.dtype == torch.float8_e4m3fn
     assert sorted(raw.scales) == [AUX_TENSOR + "_scale", LAST_TENSOR + "_scale"]
     assert list(raw.scales[AUX_TENSOR + "_scale"].shape) == [9, 3]
+
+
+# ------------------------------------------------------------------------ fp8 made by a server
+
+
+def test_device_quantizer_is_bit_identical_to_the_workers() -> None:
+    """quantize_on_device (the servers') and quantize (the worker's) make the same bytes,
+    so outputs of one run are the same whoever quantized them; chunking changes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(700, 3 * H, generator=gen) * torch.rand(700, 1, generator=gen) * 80).to(
+        torch.bfloat16
+    )
+    x[4] = 0
+    x[9, H : 2 * H] = 0
+    x[11, 2] = 1e-30
+    q, s = quant.quantize(x, 3)
+    for chunk in (64, 1024):
+        q2, s2 = quant.quantize_on_device(x, 3, chunk_tokens=chunk)
+        assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+        assert q2.device == x.device and quant.quantized_problems(q2, s2) == []
+    y = x.float()
+    y[5, 7] = float("nan")  # no exception (that would sync a GPU): it travels as NaN
+    y0 = y.clone()
+    _q, s3 = quant.quantize_on_device(y, 3)
+    assert bool(s3[5].isnan().any())
+    assert torch.equal(y.nan_to_num(), y0.nan_to_num())  # the input is never scaled in place
+
+
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_fp8_dump_is_copied_not_requantized(tmp_path: Path, prenorm: bool) -> None:
+    """write_output of a server-quantized dump: the stored tensors are the dump's bytes,
+    laid out exactly as the worker's own quantization lays them out, and verify --deep's
+    checks pass."""
+    from hsq.protocol import PRENORM_TENSOR, scale_name, state_tensors
+
+    n = 9
+    ids = list(range(100, 100 + n))
+    src = states(n)
+    src[PRENORM_TENSOR] = (src[LAST_TENSOR].float() * 7).to(torch.bfloat16)
+    coded: dict[str, torch.Tensor] = {}
+    for name, groups in state_tensors(3, prenorm):
+        coded[name], coded[scale_name(name)] = quant.quantize_on_device(src[name], groups)
+    meta = DumpMeta(
+        "r",
+        n,
+        fingerprint(ids),
+        LAYERS,
+        H,
+        "bfloat16",
+        IDENT,
+        expected_shapes(n, 3, H, encoding=quant.FP8, prenorm=prenorm),
+        0,
+        encoding=quant.FP8,
+        prenorm=prenorm,
+    )
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    dump = open_dump_tensors(write_dump(dumps, 0, meta, coded), meta)
+    out = tmp_path / "server.safetensors"
+    try:
+        nbytes, crc = write_output(
+            out, Sample("s1", ids, None), meta, dump, "run", quant.FP8, prenorm=prenorm
+        )
+        with pytest.raises(MetaMismatchError):  # never a bf16 file from an fp8 dump
+            write_output(tmp_path / "x.safetensors", Sample("s1", ids, None), meta, dump, "run")
+    finally:
+        dump.close()
+    # The worker quantizing the same states itself writes the same file.
+    plain_meta = DumpMeta(
+        "r", n, fingerprint(ids), LAYERS, H, "bfloat16", IDENT,
+        expected_shapes(n, 3, H, prenorm=prenorm), 0, prenorm=prenorm,
+    )  # fmt: skip
+    plain = {name: src[name] for name, _ in state_tensors(3, prenorm)}
+    pdump = open_dump_tensors(write_dump(dumps, 1, plain_meta, plain), plain_meta)
+    own = tmp_path / "worker.safetensors"
+    try:
+        write_output(
+            own, Sample("s1", ids, None), plain_meta, pdump, "run", quant.FP8, prenorm=prenorm
+        )
+    finally:
+        pdump.close()
+    assert out.read_bytes() == own.read_bytes()
+    entry = ManifestEntry(out.name, n, nbytes, crc, "w", 0.0, 1, quant.FP8)
+    assert check_output(out, "s1", entry, deep=True, store_dtype=quant.FP8, prenorm=prenorm) == []
+    if not prenorm:
+        assert check_output(out, "s1", entry, store_dtype=quant.FP8, prenorm=True) == [
+            "last_hidden_state_prenorm shape None does not start with 9"
+        ]

@@ -237,3 +237,157 @@ def test_reader_racing_writer_never_sees_half_a_dump(dump_dir: Path) -> None:
         th.join()
     assert failures == []
     assert len(seen) > 10
+
+
+# ---------------------------------------------------------------------------- format 2
+
+
+def make_v2(
+    dump_dir: Path, ids: list[int], rid: str, *, encoding: str, prenorm: bool, **over: object
+) -> Path:
+    """A format 2 dump as the servers write it (fp8: hsq.quant.quantize_on_device)."""
+    from hsq import quant
+    from hsq.protocol import FP8, PRENORM_TENSOR, scale_name, state_tensors
+
+    n = len(ids)
+    gen = torch.Generator().manual_seed(n)
+    states = {
+        AUX_TENSOR: torch.randn(n, len(LAYERS) * 16, generator=gen).to(torch.bfloat16),
+        LAST_TENSOR: torch.randn(n, 16, generator=gen).to(torch.bfloat16),
+        PRENORM_TENSOR: (torch.randn(n, 16, generator=gen) * 30).to(torch.bfloat16),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    for name, groups in state_tensors(len(LAYERS), prenorm):
+        if encoding == FP8:
+            tensors[name], tensors[scale_name(name)] = quant.quantize_on_device(
+                states[name], groups
+            )
+        else:
+            tensors[name] = states[name]
+    meta = DumpMeta(
+        **{  # type: ignore[arg-type]
+            "rid": rid,
+            "num_tokens": n,
+            "input_fingerprint": fingerprint(ids),
+            "layer_ids": LAYERS,
+            "hidden_size": 16,
+            "dtype": "bfloat16",
+            "model": IDENT,
+            "tensors": expected_shapes(n, 3, 16, encoding=encoding, prenorm=prenorm),
+            "request_index": 0,
+            "encoding": encoding,
+            "prenorm": prenorm,
+            **over,
+        }
+    )
+    return write_dump(dump_dir, len(list(dump_dir.iterdir())), meta, tensors)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "prenorm"), [("fp8-e4m3", False), ("fp8-e4m3", True), ("plain", True)]
+)
+def test_format_2_round_trip(dump_dir: Path, encoding: str, prenorm: bool) -> None:
+    path = make_v2(dump_dir, IDS, "v2", encoding=encoding, prenorm=prenorm)
+    raw = json.loads((path / META_FILE).read_text())
+    assert raw["format_version"] == 2
+    exp = expected_for(IDS, "v2", store_dtype="fp8-e4m3", prenorm=prenorm)
+    dump = read_dump(path, exp)
+    assert dump.meta.encoding == encoding and dump.meta.prenorm == prenorm
+    assert ("last_hidden_state_prenorm" in dump.tensors) == prenorm
+    if encoding == "fp8-e4m3":
+        assert dump.aux_hidden_states.dtype == torch.float8_e4m3fn
+        assert dump.tensors["aux_hidden_states_scale"].shape == (len(IDS), 3)
+
+
+def test_plain_dumps_keep_format_1_byte_for_byte(dump_dir: Path) -> None:
+    """What a worker that reads format 1 only would refuse is never in a plain dump."""
+    raw = json.loads((make(dump_dir, 0, IDS, "v1") / META_FILE).read_text())
+    assert raw["format_version"] == 1 and "encoding" not in raw and "prenorm" not in raw
+
+
+def test_fp8_dump_is_refused_for_a_bf16_run(dump_dir: Path) -> None:
+    path = make_v2(dump_dir, IDS, "f", encoding="fp8-e4m3", prenorm=False)
+    with pytest.raises(errors.MetaMismatchError, match="--store-dtype fp8-e4m3"):
+        read_dump(path, expected_for(IDS, "f", store_dtype="bf16"))
+
+
+def test_dump_without_prenorm_is_refused_for_a_prenorm_run(dump_dir: Path) -> None:
+    path = make(dump_dir, 0, IDS, "p")
+    with pytest.raises(errors.MetaMismatchError, match="--prenorm"):
+        read_dump(path, expected_for(IDS, "p", prenorm=True))
+    # The other way round is fine: a run without prenorm leaves the extra tensor out.
+    extra = make_v2(dump_dir, IDS, "q", encoding="plain", prenorm=True)
+    read_dump(extra, expected_for(IDS, "q", prenorm=False))
+
+
+@pytest.mark.parametrize(
+    ("over", "error", "says"),
+    [
+        ({"encoding": "fp4"}, errors.CorruptDumpError, "unknown encoding"),
+        ({"format_version": 1}, errors.CorruptDumpError, "format 2"),
+        ({"format_version": 3}, errors.CorruptDumpError, "reads 1 and 2"),
+        ({"prenorm": "yes"}, errors.CorruptDumpError, "wrong type"),
+    ],
+)
+def test_bad_format_2_meta(
+    dump_dir: Path, over: dict[str, object], error: type[Exception], says: str
+) -> None:
+    path = make_v2(dump_dir, IDS, "b", encoding="fp8-e4m3", prenorm=True)
+    raw = json.loads((path / META_FILE).read_text())
+    (path / META_FILE).write_text(json.dumps({**raw, **over}))
+    with pytest.raises(error, match=says):
+        read_dump(path, expected_for(IDS, "b"))
+
+
+def test_fp8_dump_with_a_nan_or_negative_scale_is_refused(dump_dir: Path) -> None:
+    from hsq import stfile
+
+    for bad, error in ((float("nan"), errors.NonFiniteDumpError), (-1.0, errors.CorruptDumpError)):
+        path = make_v2(dump_dir, IDS, f"s{bad}", encoding="fp8-e4m3", prenorm=False)
+        with open(path / TENSOR_FILE, "r+b") as f:
+            info = stfile.read_header(f.fileno()).tensors["last_hidden_state_scale"]
+            f.seek(info.start)
+            f.write(torch.tensor([bad], dtype=torch.float32).numpy().tobytes())
+        with pytest.raises(error):
+            read_dump(path, expected_for(IDS, f"s{bad}"))
+
+
+def test_fp8_dump_with_bf16_values_is_refused(dump_dir: Path) -> None:
+    """meta says fp8-e4m3, the file holds the states in bf16: corrupt, never copied."""
+    from hsq.protocol import scale_name
+
+    path = make(
+        dump_dir,
+        0,
+        IDS,
+        "x",
+        encoding="fp8-e4m3",
+        tensors={
+            **expected_shapes(len(IDS), 3, 16),
+            scale_name(AUX_TENSOR): [len(IDS), 3],
+            scale_name(LAST_TENSOR): [len(IDS), 1],
+        },
+    )
+    with pytest.raises(errors.CorruptDumpError):
+        read_dump(path, expected_for(IDS, "x"))
+
+
+def test_ready_marker_formats() -> None:
+    from hsq.protocol import ReadyMarker
+
+    plain = ReadyMarker((2, 4, 5), IDENT, "hsq-reference", "1", "1", 7, 1.0)
+    raw = json.loads(plain.to_json())
+    assert raw["format_version"] == 1 and "encoding" not in raw and "prenorm" not in raw
+    assert ReadyMarker.from_json(plain.to_json()) == plain
+    v2 = ReadyMarker(
+        (2, 4, 5), IDENT, "sglang", "1", "1", 7, 1.0, encoding="fp8-e4m3", prenorm=True
+    )
+    assert ReadyMarker.from_json(v2.to_json()) == v2 and v2.format_version == 2
+    with pytest.raises(errors.HookInactiveError, match="unknown encoding"):
+        ReadyMarker.from_json(json.dumps({**json.loads(v2.to_json()), "encoding": "fp4"}))
+    with pytest.raises(errors.HookInactiveError, match="cannot describe"):
+        ReadyMarker.from_json(json.dumps({**json.loads(v2.to_json()), "format_version": 1}))
+    with pytest.raises(errors.HookInactiveError, match="reads 1 and 2"):
+        ReadyMarker.from_json(json.dumps({**raw, "format_version": 3}))
+    with pytest.raises(errors.HookInactiveError, match="true or false"):
+        ReadyMarker.from_json(json.dumps({**json.loads(v2.to_json()), "prenorm": 1}))

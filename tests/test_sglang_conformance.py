@@ -184,3 +184,64 @@ def test_start_up_errors_stop_the_server(version: str, source: SourceReader) -> 
         assert caught and set(caught) == {"Exception"}
     caught, body = _handlers(source, Symbol(compat.RUN_BATCH.module, "run_scheduler_process"))
     assert "Exception" in caught and "SIGQUIT" in body
+
+
+# The SGLANG_HS_PRENORM tap (plugin._tap_prenorm): a forward hook on the inner model's
+# `norm` module. Per model file, the class whose forward applies the final norm; a class
+# without its own forward inherits it from the next candidate (Qwen3 from Qwen2, ...).
+_FINAL_NORM_MODELS: dict[str, list[tuple[str, str]]] = {
+    "llama": [("sglang.srt.models.llama", "LlamaModel")],
+    "qwen2": [("sglang.srt.models.qwen2", "Qwen2Model")],
+    "qwen3": [("sglang.srt.models.qwen3", "Qwen3Model"), ("sglang.srt.models.qwen2", "Qwen2Model")],
+    "qwen3_moe": [
+        ("sglang.srt.models.qwen3_moe", "Qwen3MoeModel"),
+        ("sglang.srt.models.qwen2_moe", "Qwen2MoeModel"),
+    ],
+    "deepseek_v2": [("sglang.srt.models.deepseek_v2", "DeepseekV2Model")],
+}
+
+
+def _method(read: SourceReader, module: str, cls: str, name: str) -> str | None:
+    mod = SourceTree(read).module(Symbol(module, f"{cls}.{name}"))
+    assert mod is not None, module
+    for node in ast.walk(mod[0]):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return ast.unparse(item)
+    return None
+
+
+@pytest.mark.parametrize("model", sorted(_FINAL_NORM_MODELS))
+def test_final_norm_is_the_inner_models_norm_module(source: SourceReader, model: str) -> None:
+    """Each family in layers.PRENORM_FAMILIES applies its final norm by calling the module
+    `self.norm` (directly, or through 0.5.2x's residual_batch.final_norm), so a forward
+    hook on model.norm sees every prefill's pre-norm state."""
+    forward = next(
+        (
+            body
+            for module, cls in _FINAL_NORM_MODELS[model]
+            if (body := _method(source, module, cls, "forward")) is not None
+        ),
+        None,
+    )
+    assert forward is not None, model
+    direct = "self.norm(hidden_states, residual)" in forward
+    routed = "final_norm(hidden_states, forward_batch, self.norm" in forward
+    assert direct or routed, model
+    inits = [_method(source, m, c, "__init__") or "" for m, c in _FINAL_NORM_MODELS[model]]
+    assert any("self.norm = RMSNorm(" in body for body in inits), model
+
+
+def test_rmsnorm_with_a_residual_returns_the_sum_it_normalized(source: SourceReader) -> None:
+    """What the tap reads: called with a residual, RMSNorm returns (normed, hidden +
+    residual); the CUDA path adds in place (fused_add_rmsnorm), so only the returned
+    residual still holds the pre-norm state."""
+    native = _method(source, "sglang.srt.layers.layernorm", "RMSNorm", "forward_native")
+    cuda = _method(source, "sglang.srt.layers.layernorm", "RMSNorm", "forward_cuda")
+    assert native is not None and cuda is not None
+    assert "x = x + residual.to(torch.float32)" in native and "return (x, residual)" in native
+    assert "fused_add_rmsnorm(x, residual" in cuda
+    routed = source("sglang/srt/layers/layer_boundary/residual/access.py")
+    if routed is not None:  # 0.5.2x: residual_batch.final_norm -> access.final_norm_pair
+        assert "norm(hidden_states, residual, **read_kwargs)" in routed

@@ -24,8 +24,12 @@ from typing import Any
 import pytest
 import torch
 
+from hsq import quant
 from hsq.errors import ConfigError
 from hsq.protocol import (
+    AUX_TENSOR,
+    LAST_TENSOR,
+    PRENORM_TENSOR,
     READY_FILE,
     Dump,
     Expected,
@@ -78,6 +82,7 @@ class States:
     ids: list[int]
     aux: torch.Tensor  # [T, k*H]
     last: torch.Tensor  # [T, H]
+    pre: torch.Tensor  # [T, H], the final norm's input
 
 
 def states_for(n: int, seed: int) -> States:
@@ -85,7 +90,8 @@ def states_for(n: int, seed: int) -> States:
     ids = torch.randint(0, 32000, (n,), generator=g).tolist()
     aux = torch.randn(n, len(LAYERS) * H, generator=g).to(torch.bfloat16)
     last = torch.randn(n, H, generator=g).to(torch.bfloat16)
-    return States(ids, aux, last)
+    pre = (torch.randn(n, H, generator=g) * 20).to(torch.bfloat16)
+    return States(ids, aux, last, pre)
 
 
 @dataclass
@@ -116,7 +122,7 @@ class Server:
         plan = self.hook.plan(reqs, [p for _, p, _ in batch], [e for _, _, e in batch])
         if plan is None:
             return False
-        ids, aux, last = [], [], []
+        ids, aux, last, pre = [], [], [], []
         for r, p, e in batch:
             s = self.states.get(r.rid) or states_for(len(r.origin_input_ids), seed=99)
             # Rows past the prompt (a decode row of a mixed batch) are not prompt states.
@@ -128,16 +134,23 @@ class Server:
                 )
             )
             last.append(torch.cat([s.last[p : p + e], torch.ones(tail, H, dtype=torch.bfloat16)]))
+            pre.append(torch.cat([s.pre[p : p + e], torch.ones(tail, H, dtype=torch.bfloat16)]))
         input_ids = torch.cat([*ids, torch.zeros(pad, dtype=torch.int64)])
         hidden = torch.cat([*last, torch.zeros(pad, H, dtype=torch.bfloat16)])
+        prenorm = torch.cat([*pre, torch.zeros(pad, H, dtype=torch.bfloat16)])
         packed_aux = torch.cat([*aux, torch.zeros(pad, len(LAYERS) * H, dtype=torch.bfloat16)])
         # Llama passes a list of k [T, H] tensors (cloned by SGLang), DeepSeek one packed.
         per_layer = [packed_aux[:, j * H : (j + 1) * H].clone() for j in range(len(LAYERS))]
         aux_arg: Any = packed_aux if packed else per_layer
+        if self.hook.cfg.prenorm:
+            return self.hook.capture(plan, input_ids, hidden, aux_arg, prenorm)
         return self.hook.capture(plan, input_ids, hidden, aux_arg)
 
     def dumps(self) -> dict[str, Dump]:
+        """Every dump, read back as the worker reads it, each compared with the states
+        its request computed (fp8: with hsq.quant.quantize of them, bit for bit)."""
         self.hook.flush()
+        cfg = self.hook.cfg
         out: dict[str, Dump] = {}
         for path in scan(self.dump_dir).complete:
             rid = path.joinpath("meta.json").read_text().split('"rid": "')[1].split('"')[0]
@@ -146,14 +159,26 @@ class Server:
                 rid=rid,
                 input_fingerprint=fingerprint(s.ids),
                 num_tokens=len(s.ids),
-                layer_ids=LAYERS,
+                layer_ids=self.hook.ctx.layer_ids,
                 hidden_size=H,
                 dtype="bfloat16",
-                model_id=IDENT.model_id,
+                model_id=self.hook.ctx.model.model_id,
+                store_dtype="fp8-e4m3" if cfg.encoding == "fp8-e4m3" else "bf16",
+                prenorm=cfg.prenorm,
             )
             dump = read_dump(path, exp)
-            assert torch.equal(dump.aux_hidden_states, s.aux)
-            assert torch.equal(dump.last_hidden_state, s.last)
+            assert dump.meta.encoding == cfg.encoding and dump.meta.prenorm == cfg.prenorm
+            want = {AUX_TENSOR: (s.aux, 3), LAST_TENSOR: (s.last, 1)}
+            if cfg.prenorm:
+                want[PRENORM_TENSOR] = (s.pre, 1)
+            for name, (x, groups) in want.items():
+                got = dump.tensors[name]
+                if cfg.encoding == "fp8-e4m3":
+                    q, scale = quant.quantize(x, groups)
+                    assert torch.equal(got.view(torch.uint8), q.view(torch.uint8)), name
+                    assert torch.equal(dump.tensors[name + "_scale"], scale), name
+                else:
+                    assert torch.equal(got, x), name
             out[rid] = dump
         return out
 
@@ -312,10 +337,18 @@ def test_rows_that_do_not_fit_the_plan_are_not_captured(server: Server) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_copies_are_pinned_async_and_exact(server: Server) -> None:
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"device_staging": True}, {"encoding": "fp8-e4m3", "prenorm": True}],
+    ids=["plain", "device-staging", "fp8-prenorm"],
+)
+def test_cuda_copies_are_pinned_async_and_exact(tmp_path: Path, cfg: dict[str, Any]) -> None:
     """The GPU path: side-stream copies into pinned memory, then the states are
     overwritten in place on the compute stream (as a reused CUDA-graph buffer would be);
-    the dump must still hold the values at capture time."""
+    the dump must still hold the values at capture time, whether the next forward waited
+    for the host copy (plain) or the copy reads the hook's own device tensors (staged
+    clones, fp8 values)."""
+    server = make_server(tmp_path, **cfg)
     a, b = server.add("hsq-a", 300), server.add("hsq-b", 1000)
     plan = server.hook.plan([a, b], [0, 0], [300, 1000])
     assert plan is not None
@@ -323,14 +356,18 @@ def test_cuda_copies_are_pinned_async_and_exact(server: Server) -> None:
     ids = torch.tensor(s_a.ids + s_b.ids, device="cuda")
     hidden = torch.cat([s_a.last, s_b.last]).cuda()
     aux = [torch.cat([s_a.aux, s_b.aux])[:, j * H : (j + 1) * H].cuda() for j in range(3)]
+    pre = torch.cat([s_a.pre, s_b.pre]).cuda()
     torch.cuda.synchronize()
-    assert server.hook.capture(plan, ids, hidden, aux)
-    hidden.fill_(float("nan"))
-    for t in aux:
-        t.fill_(float("nan"))
-    assert sorted(server.dumps()) == ["hsq-a", "hsq-b"]
-    host, ready = HostCopier().copy([hidden])
-    assert host[0].is_pinned() and ready is not None
+    try:
+        assert server.hook.capture(plan, ids, hidden, aux, pre if server.hook.cfg.prenorm else None)
+        for t in (hidden, pre, *aux):
+            t.fill_(float("nan"))
+        ids.fill_(0)
+        assert sorted(server.dumps()) == ["hsq-a", "hsq-b"]
+        host, ready = HostCopier().copy([hidden])
+        assert host[0].is_pinned() and ready is not None
+    finally:
+        server.hook.close()
 
 
 # ---------------------------------------------------------------------------- writer
@@ -355,7 +392,9 @@ def test_full_queue_blocks_the_scheduler(tmp_path: Path) -> None:
     from hsq.sglang_server.sglang_hook.accumulator import Chunk
 
     s = srv.states["hsq-a"]
-    chunk = Chunk(plan.entries[0], torch.tensor(s.ids), s.last, [s.aux])
+    chunk = Chunk(
+        plan.entries[0], torch.tensor(s.ids), {AUX_TENSOR: [s.aux], LAST_TENSOR: [s.last]}
+    )
     gate = Gate()
     sink.submit([chunk], gate)  # taken by the writer, which waits on the gate
     sink.submit([chunk], None)  # queued: the queue is now full

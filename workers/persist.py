@@ -189,7 +189,8 @@ class PersistStage:
             self.metrics.observe("validate", t1 - t0)
             rel = output_relpath(sid)
             out = item.view.out_root / rel
-            store_dtype = item.view.cfg.store_dtype
+            cfg = item.view.cfg
+            store_dtype = cfg.store_dtype
             try:
                 nbytes, checksum = write_output(
                     out,
@@ -198,6 +199,7 @@ class PersistStage:
                     tensors,
                     self.run,
                     store_dtype,
+                    prenorm=cfg.prenorm,
                     stats=stats,
                     before_rename=before_rename,
                 )

@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 
 from hsq.errors import HookInactiveError
-from hsq.protocol import READY_FILE, ReadyMarker, read_ready
+from hsq.protocol import FP8, READY_FILE, ReadyMarker, read_ready
 from hsq.runconfig import RunConfig
 
 log = structlog.get_logger("hsq.readiness")
@@ -31,8 +31,21 @@ def check_marker(
     *,
     layer_ids: Sequence[int] | None = None,
     model_id: str | None = None,
+    store_dtype: str | None = None,
+    prenorm: bool = False,
 ) -> None:
-    """HookInactiveError when the marker contradicts what the run pins."""
+    """HookInactiveError when the marker contradicts what the run pins or stores."""
+    if marker.encoding == FP8 and store_dtype not in (None, FP8):
+        raise HookInactiveError(
+            f"the server writes dumps quantized to {FP8} and the run stores {store_dtype}: "
+            f"enqueue the run with --store-dtype {FP8}, or restart the server without "
+            "--dump-encoding fp8-e4m3 (SGLang: SGLANG_HS_DUMP_ENCODING)"
+        )
+    if prenorm and not marker.prenorm:
+        raise HookInactiveError(
+            "the run stores the pre-norm final state (hsq enqueue --prenorm) and the server "
+            "does not capture it: restart it with --prenorm (SGLang: SGLANG_HS_PRENORM=1)"
+        )
     if layer_ids is not None and list(marker.layer_ids) != list(layer_ids):
         raise HookInactiveError(
             f"the server captures layers {list(marker.layer_ids)}, the run pins "
@@ -51,6 +64,8 @@ def await_hook(
     *,
     layer_ids: Sequence[int] | None = None,
     model_id: str | None = None,
+    store_dtype: str | None = None,
+    prenorm: bool = False,
     timeout_s: float = DEFAULT_WAIT_S,
     stop: threading.Event | None = None,
     poll_s: float = 0.5,
@@ -67,7 +82,13 @@ def await_hook(
     while True:
         marker = read_ready(dump_dir)
         if marker is not None:
-            check_marker(marker, layer_ids=layer_ids, model_id=model_id)
+            check_marker(
+                marker,
+                layer_ids=layer_ids,
+                model_id=model_id,
+                store_dtype=store_dtype,
+                prenorm=prenorm,
+            )
             log.info(
                 "hook_ready",
                 server=marker.server,
@@ -75,6 +96,8 @@ def await_hook(
                 hook_version=marker.hook_version,
                 model_id=marker.model.model_id,
                 layer_ids=list(marker.layer_ids),
+                encoding=marker.encoding,
+                prenorm=marker.prenorm,
             )
             return marker
         if healthy():
@@ -106,4 +129,12 @@ def require_hook(
     dump_dir: Path, healthy: Callable[[], bool], cfg: RunConfig, stop: threading.Event
 ) -> ReadyMarker | None:
     """The worker's start-up call: await_hook against the layers and model the run pins."""
-    return await_hook(dump_dir, healthy, layer_ids=cfg.layer_ids, model_id=cfg.model_id, stop=stop)
+    return await_hook(
+        dump_dir,
+        healthy,
+        layer_ids=cfg.layer_ids,
+        model_id=cfg.model_id,
+        store_dtype=cfg.store_dtype,
+        prenorm=cfg.prenorm,
+        stop=stop,
+    )

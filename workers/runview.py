@@ -62,6 +62,8 @@ class RunView:
             hidden_size=p["hidden_size"],
             dtype=p["dump_dtype"],
             model_id=p["model_id"],
+            store_dtype=self.cfg.store_dtype,
+            prenorm=self.cfg.prenorm,
         )
 
     def confirm(self, meta: DumpMeta, store: Pinner) -> None:

@@ -28,7 +28,15 @@ EXIT_PROBLEMS = 1
 EXIT_USAGE = 2
 EXIT_REDIS = 3
 
-_RUN_SETTINGS = ("max_attempts", "chunk_size", "layer_ids", "model_id", "max_tokens", "store_dtype")
+_RUN_SETTINGS = (
+    "max_attempts",
+    "chunk_size",
+    "layer_ids",
+    "model_id",
+    "max_tokens",
+    "store_dtype",
+    "prenorm",
+)
 """RunConfig fields `hsq enqueue` takes as options (the rest: arguments or recorded later)."""
 
 
@@ -292,10 +300,11 @@ def enqueue(
 
     store = RunStore(connect(redis_url), run)
     settings = {name: kw[name] for name in _RUN_SETTINGS}
-    if not _given("store_dtype"):  # a second enqueue need not repeat it; a different one is refused
-        existing = store.load_config()
-        if existing is not None:
-            settings["store_dtype"] = existing.store_dtype
+    existing = store.load_config()
+    for name in ("store_dtype", "prenorm"):
+        # A second enqueue need not repeat what the run stores; a different value is refused.
+        if not _given(name) and existing is not None:
+            settings[name] = getattr(existing, name)
     cfg = RunConfig(run=run, dataset=str(dataset.resolve()), out=str(out.resolve()), **settings)
     try:
         report = enqueue_run(store, cfg, strict=strict, progress=not no_progress, rejected=rejected)
@@ -321,7 +330,7 @@ def enqueue(
     "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
-@settings_options(RunConfig, only=("chunk_size", "store_dtype"))
+@settings_options(RunConfig, only=("chunk_size", "store_dtype", "prenorm"))
 @click.option("--no-progress", is_flag=True)
 def recover(
     dataset: Path | None,
@@ -330,6 +339,7 @@ def recover(
     redis_url: str,
     chunk_size: int,
     store_dtype: str,
+    prenorm: bool,
     no_progress: bool,
 ) -> None:
     """Rebuild a run's Redis state from its output files (after a Redis loss).
@@ -359,17 +369,20 @@ def recover(
     elif dataset is None or out is None:
         raise ConfigError(f"run {run!r} is not in Redis: give DATASET and --out to recover it")
     else:
-        from hsq.adopt import detect_store_dtype
+        from hsq.adopt import detect_prenorm, detect_store_dtype
 
         root = out.resolve()
         if not _given("store_dtype"):  # the files say what the run stored
             store_dtype = detect_store_dtype(root / run) or store_dtype
+        if not _given("prenorm"):
+            prenorm = bool(detect_prenorm(root / run))
         cfg = RunConfig(
             run=run,
             dataset=str(dataset.resolve()),
             out=str(root),
             chunk_size=chunk_size,
             store_dtype=store_dtype,
+            prenorm=prenorm,
         )
     report = recover_run(store, cfg, progress=not no_progress)
     for line in report.lines_out() + report.recover_lines():
@@ -754,6 +767,17 @@ def exporter(redis_url: str, port: int, host: str) -> None:
     default=None,
     help="[default: the installed one] decides plugin (>= 0.5.11) or launcher",
 )
+@click.option(
+    "--dump-encoding",
+    type=click.Choice(["plain", "fp8-e4m3"]),
+    default="plain",
+    show_default=True,
+    help="fp8-e4m3: the GPU quantizes the states as fp8 outputs store them (for runs "
+    "enqueued with --store-dtype fp8-e4m3)",
+)
+@click.option(
+    "--prenorm", is_flag=True, help="also dump the final norm's input (runs with --prenorm)"
+)
 @click.option("--print-only", is_flag=True, help="print the command, start nothing")
 @click.option("--start-timeout", default=1800.0, show_default=True, type=float)
 @click.pass_context
@@ -766,6 +790,8 @@ def launch_sglang(
     port: int,
     tp_size: int,
     sglang_version: str | None,
+    dump_encoding: str,
+    prenorm: bool,
     print_only: bool,
     start_timeout: float,
 ) -> None:
@@ -794,6 +820,8 @@ def launch_sglang(
             port=port,
             tp_size=tp_size,
             sglang_version=sglang_version,
+            encoding=dump_encoding,
+            prenorm=prenorm,
             extra=list(ctx.args),
             print_only=print_only,
             start_timeout=start_timeout,

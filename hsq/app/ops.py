@@ -311,6 +311,7 @@ def verify(
     known: set[str] = set()
     cfg = store.load_config()
     run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
+    prenorm = cfg.prenorm if cfg is not None else False
     for sid, raw in store.iter_done():
         res.checked += 1
         if on_progress is not None:
@@ -321,7 +322,9 @@ def verify(
             res.refused[sid] = str(exc)  # never acted on: an operator looks at it
             continue
         known.add(entry.path)
-        problems = check_output(out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype)
+        problems = check_output(
+            out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype, prenorm=prenorm
+        )
         if problems == ["missing"]:
             res.missing.append(sid)
             res.entries[sid] = entry

@@ -27,11 +27,18 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError
-from hsq.protocol import DTYPES, ReadyMarker, write_ready
+from hsq.protocol import (
+    DTYPES,
+    FP8,
+    SCALE_SUFFIX,
+    ReadyMarker,
+    expected_shapes,
+    write_ready,
+)
 from hsq.sglang_server.reference.dumper import DumpWriter
 from hsq.sglang_server.reference.engine import Engine, InjectedServerError, RequestError
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
-from hsq.sglang_server.reference.model import load_model
+from hsq.sglang_server.reference.model import HiddenStateModel, load_model
 from hsq.sglang_server.reference.settings import ReferenceSettings
 
 log = structlog.get_logger("hsq.reference.app")
@@ -180,6 +187,8 @@ class ReferenceApp:
                 "layer_ids": m.layer_ids,
                 "hidden_size": m.hidden_size,
                 "dump_dtype": str(m.dump_dtype).removeprefix("torch."),
+                "dump_encoding": self.engine.encoding,
+                "prenorm": m.prenorm,
                 "vocab_size": m.vocab_size,
             },
         }
@@ -218,8 +227,9 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         dump_dtype=DTYPES[settings.dump_dtype],
         layers=list(settings.layers) if settings.layers else None,
         seed=settings.seed,
+        prenorm=settings.prenorm,
     )
-    per_token = (len(model.layer_ids) + 1) * model.hidden_size * model.dump_dtype.itemsize
+    per_token = dump_bytes_per_token(model, settings.dump_encoding)
     # One host buffer holds a whole batch (one device-to-host copy per forward); a single
     # request may exceed --max-batch-tokens (it then runs alone).
     batch_requests = settings.max_batch_requests or (8 if model.device.type == "cuda" else 1)
@@ -231,7 +241,8 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         depth=settings.writer_depth,
         fsync=settings.fsync,
         device=model.device,
-        max_bytes=batch_tokens * per_token + 256,
+        max_bytes=batch_tokens * per_token + 1024,  # + each tensor's 64-byte alignment
+        threads=settings.writer_threads,
     )
     faults = FaultPlan([FaultRule.parse(f) for f in settings.faults], seed=settings.seed)
     return Engine(
@@ -242,7 +253,22 @@ def build_engine(settings: ReferenceSettings) -> Engine:
         counter_start=settings.counter_start,
         max_batch_requests=batch_requests,
         max_batch_tokens=settings.max_batch_tokens,
+        encoding=settings.dump_encoding,
     )
+
+
+def dump_bytes_per_token(
+    model: HiddenStateModel, encoding: str, *, prenorm: bool | None = None
+) -> int:
+    """Host bytes one token's dump tensors take (the pinned ring is sized from it);
+    `prenorm` None: as the model captures."""
+    pre = model.prenorm if prenorm is None else prenorm
+    shapes = expected_shapes(
+        1, len(model.layer_ids), model.hidden_size, encoding=encoding, prenorm=pre
+    )
+    if encoding == FP8:  # one byte a value, float32 scales
+        return sum(s[1] * (4 if n.endswith(SCALE_SUFFIX) else 1) for n, s in shapes.items())
+    return sum(s[1] for s in shapes.values()) * model.dump_dtype.itemsize
 
 
 def ready_marker(engine: Engine) -> ReadyMarker:
@@ -257,6 +283,8 @@ def ready_marker(engine: Engine) -> ReadyMarker:
         hook_version=hsq.__version__,
         pid=os.getpid(),
         created_unix=time.time(),
+        encoding=engine.encoding,
+        prenorm=m.prenorm,
     )
 
 

@@ -23,17 +23,23 @@ import torch
 from hsq.protocol import (
     AUX_TENSOR,
     DUMP_PREFIX,
+    FP8,
     LAST_TENSOR,
+    PLAIN,
+    PRENORM_TENSOR,
     TENSOR_FILE,
     TMP_SUFFIX,
     DumpMeta,
     dtype_name,
     expected_shapes,
     fingerprint,
+    scale_name,
+    state_tensors,
 )
+from hsq.quant import quantize_on_device
 from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
-from hsq.sglang_server.reference.model import HiddenStateModel, batch_shapes
+from hsq.sglang_server.reference.model import Captured, HiddenStateModel, batch_shapes
 
 log = structlog.get_logger("hsq.reference.engine")
 CRASH_EXIT_CODE = 70
@@ -101,10 +107,12 @@ class Engine:
         counter_start: int = 0,
         max_batch_requests: int = 1,
         max_batch_tokens: int = 0,
+        encoding: str = PLAIN,
     ) -> None:
         self.model = model
         self.writer = writer
         self.faults = faults
+        self.encoding = encoding
         self.max_tokens = max_tokens
         self.max_batch_requests = max(1, max_batch_requests)
         self.max_batch_tokens = max_batch_tokens or max_tokens
@@ -200,7 +208,7 @@ class Engine:
                     self._crash(self._counter)
             t0 = time.perf_counter()
             captured = self.model.forward_batch([p.ids for p in batch])
-            host = self.writer.to_host({AUX_TENSOR: captured.aux, LAST_TENSOR: captured.last})
+            host = self.writer.to_host(self.encode(captured))
             forward_s = time.perf_counter() - t0
             parts: list[DumpPart] = []
             offset = 0
@@ -236,6 +244,20 @@ class Engine:
             for p in batch:
                 p.done.set()
 
+    def encode(self, captured: Captured) -> dict[str, torch.Tensor]:
+        """The dump's tensors in file order, on the model's device: the states as they are,
+        or quantized there (fp8-e4m3) so that half the bytes cross to the host and the
+        worker has nothing to quantize."""
+        states = {AUX_TENSOR: captured.aux, LAST_TENSOR: captured.last}
+        if captured.prenorm is not None:
+            states[PRENORM_TENSOR] = captured.prenorm
+        if self.encoding != FP8:
+            return states
+        out: dict[str, torch.Tensor] = {}
+        for name, groups in state_tensors(len(self.model.layer_ids), self.model.prenorm):
+            out[name], out[scale_name(name)] = quantize_on_device(states[name], groups)
+        return out
+
     def warmup(self, n: int, num_tokens: int = 16) -> None:
         """What a real server does at start: requests of its own that create dumps."""
         gen = torch.Generator().manual_seed(1234)
@@ -268,8 +290,12 @@ class Engine:
             hidden_size=m.hidden_size,
             dtype=dtype_name(m.dump_dtype),
             model=m.identity,
-            tensors=expected_shapes(n, len(m.layer_ids), m.hidden_size),
+            tensors=expected_shapes(
+                n, len(m.layer_ids), m.hidden_size, encoding=self.encoding, prenorm=m.prenorm
+            ),
             request_index=index,
+            encoding=self.encoding,
+            prenorm=m.prenorm,
         )
 
     def _parts(

@@ -1,4 +1,5 @@
-"""A real transformer that yields EAGLE-3 hidden states: aux layers plus the post-norm state.
+"""A real transformer that yields EAGLE-3 hidden states: aux layers plus the post-norm state
+(and, with `prenorm`, the final layer's output before the norm).
 
 `tiny` is a seeded, randomly initialised Llama small enough for CPU tests; building it
 twice gives the same weights, so any two server processes return bit-identical states.
@@ -21,6 +22,8 @@ from hsq.errors import ConfigError
 from hsq.protocol import ModelIdentity
 
 TINY = "tiny"
+PRENORM_KEY = -1
+"""Where the final norm's pre-hook leaves its input among the captured layers."""
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 32000,
     "hidden_size": 64,
@@ -85,6 +88,8 @@ class Captured:
     """[T, k*H] on the model's device, in the dump dtype."""
     last: torch.Tensor
     """[T, H] post-norm final state, on the model's device, in the dump dtype."""
+    prenorm: torch.Tensor | None = None
+    """[T, H] the final layer's output entering the final norm (only with `prenorm`)."""
 
 
 class HiddenStateModel:
@@ -97,6 +102,8 @@ class HiddenStateModel:
         layer_ids: list[int],
         device: torch.device,
         dump_dtype: torch.dtype,
+        *,
+        prenorm: bool = False,
     ) -> None:
         layers = decoder.get_submodule("layers")
         assert isinstance(layers, nn.ModuleList), "expected an HF decoder with .layers"
@@ -115,6 +122,13 @@ class HiddenStateModel:
         self._captured: dict[int, torch.Tensor] = {}
         for i in sorted(set(layer_ids)):
             layers[i].register_forward_pre_hook(self._tap(i), with_kwargs=True)
+        self.prenorm = prenorm
+        if prenorm:
+            # The final norm's input is the last decoder layer's output: the residual stream
+            # after the whole stack, before the norm (HF never returns it).
+            decoder.get_submodule("norm").register_forward_pre_hook(
+                self._tap(PRENORM_KEY), with_kwargs=True
+            )
 
     def _tap(self, i: int) -> Callable[..., None]:
         # A pre-hook sees the residual stream *entering* layer i, i.e. HF hidden_states[i].
@@ -142,20 +156,30 @@ class HiddenStateModel:
         # mask, and the GPU path sees few shapes (a new length took a median 78 ms against
         # 21 ms for a repeated one).
         rows = [s + [0] * (padded - len(s)) for s in seqs]
-        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        ids = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            # Pinned and asynchronous: a copy from pageable memory waits for the device to
+            # finish the previous forward, so this one could not be queued behind it.
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
         self._captured.clear()
         try:
             out = self.decoder(input_ids=ids, use_cache=False)
             aux_all = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
             last_all = out.last_hidden_state
+            pre_all = self._captured[PRENORM_KEY] if self.prenorm else None
         finally:
             self._captured.clear()
-        if len(seqs) == 1:
-            aux, last = aux_all[0, :longest], last_all[0, :longest]
-        else:
-            aux = torch.cat([aux_all[b, :n] for b, n in enumerate(lengths)])
-            last = torch.cat([last_all[b, :n] for b, n in enumerate(lengths)])
-        return Captured(aux=aux.to(self.dump_dtype), last=last.to(self.dump_dtype))
+
+        def unpad(x: torch.Tensor) -> torch.Tensor:
+            if len(seqs) == 1:
+                return x[0, :longest].to(self.dump_dtype)
+            return torch.cat([x[b, :n] for b, n in enumerate(lengths)]).to(self.dump_dtype)
+
+        return Captured(
+            aux=unpad(aux_all),
+            last=unpad(last_all),
+            prenorm=unpad(pre_all) if pre_all is not None else None,
+        )
 
 
 def _digest(config: dict[str, Any], extra: str) -> str:
@@ -171,6 +195,7 @@ def load_model(
     dump_dtype: torch.dtype,
     layers: list[int] | None,
     seed: int = 0,
+    prenorm: bool = False,
 ) -> HiddenStateModel:
     """Build `tiny` (or a named random shape such as `llama-8b`) or load a local checkpoint."""
     from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaModel
@@ -211,4 +236,5 @@ def load_model(
         layers if layers is not None else eagle3_default_layers(num_layers),
         dev,
         dump_dtype,
+        prenorm=prenorm,
     )

@@ -9,6 +9,9 @@ from pathlib import Path
 from hsq.errors import ConfigError
 from hsq.settings import int_tuple, setting
 
+DUMP_ENCODINGS = ("plain", "fp8-e4m3")
+"""hsq.protocol.ENCODINGS, spelled out here: settings load without torch."""
+
 
 @dataclass(frozen=True)
 class ReferenceSettings:
@@ -25,6 +28,18 @@ class ReferenceSettings:
         None, help="compute dtype", default_text="float32 on cpu, bfloat16 on cuda"
     )
     dump_dtype: str = setting("bfloat16", help="dtype of the dumped hidden states")
+    dump_encoding: str = setting(
+        "plain",
+        choices=DUMP_ENCODINGS,
+        help="plain: states in --dump-dtype; fp8-e4m3: quantized on the device exactly as "
+        "fp8 outputs store them (half the dump bytes; the worker only validates and copies); "
+        "only runs enqueued with --store-dtype fp8-e4m3 accept such dumps",
+    )
+    prenorm: bool = setting(
+        False,
+        help="also dump the final layer's output before the final norm "
+        "(last_hidden_state_prenorm), for runs enqueued with --prenorm",
+    )
     layers: tuple[int, ...] | None = setting(
         None,
         help="aux layer ids in HF hidden_states indexing, comma-separated",
@@ -56,6 +71,7 @@ class ReferenceSettings:
     )
     seed: int = setting(0, help="seed of the tiny model's weights")
     writer_depth: int = setting(2, help="dumps queued for the writer thread before requests block")
+    writer_threads: int = setting(1, help="threads writing dumps (more only if one falls behind)")
     fsync: bool = setting(True, help="fsync dumps (--no-fsync for tmpfs dump dirs)")
     threads: int | None = setting(None, help="torch CPU threads")
     ready_marker: bool = setting(
@@ -74,10 +90,14 @@ class ReferenceSettings:
         for name in (self.compute_dtype, self.dump_dtype):
             if name not in DTYPES:
                 raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if self.dump_encoding not in DUMP_ENCODINGS:
+            raise ConfigError(f"--dump-encoding must be one of {', '.join(DUMP_ENCODINGS)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if self.max_tokens < 1 or self.warmup < 0 or self.counter_start < 0:
             raise ConfigError("--max-tokens must be >= 1, --warmup and --counter-start >= 0")
+        if self.writer_threads < 1 or self.writer_depth < 1:
+            raise ConfigError("--writer-threads and --writer-depth must be >= 1")
         if (self.max_batch_requests or 1) < 1 or self.max_batch_tokens < 1:
             raise ConfigError("--max-batch-requests and --max-batch-tokens must be >= 1")
         if not 0 <= self.port < 65536:

@@ -28,14 +28,16 @@ class Chunk:
     entry: PlanEntry
     input_ids: torch.Tensor
     """[n] token ids the forward computed: the fingerprint is taken from these."""
-    last: torch.Tensor
-    """[n, H] final hidden state after the model's norm."""
-    aux: list[torch.Tensor]
-    """Pieces [n, w] of the aux states in layer order; their widths sum to k*H."""
+    tensors: dict[str, list[torch.Tensor]]
+    """The dump's tensors by hsq.protocol name, in file order, each as column pieces
+    [n, w] of this chunk's rows: the aux states come as one packed piece (DeepSeek) or one
+    per layer (Llama), widths summing to k*H; fp8 values and their scales alike."""
+    dtype: torch.dtype | None = None
+    """The dtype the states were computed in, when the tensors are not in it (fp8)."""
 
     @property
     def nbytes(self) -> int:
-        ts = [self.input_ids, self.last, *self.aux]
+        ts = [self.input_ids, *(p for pieces in self.tensors.values() for p in pieces)]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -44,24 +46,25 @@ class Complete:
     rid: str
     chunks: list[Chunk]
 
-    def assemble(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [T], aux [T, k*H], last [T, H]) from the chunks, in token order."""
+    def assemble(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(input_ids [T], {name: [T, width]}) from the chunks, in token order."""
         first = self.chunks[0]
-        if len(self.chunks) == 1 and len(first.aux) == 1:
-            return first.input_ids, first.aux[0].contiguous(), first.last.contiguous()
-        total = sum(c.last.shape[0] for c in self.chunks)
-        width = sum(p.shape[1] for p in first.aux)
-        aux = torch.empty((total, width), dtype=first.last.dtype)
-        last = torch.empty((total, first.last.shape[1]), dtype=first.last.dtype)
+        if len(self.chunks) == 1 and all(len(p) == 1 for p in first.tensors.values()):
+            return first.input_ids, {k: p[0].contiguous() for k, p in first.tensors.items()}
+        total = sum(int(c.input_ids.shape[0]) for c in self.chunks)
+        out = {
+            name: torch.empty((total, sum(p.shape[1] for p in pieces)), dtype=pieces[0].dtype)
+            for name, pieces in first.tensors.items()
+        }
         for c in self.chunks:
-            rows = slice(c.entry.prefix_len, c.entry.prefix_len + c.last.shape[0])
-            last[rows] = c.last
-            col = 0
-            for part in c.aux:
-                aux[rows, col : col + part.shape[1]] = part
-                col += part.shape[1]
+            rows = slice(c.entry.prefix_len, c.entry.prefix_len + int(c.input_ids.shape[0]))
+            for name, pieces in c.tensors.items():
+                col = 0
+                for part in pieces:
+                    out[name][rows, col : col + part.shape[1]] = part
+                    col += part.shape[1]
         ids = torch.cat([c.input_ids for c in self.chunks])
-        return ids, aux, last
+        return ids, out
 
 
 @dataclass

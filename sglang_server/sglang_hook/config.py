@@ -20,6 +20,9 @@ ENV_QUEUE_ITEMS = "SGLANG_HS_QUEUE_ITEMS"
 ENV_QUEUE_MB = "SGLANG_HS_QUEUE_MB"
 ENV_EVICT_AFTER_S = "SGLANG_HS_EVICT_AFTER_S"
 ENV_FSYNC = "SGLANG_HS_FSYNC"
+ENV_DUMP_ENCODING = "SGLANG_HS_DUMP_ENCODING"
+ENV_PRENORM = "SGLANG_HS_PRENORM"
+ENV_DEVICE_STAGING = "SGLANG_HS_DEVICE_STAGING"
 KNOWN_ENV = frozenset(
     {
         ENV_DUMP_DIR,
@@ -29,8 +32,14 @@ KNOWN_ENV = frozenset(
         ENV_QUEUE_MB,
         ENV_EVICT_AFTER_S,
         ENV_FSYNC,
+        ENV_DUMP_ENCODING,
+        ENV_PRENORM,
+        ENV_DEVICE_STAGING,
     }
 )
+ENCODINGS = ("plain", "fp8-e4m3")
+"""hsq.protocol.ENCODINGS, spelled out: this module loads without torch (hsq launch-sglang)."""
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,16 @@ class HookConfig:
     evict_after_s: float = 600.0
     """Drop the chunks of a request not seen for this long (aborted, client gone)."""
     fsync: bool = True
+    encoding: str = "plain"
+    """`fp8-e4m3`: quantize on the GPU as fp8 outputs store the states (per-token
+    absmax/448 scales); only runs enqueued with --store-dtype fp8-e4m3 take such dumps."""
+    prenorm: bool = False
+    """Also dump the final norm's input (last_hidden_state_prenorm), for runs enqueued
+    with --prenorm; refused at start-up for model families whose final norm is not known."""
+    device_staging: bool = False
+    """Clone the captured rows on the GPU first, so the next forward does not wait for
+    the copy to the host (costs GPU memory for one forward's states until it lands).
+    fp8 dumps always work this way: their quantized tensors are the hook's own."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HookConfig | None:
@@ -69,9 +88,16 @@ class HookConfig:
             queue_bytes=_int(env, ENV_QUEUE_MB, cls.queue_bytes >> 20) << 20,
             evict_after_s=float(env.get(ENV_EVICT_AFTER_S, cls.evict_after_s)),
             fsync=env.get(ENV_FSYNC, "1").strip().lower() not in ("0", "false", "no"),
+            encoding=env.get(ENV_DUMP_ENCODING, "plain").strip() or "plain",
+            prenorm=_bool(env, ENV_PRENORM),
+            device_staging=_bool(env, ENV_DEVICE_STAGING),
         )
         if cfg.queue_items < 1 or cfg.queue_bytes < 1 or cfg.evict_after_s <= 0:
             raise ValueError(f"queue sizes and eviction time must be positive: {cfg}")
+        if cfg.encoding not in ENCODINGS:
+            raise ValueError(
+                f"{ENV_DUMP_ENCODING} must be one of {', '.join(ENCODINGS)}, not {cfg.encoding!r}"
+            )
         return cfg
 
     def to_env(self) -> dict[str, str]:
@@ -81,7 +107,22 @@ class HookConfig:
             env[ENV_LAYER_IDS] = ",".join(str(i) for i in self.layer_ids)
         if self.rid_prefix:
             env[ENV_RID_PREFIX] = self.rid_prefix
+        if self.encoding != "plain":
+            env[ENV_DUMP_ENCODING] = self.encoding
+        if self.prenorm:
+            env[ENV_PRENORM] = "1"
+        if self.device_staging:
+            env[ENV_DEVICE_STAGING] = "1"
         return env
+
+
+def _bool(env: Mapping[str, str], key: str) -> bool:
+    raw = env.get(key, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{key} must be 1 or 0, got {raw!r}")
 
 
 def _int(env: Mapping[str, str], key: str, default: int) -> int:

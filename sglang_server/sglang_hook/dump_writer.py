@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from hsq.protocol import (
-    AUX_TENSOR,
     LAST_TENSOR,
+    PLAIN,
     DumpMeta,
     ModelIdentity,
     dtype_name,
@@ -44,22 +44,33 @@ class DumpContext:
     model: ModelIdentity
     layer_ids: list[int]
     """Effective HF hidden_states indices, in the aux tensor's order."""
+    encoding: str = PLAIN
+    """`plain`, or `fp8-e4m3`: the chunks hold values quantized on the device plus scales."""
+    prenorm: bool = False
+    """The chunks hold last_hidden_state_prenorm too."""
 
 
 class HostCopier:
     """Copies tensors to host memory without blocking the caller.
 
-    After queueing the copies on the side stream, the compute stream is made to wait for
-    them: the next forward may overwrite the sources in place (CUDA-graph output buffers
-    are reused without going through the allocator, so record_stream alone would not
-    protect them). That orders GPU work only; the CPU never waits.
+    After queueing the copies of SGLang's own tensors on the side stream, the compute
+    stream is made to wait for them: the next forward may overwrite the sources in place
+    (CUDA-graph output buffers are reused without going through the allocator, so
+    record_stream alone would not protect them). That orders GPU work only; the CPU never
+    waits, but the next forward starts only once the copy is done. Tensors the hook made
+    itself (``owned``: fp8 values and scales, device-side clones) go through the allocator
+    only, so record_stream protects them and the next forward need not wait.
     """
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def copy(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
-        """Host copies and an event to wait on (None when they are ready already)."""
+    def copy(
+        self, tensors: Sequence[torch.Tensor], *, owned: bool = False
+    ) -> tuple[list[torch.Tensor], object | None]:
+        """Host copies and an event to wait on (None when they are ready already). The
+        event is a blocking-sync one: the writer thread sleeps on it instead of spinning
+        in the CUDA driver while the scheduler launches the next forward."""
         if not tensors or not tensors[0].is_cuda:
             # Plain copies: the forward reuses its buffers, so views would change under us.
             return [t.detach().to("cpu", copy=True) for t in tensors], None
@@ -76,9 +87,10 @@ class HostCopier:
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the allocator must not reuse it mid-copy
                 out.append(host)
-            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
             ready.record(stream)
-        compute.wait_event(ready)
+        if not owned:
+            compute.wait_event(ready)
         return out, ready
 
 
@@ -205,21 +217,27 @@ class DumpSink:
         self.acc.evict()
 
     def _write(self, done: Complete) -> None:
-        ids, aux, last = done.assemble()
-        total, hidden = last.shape
+        ids, tensors = done.assemble()
+        last = tensors[LAST_TENSOR]
+        total, hidden = int(ids.shape[0]), int(last.shape[1])
         k = len(self.ctx.layer_ids)
-        if aux.shape != (total, k * hidden) or ids.shape != (total,):
+        ctx = self.ctx
+        want = expected_shapes(total, k, hidden, encoding=ctx.encoding, prenorm=ctx.prenorm)
+        got = {name: list(t.shape) for name, t in tensors.items()}
+        if got != want or ids.dim() != 1:
             self.errors += 1
             log.error(
-                "hs_dump: %s not written: aux %s, ids %s for %d tokens, %d layers of %d",
+                "hs_dump: %s not written: tensors %s, ids %s; %d tokens, %d layers of %d need %s",
                 done.rid,
-                tuple(aux.shape),
+                got,
                 tuple(ids.shape),
                 total,
                 k,
                 hidden,
+                want,
             )
             return
+        dtype = done.chunks[0].dtype or last.dtype  # fp8: what the states were quantized from
         for _ in range(1000):
             index = self._next_index
             self._next_index += 1
@@ -228,20 +246,16 @@ class DumpSink:
                 num_tokens=int(total),
                 input_fingerprint=fingerprint(ids),
                 layer_ids=list(self.ctx.layer_ids),
-                hidden_size=int(hidden),
-                dtype=dtype_name(last.dtype),
+                hidden_size=hidden,
+                dtype=dtype_name(dtype),
                 model=self.ctx.model,
-                tensors=expected_shapes(int(total), k, int(hidden)),
+                tensors=want,
                 request_index=index,
+                encoding=ctx.encoding,
+                prenorm=ctx.prenorm,
             )
             try:
-                path = write_dump(
-                    self.dump_dir,
-                    index,
-                    meta,
-                    {AUX_TENSOR: aux, LAST_TENSOR: last},
-                    fsync=self.fsync,
-                )
+                path = write_dump(self.dump_dir, index, meta, tensors, fsync=self.fsync)
             except FileExistsError:
                 continue  # another writer (or an old run) holds this index
             except OSError as exc:

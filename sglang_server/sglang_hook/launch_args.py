@@ -56,6 +56,8 @@ def launch_command(
     python: str = "python",
     prefill_cuda_graph: bool = False,
     overlap_schedule: bool = True,
+    encoding: str = "plain",
+    prenorm: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """argv of a dumping SGLang server, environment included (``env K=V ... python ...``).
@@ -71,6 +73,8 @@ def launch_command(
         dump_dir=Path(dump_dir),
         layer_ids=tuple(layer_ids) if layer_ids is not None else None,
         rid_prefix=rid_prefix,
+        encoding=encoding,
+        prenorm=prenorm,
     )
     env = [f"{k}={v}" for k, v in cfg.to_env().items()]
     module = "sglang.launch_server" if plugin_supported(sglang_version) else LAUNCHER_MODULE

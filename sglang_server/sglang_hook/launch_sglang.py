@@ -89,6 +89,8 @@ def run_checked(
     tp_size: int,
     sglang_version: str | None,
     extra: list[str],
+    encoding: str = "plain",
+    prenorm: bool = False,
     print_only: bool,
     start_timeout: float,
     echo: Callable[[str], None],
@@ -105,6 +107,8 @@ def run_checked(
             port=port,
             tp_size=tp_size,
             python=sys.executable,
+            encoding=encoding,
+            prenorm=prenorm,
             extra_args=extra,
         )
     except ValueError as exc:
@@ -143,6 +147,7 @@ def run_checked(
     echo(
         f"sglang {version} serving at {base}, dumping to {dump_dir}; /server_info and the "
         f"hook checked: model {marker.model.model_id}, layers "
-        f"{','.join(map(str, marker.layer_ids))} (pin them: hsq enqueue --layers ...)"
+        f"{','.join(map(str, marker.layer_ids))} (pin them: hsq enqueue --layers ...), "
+        f"encoding {marker.encoding}, prenorm {'on' if marker.prenorm else 'off'}"
     )
     return proc.wait()

@@ -119,3 +119,26 @@ def find_capture_list(model: object) -> list[int] | None:
         if isinstance(value, list | tuple) and value:
             return [int(v) for v in value]
     return None
+
+
+PRENORM_FAMILIES: tuple[Family, ...] = ("llama", "deepseek")
+"""Families whose SGLang model calls its final norm as a module, ``self.norm(hidden,
+residual)`` on the inner text model, returning (normed, hidden + residual): read in the
+llama, qwen2, qwen3, qwen3_moe (qwen2_moe before 0.5.2x) and deepseek_v2 sources of
+sglang 0.5.9, 0.5.11, 0.5.15 and 0.5.23 (0.5.23 through
+``layer_boundary.residual.batch.final_norm``). tests/test_sglang_conformance.py pins it."""
+
+
+def find_final_norm(model: object) -> object | None:
+    """The final norm module of a loaded SGLang model (the inner text model's ``norm``),
+    where a forward hook sees its input; None when there is none (a non-last pipeline
+    stage holds a PPMissingLayer)."""
+    for path in ("model.norm", "language_model.model.norm"):
+        obj: object = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if callable(getattr(obj, "register_forward_hook", None)) and (
+            type(obj).__name__ != "PPMissingLayer"
+        ):
+            return obj
+    return None

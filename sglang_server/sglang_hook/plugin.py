@@ -7,6 +7,8 @@
 - AROUND ``Scheduler.run_batch``: snapshot the batch plan of a prefill batch.
 - AROUND ``LogitsProcessor.forward``: the one point where every token's final (post-norm)
   and aux states are visible for every model; hand them to DumpHook.
+- With SGLANG_HS_PRENORM=1, a forward hook on the model's final norm module: its input,
+  the final layer's output before the norm, is kept for the logits call of the same forward.
 
 ``register`` is the ``sglang.srt.plugins`` entry point (sglang >= 0.5.11: load_plugins()
 runs it in every scheduler process). ``install_patches`` does the same by assignment for
@@ -29,16 +31,18 @@ import hsq
 from hsq.errors import ConfigError
 from hsq.protocol import READY_FILE, ReadyMarker, write_ready
 from hsq.sglang_server.sglang_hook import compat
-from hsq.sglang_server.sglang_hook.config import ENV_LAYER_IDS, HookConfig
+from hsq.sglang_server.sglang_hook.config import ENV_LAYER_IDS, ENV_PRENORM, HookConfig
 from hsq.sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
 from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
 from hsq.sglang_server.sglang_hook.identity import model_identity
 from hsq.sglang_server.sglang_hook.launch_args import SERVER_ARG_KEYS, refusals
 from hsq.sglang_server.sglang_hook.layers import (
+    PRENORM_FAMILIES,
     check_effective,
     effective_layer_ids,
     family,
     find_capture_list,
+    find_final_norm,
 )
 from hsq.sglang_server.sglang_hook.plan import BatchPlan
 
@@ -47,6 +51,7 @@ _MARK = "__hsq_dump_hook__"
 
 _hook: DumpHook | None = None
 _plan = threading.local()  # run_batch and the forward it launches share the thread
+_prenorm = threading.local()  # the final norm's input in the planned forward, if tapped
 
 
 def _config() -> HookConfig | None:
@@ -113,6 +118,12 @@ def preflight(runner: Any, cfg: HookConfig, version: str) -> list[int] | None:
             )
         except ValueError as exc:
             problems.append(f"{ENV_LAYER_IDS}: {exc}")
+    if cfg.prenorm and fam not in PRENORM_FAMILIES:
+        problems.append(
+            f"{ENV_PRENORM}=1: the pre-norm final state is captured only for the model "
+            "families whose final norm hsq has read in SGLang's source (Llama, Mistral, "
+            f"Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3, Kimi-K2.5), not {arch}"
+        )
     if problems:
         raise ConfigError("hs_dump: refusing to start: " + "; ".join(problems))
     return predicted
@@ -169,7 +180,18 @@ def _install(runner: Any, cfg: HookConfig, predicted: list[int] | None, version:
             f"hs_dump: expected layers {predicted} for {arch} on sglang {version}, the model "
             f"captures {effective}: refusing to dump under a rule hsq does not know"
         )
-    _hook = DumpHook(cfg, DumpContext(ident, effective), attn_tp_rank=_attn_tp_rank())
+    hook = DumpHook(cfg, DumpContext(ident, effective), attn_tp_rank=_attn_tp_rank())
+    if cfg.prenorm and hook.is_writer:
+        norm = find_final_norm(model)
+        if norm is None:
+            hook.close()
+            raise ConfigError(
+                f"hs_dump: {ENV_PRENORM}=1 but {type(model).__name__} has no final norm "
+                "module at model.norm (or language_model.model.norm): cannot capture the "
+                "pre-norm state"
+            )
+        norm.register_forward_hook(_tap_prenorm, with_kwargs=True)  # type: ignore[attr-defined]
+    _hook = hook
     if _hook.is_writer:
         marker = ReadyMarker(
             layer_ids=tuple(effective),
@@ -179,11 +201,29 @@ def _install(runner: Any, cfg: HookConfig, predicted: list[int] | None, version:
             hook_version=hsq.__version__,
             pid=os.getpid(),
             created_unix=time.time(),
+            encoding=cfg.encoding,
+            prenorm=cfg.prenorm,
         )
         write_ready(cfg.dump_dir, marker, fsync=cfg.fsync)
     log.info(
         "hs_dump: %s layers %s -> %s (writer=%s)", ident.model_id, ids, effective, _hook.is_writer
     )
+
+
+def _tap_prenorm(_norm: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    """Forward hook of the final norm: keep its input for this forward's logits call.
+
+    Called with a residual, SGLang's RMSNorm returns (normed, hidden + residual): the
+    second element is exactly the stream the norm normalized (the fused kernel writes it
+    in place, so the input tensors no longer hold it). Without one it is out of place and
+    its input is the stream. Only during a planned prefill: decode forwards pay nothing.
+    """
+    if getattr(_plan, "value", None) is None:
+        return
+    if isinstance(output, tuple) and len(output) == 2:
+        _prenorm.value = output[1]
+    else:
+        _prenorm.value = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
 
 
 def _is_prefill(mode: Any) -> bool:
@@ -206,10 +246,12 @@ def around_run_batch(orig: Callable[..., Any], sched: Any, batch: Any, *a: Any, 
         except Exception:  # dumping must never take serving down
             log.exception("hs_dump: batch plan failed")
     _plan.value = plan
+    _prenorm.value = None
     try:
         return orig(sched, batch, *a, **k)
     finally:
         _plan.value = None
+        _prenorm.value = None
 
 
 def around_logits(orig: Callable[..., Any], proc: Any, *args: Any, **kwargs: Any) -> Any:
@@ -217,12 +259,13 @@ def around_logits(orig: Callable[..., Any], proc: Any, *args: Any, **kwargs: Any
     hook = _hook
     if plan is not None and hook is not None:
         _plan.value = None  # the batch's first logits call is the target model's
+        prenorm, _prenorm.value = getattr(_prenorm, "value", None), None
         try:
             input_ids = args[0] if len(args) > 0 else kwargs.get("input_ids")
             hidden = args[1] if len(args) > 1 else kwargs["hidden_states"]
             meta = args[3] if len(args) > 3 else kwargs.get("logits_metadata")
             aux = args[4] if len(args) > 4 else kwargs.get("aux_hidden_states")
-            hook.capture(plan, batch_input_ids(input_ids, meta), hidden, aux)
+            hook.capture(plan, batch_input_ids(input_ids, meta), hidden, aux, prenorm)
         except Exception:
             log.exception("hs_dump: capture failed")
     return orig(proc, *args, **kwargs)
