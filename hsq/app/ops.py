@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,8 +119,7 @@ def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set
     return index, outstanding, done, dead_keys - dead_lines, dead_lines
 
 
-def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
-    info = store.worker_info(wid)
+def _worker_status(wid: str, info: dict[str, str], now: float) -> WorkerStatus:
     if not info:
         return WorkerStatus(id=wid, state="dead (heartbeat expired)")
 
@@ -146,41 +144,63 @@ def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
     )
 
 
-def run_status(store: RunStore, now: float | None = None) -> RunStatus:
-    now = time.time() if now is None else now
+def recount(store: RunStore) -> int:
+    """Re-derive a run's counters (`hsq status --recount`; status does it by itself when
+    they are missing, as in a run made by an older hsq, or disagree with the queues): the
+    queue and dead-letter counts atomically, then the samples in no queue from a full
+    partition (O(samples), the one slow path). Returns the samples found missing."""
+    store.recount_queues()
     index, outstanding, done, dead, _ = _partition(store)
-    fig = run_figures(store)
-    # done and dead come from the same reads as the places below, not from `fig` (read a
-    # moment later): during a live run a sample marked done in between would otherwise
-    # count twice, and the numbers must always add up to `total`.
-    done_n = len(index & done)
-    dead_n = len((index - done) & dead) + fig.invalid_lines
-    places = Counter[str]()
-    for sid in index - done - dead:
-        place = outstanding.get(sid, "missing")
-        places["in_progress" if place.startswith("wip:") else place] += 1
-    workers = [_worker_status(store, wid, now) for wid in store.worker_ids()]
+    missing = len(index - done - dead - set(outstanding))
+    store.set_lost(missing)
+    return missing
+
+
+def run_status(
+    store: RunStore, now: float | None = None, *, recount_first: bool = False
+) -> RunStatus:
+    """A run's status from O(1) counters (one MULTI) plus one read per worker.
+
+    done and dead are the hashes' lengths (disjoint: the scripts keep them so); queued and
+    retry are the samples the queues hold (counted by the scripts that move jobs); missing
+    the samples a recount found in no queue, less those enqueued again since; in_progress
+    the rest. Each part is capped by what is left, so the parts always add up to `total`;
+    while a chunk in progress also has a sample in the retry queue, that sample counts once."""
+    now = time.time() if now is None else now
+    c = store.counts()
+    if recount_first or not c.consistent:
+        recount(store)
+        c = store.counts()
+    st = c.stats
+    invalid = st.get("invalid_lines", 0)
+    total = c.index + invalid
+    remaining = max(total - c.done - c.dead, 0)
+    missing = min(max(st.get("lost", 0), 0), remaining)
+    retry = min(max(st.get("retry_samples", 0), 0), remaining - missing)
+    queued = min(max(st.get("main_samples", 0), 0), remaining - missing - retry)
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
-    tokens_left = max(fig.tokens_total - fig.tokens_done, 0)
+    tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)
+    tokens_left = max(tokens_total - tokens_done, 0)
     eta = tokens_left / tokens_s if tokens_s > 0 else None
     return RunStatus(
         run=store.run,
-        total=len(index) + fig.invalid_lines,
-        done=done_n,
-        queued=places["main"],
-        in_progress=places["in_progress"],
-        retry=places["retry"],
-        dead=dead_n,
-        missing=places["missing"],
-        invalid_lines=fig.invalid_lines,
-        tokens_done=fig.tokens_done,
-        tokens_total=fig.tokens_total,
-        bytes_done=fig.bytes_done,
+        total=total,
+        done=c.done,
+        queued=queued,
+        in_progress=remaining - missing - retry - queued,
+        retry=retry,
+        dead=c.dead,
+        missing=missing,
+        invalid_lines=invalid,
+        tokens_done=tokens_done,
+        tokens_total=tokens_total,
+        bytes_done=st.get("bytes", 0),
         samples_per_s=round(samples_s, 3),
         tokens_per_s=round(tokens_s, 1),
         eta_s=None if eta is None else round(eta, 1),
-        dead_by_reason=dict(Counter(str(e["reason"]) for e in store.dead_entries().values())),
+        dead_by_reason=c.dead_reasons,
         workers=workers,
     )
 
@@ -190,6 +210,12 @@ class RequeueResult:
     selected: int = 0
     enqueued: int = 0
     skipped: dict[str, list[str]] = field(default_factory=dict)
+    unqueued: set[str] = field(default_factory=set)
+    """Selected ids known to be in no queue (dead-letter entries: a requeue takes them out
+    of the dead letter in the transaction that queues them; missing ones): requeue need not
+    read every job to skip queued ones."""
+    missing: set[str] = field(default_factory=set)
+    """Selected ids that were missing (their requeue lowers the run's lost count)."""
 
     def skip(self, why: str, sid: str) -> None:
         self.skipped.setdefault(why, []).append(sid)
@@ -213,10 +239,13 @@ def select_for_requeue(
                 res.skip("invalid dataset line: fix it and run `hsq enqueue` again", key)
                 continue
             chosen.append(key)
+            res.unqueued.add(key)
     chosen += list(samples)
     if missing:
         index, outstanding, done, dead, _ = _partition(store)
-        chosen += sorted(index - done - dead - set(outstanding))
+        res.missing = index - done - dead - set(outstanding)
+        res.unqueued |= res.missing
+        chosen += sorted(res.missing)
     res.selected = len(chosen)
     return list(dict.fromkeys(chosen)), res
 
@@ -225,7 +254,8 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     """Enqueue the given samples afresh (attempt 0), skipping unknown, done and queued ones."""
     index = store.get_index(ids)
     done = store.done_among(ids)
-    outstanding = store.outstanding_samples()
+    # Reading every job is O(queue); only ids that may be queued need it.
+    outstanding = store.outstanding_samples() if set(ids) - res.unqueued else {}
     todo: list[tuple[str, IndexEntry]] = []
     for sid in ids:
         if sid not in index:
@@ -240,10 +270,9 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     if dry_run or not todo:
         return
     cfg = store.require_config()
-    # Enqueue first, then clear the dead-letter entry: a crash in between leaves a sample
-    # both queued and dead (harmless), never neither.
-    store.enqueue(chunked(todo, cfg.chunk_size))
-    store.clear_failures(sid for sid, _ in todo)
+    # One transaction per batch queues the samples and takes them out of the dead letter.
+    store.enqueue(chunked(todo, cfg.chunk_size), clear_failures=True)
+    store.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))
 
 
 @dataclass
@@ -349,7 +378,7 @@ def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
         if sid in res.corrupt:
             (out_root / output_relpath(sid)).unlink(missing_ok=True)
         store.undo_done(sid, entry)
-    outcome = RequeueResult()
+    outcome = RequeueResult(unqueued=set(bad))  # they were done until just now
     requeue(store, bad, outcome, dry_run=False)
     res.requeued = outcome.enqueued
     return outcome.enqueued
