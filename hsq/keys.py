@@ -7,6 +7,7 @@ Per run R (a name matching RUN_NAME_RE):
                                         and its `generation`: a random token made when the
                                         run is created; every write of a worker is fenced on it
     hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
+    hsq:run:R:reaper              STRING the worker reaping dead workers' jobs now (expires, 1 s)
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
     hsq:run:R:done                HASH  sample id -> manifest entry (JSON); THE truth of "done"
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
@@ -103,6 +104,10 @@ class RunKeys:
     def enqueue_lock(self) -> str:
         return self._prefix + "enqueue-lock"
 
+    @property
+    def reaper(self) -> str:
+        return self._prefix + "reaper"
+
     def worker(self, worker_id: str) -> str:
         return self._prefix + "worker:" + worker_id
 
@@ -131,6 +136,7 @@ class RunKeys:
             self.crashes,
             self.workers,
             self.enqueue_lock,
+            self.reaper,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

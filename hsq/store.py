@@ -59,8 +59,11 @@ from hsq.runconfig import RunConfig
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"
 HEARTBEAT_TTL_S = 10
 ENQUEUE_LOCK_TTL_S = 60
+REAP_LOCK_MS = 1000
 MAX_DEAD_ENTRY = 64 * 1024
 SampleRef = tuple[str, IndexEntry]
+AnyRef = tuple[str, IndexEntry | str]
+"""A sample and its index entry, or the entry already encoded (the producer's fast path)."""
 Client = redis.Redis
 """The client type, for modules that hold a connection without importing redis."""
 P = ParamSpec("P")
@@ -160,7 +163,7 @@ _TO_DEAD = (
     _FENCE
     + _REASON
     + """
-if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then return 0 end
+if redis.call('HMGET', KEYS[4], ARGV[2])[1] then return 0 end
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 if old then unreason(KEYS[3], old) end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
@@ -277,6 +280,12 @@ return ms + rs
     5,
 )
 COUNTERS_VERSION = 1
+# The reaper's lock, only in a run that exists (a purged run gets no key back).
+_REAP_LOCK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+return 0
+"""
 _FORGET_LOST = """
 if redis.call('HINCRBY', KEYS[1], 'lost', -tonumber(ARGV[1])) < 0 then
   redis.call('HSET', KEYS[1], 'lost', 0)
@@ -499,11 +508,11 @@ def job_size(job_id: str) -> int | None:
 
 
 def _job_kwargs(
-    run: str, samples: Iterable[SampleRef], attempt: int, reason: str | None
+    run: str, samples: Iterable[AnyRef], attempt: int, reason: str | None
 ) -> dict[str, Any]:
     return {
         "run": run,
-        "samples": [[sid, e.encode()] for sid, e in samples],
+        "samples": [[sid, e if isinstance(e, str) else e.encode()] for sid, e in samples],
         "attempt": attempt,
         "reason": reason,
     }
@@ -529,6 +538,7 @@ class RunStore:
         self._release_one = reg(_RELEASE_ONE)
         self._recount = reg(_RECOUNT)
         self._forget_lost = reg(_FORGET_LOST)
+        self._reap_lock = reg(_REAP_LOCK)
         self._undo_done = reg(_UNDO_DONE)
         self._finish = reg(_FINISH)
         self._give_back = reg(_GIVE_BACK)
@@ -629,11 +639,11 @@ class RunStore:
             for name, raw in zip(values, recorded, strict=True)
         }
 
-    def put_index(self, entries: Iterable[tuple[str, IndexEntry]], batch: int = 5000) -> int:
+    def put_index(self, entries: Iterable[AnyRef], batch: int = 5000) -> int:
         n = 0
         buf: dict[str, str] = {}
         for sid, e in entries:
-            buf[sid] = e.encode()
+            buf[sid] = e if isinstance(e, str) else e.encode()
             if len(buf) >= batch:
                 self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
                 n += len(buf)
@@ -783,6 +793,36 @@ class RunStore:
             raise ConfigError(f"run {self.run!r} does not exist")
         return res
 
+    def presence(self, ids: list[str]) -> tuple[list[bool], list[bool], list[bool]]:
+        """For each id: in the index, done, in the dead letter (three HMGETs, one trip)."""
+        if not ids:
+            return [], [], []
+        p = self.client.pipeline(transaction=False)
+        for key in (self.keys.index, self.keys.done, self.keys.dead):
+            p.hmget(key, ids)
+        index, done, dead = p.execute()
+        return (
+            [v is not None for v in index],
+            [v is not None for v in done],
+            [v is not None for v in dead],
+        )
+
+    def begin_enqueue(self) -> bool:
+        """Flag an enqueue in progress; True if the last one never finished (a crash between
+        its index writes and its jobs: the next enqueue must then look at every job)."""
+        p = self.client.pipeline(transaction=True)
+        p.hget(self.keys.stats, "enqueuing")
+        p.hset(self.keys.stats, "enqueuing", 1)
+        was, _ = p.execute()
+        return was is not None
+
+    def end_enqueue(self) -> None:
+        """Everything of the dataset not done, dead or queued was enqueued: nothing is lost."""
+        p = self.client.pipeline(transaction=True)
+        p.hset(self.keys.stats, "lost", 0)
+        p.hdel(self.keys.stats, "enqueuing")
+        p.execute()
+
     def set_lost(self, samples: int) -> None:
         """Record how many samples are in no queue (a recount found them, or they were
         all enqueued again: 0)."""
@@ -830,6 +870,13 @@ class RunStore:
             )
             out += [bool(x) for x in res]
         return out
+
+    def done_entries(self, ids: list[str]) -> list[bytes | None]:
+        """The raw (untrusted) manifest entry of each id, None where it is not done."""
+        if not ids:
+            return []
+        vals = self.client.hmget(self.keys.done, ids)
+        return [v.encode() if isinstance(v, str) else v for v in vals]
 
     def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         res = self._fenced(
@@ -905,7 +952,7 @@ class RunStore:
     # ------------------------------------------------------------------ queues
     def enqueue(
         self,
-        chunks: Iterable[list[SampleRef]],
+        chunks: Iterable[Sequence[AnyRef]],
         *,
         retry: bool = False,
         attempt: int = 0,
@@ -952,6 +999,8 @@ class RunStore:
         # config (and so the generation) staying as we read it. Another config change
         # (a model pin) only makes us try again.
         gen = self._fence_args()
+        if cleared:  # loads the script if Redis does not have it yet (a no-op call)
+            self._dead_remove(keys=[self.keys.dead, self.keys.dead_reasons], args=[])
         for _ in range(100):
             with self.client.pipeline() as pipe:
                 try:
@@ -966,8 +1015,9 @@ class RunStore:
                     pipe.hincrby(self.keys.stats, f"{which}_samples", samples)
                     pipe.hincrby(self.keys.stats, f"{which}_jobs", len(datas))
                     if cleared:
+                        # EVALSHA queued in the MULTI (the script was loaded above).
                         k = self.keys
-                        self._dead_remove(keys=[k.dead, k.dead_reasons], args=cleared, client=pipe)
+                        pipe.evalsha(self._dead_remove.sha, 2, k.dead, k.dead_reasons, *cleared)
                         pipe.hdel(k.crashes, *cleared)
                     pipe.execute()
                     return
@@ -1164,10 +1214,20 @@ class RunStore:
         return n
 
     def reap(self) -> dict[str, int]:
-        """Hand the jobs of workers whose heartbeat expired back to the queue front."""
+        """Hand the jobs of workers whose heartbeat expired back to the queue front.
+
+        One reaper at a time (a lock of REAP_LOCK_MS): every worker calls this every few
+        seconds, and each pass reads every worker's heartbeat, so without the lock a
+        thousand workers would send Redis a million EXISTS every pass interval."""
+        if not self._reap_lock(keys=[self.keys.config, self.keys.reaper], args=[REAP_LOCK_MS]):
+            return {}
         recovered: dict[str, int] = {}
-        for wid in self.worker_ids():
-            if self.client.exists(self.keys.worker(wid)):
+        wids = self.worker_ids()
+        p = self.client.pipeline(transaction=False)
+        for wid in wids:
+            p.exists(self.keys.worker(wid))
+        for wid, alive in zip(wids, p.execute(), strict=True):
+            if alive:
                 continue
             # LMOVE is atomic per item: two reapers never move the same job twice.
             recovered[wid] = self.release_wip(wid)
@@ -1259,6 +1319,9 @@ def new_worker_id(name: str | None) -> str:
     return f"{base}.{secrets.token_hex(3)}"
 
 
-def chunked(items: list[SampleRef], size: int) -> Iterator[list[SampleRef]]:
+R_ = TypeVar("R_")
+
+
+def chunked(items: Sequence[R_], size: int) -> Iterator[list[R_]]:
     for i in range(0, len(items), size):
-        yield items[i : i + size]
+        yield list(items[i : i + size])

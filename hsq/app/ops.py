@@ -10,10 +10,13 @@ puts it back. The headline figures (total, done, dead, tokens, bytes) come from
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,9 +314,8 @@ def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestE
         raise ValueError(str(exc)) from exc
     if obj["path"] != expected:
         raise ValueError(f"manifest path {obj['path'][:200]!r} is not {expected!r}")
-    root = out_root.resolve()
-    if not (root / expected).resolve().is_relative_to(root):
-        raise ValueError(f"{expected!r} resolves outside {root}")
+    if not _resolves_under(out_root, expected):
+        raise ValueError(f"{expected!r} resolves outside {out_root.resolve()}")
     try:
         return ManifestEntry(
             path=obj["path"],
@@ -329,27 +331,24 @@ def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestE
         raise ValueError(f"manifest entry malformed: {exc}") from exc
 
 
-def verify(
-    store: RunStore,
-    out_root: Path,
-    *,
-    deep: bool = False,
-    on_progress: Callable[[int], None] | None = None,
+VERIFY_PAGE = 2000
+"""Done entries a verify process checks per task (and manifest entries read per HSCAN)."""
+PARALLEL_FROM = 20000
+"""Below this many done samples verify checks in its own process (no pool to start)."""
+
+
+def _check_page(
+    out_root: Path, page: list[tuple[str, bytes]], deep: bool, run_dtype: str | None
 ) -> VerifyResult:
+    """Check one page of done entries (in a pool process, or inline)."""
     res = VerifyResult()
-    known: set[str] = set()
-    cfg = store.load_config()
-    run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
-    for sid, raw in store.iter_done():
+    for sid, raw in page:
         res.checked += 1
-        if on_progress is not None:
-            on_progress(1)
         try:
             entry = trusted_entry(sid, raw, out_root)
         except ValueError as exc:
             res.refused[sid] = str(exc)  # never acted on: an operator looks at it
             continue
-        known.add(entry.path)
         problems = check_output(out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype)
         if problems == ["missing"]:
             res.missing.append(sid)
@@ -359,14 +358,122 @@ def verify(
             res.entries[sid] = entry
         else:
             res.ok += 1
-    if out_root.is_dir():
-        for dirpath, _dirs, files in os.walk(out_root):
-            for name in files:
-                rel = os.path.relpath(os.path.join(dirpath, name), out_root)
-                if rel not in known and (name.endswith(SUFFIX) or name.endswith(".tmp")):
-                    res.orphans.append(rel)
-    res.orphans.sort()
     return res
+
+
+def _merge(into: VerifyResult, part: VerifyResult) -> None:
+    into.checked += part.checked
+    into.ok += part.ok
+    into.missing += part.missing
+    into.corrupt.update(part.corrupt)
+    into.refused.update(part.refused)
+    into.entries.update(part.entries)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(path: str) -> str:
+    """A directory's real path, once per verify process (256 shard directories): resolving
+    every file's full path was most of a header check."""
+    return os.path.realpath(path)
+
+
+def _resolves_under(out_root: Path, rel: str) -> bool:
+    """`out_root/rel` resolves under out_root: its directory does (cached), and the file
+    itself is no symlink leading out."""
+    root = _resolved(str(out_root))
+    head, _, name = rel.rpartition("/")
+    parent = _resolved(os.path.join(str(out_root), head))
+    if os.path.commonpath([root, parent]) != root:
+        return False
+    path = os.path.join(parent, name)
+    if os.path.islink(path):
+        return Path(path).resolve().is_relative_to(root)
+    return True
+
+
+def verify(
+    store: RunStore,
+    out_root: Path,
+    *,
+    deep: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+    jobs: int | None = None,
+) -> VerifyResult:
+    """Check every done sample's file, then list orphans (files no done entry claims).
+
+    Memory stays bounded whatever the run's size: done entries are read a page at a time
+    (HSCAN) and checked by `jobs` processes (default: the CPUs, for runs of PARALLEL_FROM
+    samples or more), a few pages in flight; orphans are found one directory at a time by
+    asking the done hash about that directory's files, never by a set of every path."""
+    res = VerifyResult()
+    cfg = store.load_config()
+    run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
+    n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    if n_jobs > 1 and store.count(store.keys.done) < PARALLEL_FROM and jobs is None:
+        n_jobs = 1
+    pages = _pages(store.iter_done(), VERIFY_PAGE)
+    if n_jobs <= 1:
+        for page in pages:
+            _merge(res, _check_page(out_root, page, deep, run_dtype))
+            if on_progress is not None:
+                on_progress(len(page))
+    else:
+        with ProcessPoolExecutor(n_jobs) as pool:
+            pending: deque[Future[VerifyResult]] = deque()
+            for page in pages:
+                pending.append(pool.submit(_check_page, out_root, page, deep, run_dtype))
+                while len(pending) >= 2 * n_jobs:
+                    _take(res, pending.popleft(), on_progress)
+            while pending:
+                _take(res, pending.popleft(), on_progress)
+    res.orphans = sorted(_orphans(store, out_root))
+    return res
+
+
+def _take(
+    res: VerifyResult, fut: Future[VerifyResult], on_progress: Callable[[int], None] | None
+) -> None:
+    part = fut.result()
+    _merge(res, part)
+    if on_progress is not None:
+        on_progress(part.checked)
+
+
+def _pages(items: Iterable[tuple[str, bytes]], size: int) -> Iterable[list[tuple[str, bytes]]]:
+    page: list[tuple[str, bytes]] = []
+    for item in items:
+        page.append(item)
+        if len(page) >= size:
+            yield page
+            page = []
+    if page:
+        yield page
+
+
+def _orphans(store: RunStore, out_root: Path) -> Iterable[str]:
+    """Output and temp files under out_root that no trusted done entry claims, one
+    directory at a time (a file is claimed when its name's id is done, its entry is
+    trusted, and the entry's path is this file)."""
+    if not out_root.is_dir():
+        return
+    for dirpath, _dirs, files in os.walk(out_root):
+        names = [n for n in files if n.endswith(SUFFIX) or n.endswith(".tmp")]
+        rels = {n: os.path.relpath(os.path.join(dirpath, n), out_root) for n in names}
+        outputs = [n for n in names if n.endswith(SUFFIX)]
+        yield from (rels[n] for n in names if not n.endswith(SUFFIX))  # temps: never claimed
+        for i in range(0, len(outputs), VERIFY_PAGE):
+            part = outputs[i : i + VERIFY_PAGE]
+            sids = [n[: -len(SUFFIX)] for n in part]
+            for name, sid, raw in zip(part, sids, store.done_entries(sids), strict=True):
+                if raw is None or not _claims(sid, raw, out_root, rels[name]):
+                    yield rels[name]
+
+
+def _claims(sid: str, raw: bytes, out_root: Path, rel: str) -> bool:
+    try:
+        return trusted_entry(sid, raw, out_root).path == rel
+    except ValueError:
+        return False
 
 
 def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
