@@ -1138,7 +1138,14 @@ class RunStore:
             "main": rq_queue_key(self.keys.main_queue),
             "retry": rq_queue_key(self.keys.retry_queue),
         }
-        for wid in self.worker_ids():
+        # Wip lists by SCAN too: a worker reaped while alive holds jobs until its next
+        # heartbeat registers it again (O(keys): only the recount and repair paths).
+        wids = set(self.worker_ids())
+        prefix = self.keys.wip("")
+        wids |= {
+            _s(key)[len(prefix) :] for key in self.client.scan_iter(match=prefix + "*", count=1000)
+        }
+        for wid in sorted(wids):
             places[f"wip:{wid}"] = self.keys.wip(wid)
         p = self.client.pipeline(transaction=True)
         for key in places.values():

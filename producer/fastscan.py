@@ -51,10 +51,12 @@ def _fast_count(line: bytes, max_tokens: int | None) -> tuple[str, int] | None:
     n = ids.count(b",") + 1
     if max_tokens is not None and n > max_tokens:
         return None
-    # Only digits and n-1 identical separators, no empty token, a digit at either end.
+    # Only digits and n-1 separators, each exactly `sep` (every comma starts one, and they
+    # hold every non-digit), no empty token, a digit at either end.
     sep = b", " if b" " in ids else b","
     if (
         ids[-1] not in _DIGITS
+        or ids.count(sep) != n - 1
         or ids.translate(None, _DIGITS) != sep * (n - 1)
         or sep + b"," in ids
         or b"dddddddddd" in ids.translate(_AS_D)  # ten digits: maybe over int32
