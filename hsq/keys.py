@@ -9,7 +9,10 @@ Per run R (a name matching RUN_NAME_RE):
     hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
     hsq:run:R:reaper              STRING the worker reaping dead workers' jobs now (expires, 1 s)
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
-    hsq:run:R:done                HASH  sample id -> manifest entry (JSON); THE truth of "done"
+    hsq:run:R:done                HASH  sample id -> manifest entry; THE truth of "done". Stored
+                                        as `m1|tokens|bytes|crc|worker|time|attempt|dtype`
+                                        (the path is the id's; hsq.store.manifest_json gives
+                                        the JSON back), or JSON as older hsq wrote it
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
     hsq:run:R:stats               HASH  tokens / bytes done, totals, and the counters status
                                         reads: main_samples, main_jobs, retry_samples,

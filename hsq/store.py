@@ -51,9 +51,15 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from hsq.dataset import IndexEntry
-from hsq.errors import ConfigError, RunChangedError, StoreError, StoreUnavailableError
+from hsq.errors import (
+    ConfigError,
+    DatasetError,
+    RunChangedError,
+    StoreError,
+    StoreUnavailableError,
+)
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
-from hsq.outputs import ManifestEntry
+from hsq.outputs import ManifestEntry, output_relpath
 from hsq.runconfig import RunConfig
 
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"
@@ -698,7 +704,8 @@ class RunStore:
     def iter_done(self) -> Iterator[tuple[str, bytes]]:
         """(sample id, raw manifest entry) of every done sample; entries are untrusted."""
         for field, value in self.client.hscan_iter(self.keys.done, count=1000):
-            yield _s(field), value
+            sid = _s(field)
+            yield sid, manifest_json(sid, value)
 
     def count(self, key: str) -> int:
         return int(self.client.hlen(key))
@@ -864,7 +871,7 @@ class RunStore:
         for i in range(0, len(entries), MAX_MARK_BATCH):
             args: list[Any] = []
             for sid, e in entries[i : i + MAX_MARK_BATCH]:
-                args += [sid, e.to_json(), e.num_tokens, e.bytes]
+                args += [sid, encode_manifest(sid, e), e.num_tokens, e.bytes]
             res = self._fenced_raw(
                 self._mark_done_many, [k.done, k.stats, k.dead, k.dead_reasons], args
             )
@@ -876,7 +883,10 @@ class RunStore:
         if not ids:
             return []
         vals = self.client.hmget(self.keys.done, ids)
-        return [v.encode() if isinstance(v, str) else v for v in vals]
+        return [
+            None if v is None else manifest_json(sid, v.encode() if isinstance(v, str) else v)
+            for sid, v in zip(ids, vals, strict=True)
+        ]
 
     def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         res = self._fenced(
@@ -891,7 +901,7 @@ class RunStore:
         an entry that does not parse (Redis is untrusted)."""
         for field, raw in self.client.hscan_iter(self.keys.done, count=1000):
             try:
-                entry: ManifestEntry | None = ManifestEntry.from_json(raw)
+                entry: ManifestEntry | None = ManifestEntry.from_json(manifest_json(_s(field), raw))
             except (ValueError, TypeError):
                 entry = None
             yield _s(field), entry
@@ -901,7 +911,7 @@ class RunStore:
         if not raw:
             return None
         try:
-            return ManifestEntry.from_json(raw)
+            return ManifestEntry.from_json(manifest_json(sample_id, raw))
         except (ValueError, TypeError):  # Redis is untrusted: a damaged entry is no entry
             return None
 
@@ -1311,6 +1321,47 @@ def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:
         return None
     origin = job.origin if job.origin in queues else queues[0]
     return ChunkJob(job.id, origin, samples, attempt, reason)
+
+
+# Done entries are stored compactly (half the Redis memory of the JSON): the path is always
+# output_relpath(id), so it is not stored; "crc32:" and the default dtype are implied.
+# Readers get the JSON back (manifest_json); an entry of an older hsq is JSON already.
+_COMPACT = "m1"
+
+
+def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
+    """A done entry as stored: `m1|tokens|bytes|checksum|worker|time|attempt|dtype`."""
+    if e.path != output_relpath(sample_id) or "|" in e.worker + e.checksum + e.store_dtype:
+        return e.to_json()  # not the usual shape: stored as it is
+    crc = e.checksum.removeprefix("crc32:")
+    if ":" in crc:
+        crc = e.checksum  # another kind of checksum, kept whole
+    dtype = "" if e.store_dtype == "bf16" else e.store_dtype
+    when = f"{e.time:.1f}"
+    return f"{_COMPACT}|{e.num_tokens}|{e.bytes}|{crc}|{e.worker}|{when}|{e.attempt}|{dtype}"
+
+
+def manifest_json(sample_id: str, raw: bytes | str) -> bytes:
+    """A stored done entry as the manifest JSON readers check (untrusted either way: what
+    does not decode is handed back as it is, and refused by whoever checks it)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if not data.startswith(b"m1|"):
+        return data
+    try:
+        _, tokens, nbytes, crc, worker, when, attempt, dtype = data.decode().split("|")
+        entry = ManifestEntry(
+            path=output_relpath(sample_id),
+            num_tokens=int(tokens),
+            bytes=int(nbytes),
+            checksum=crc if ":" in crc else f"crc32:{crc}",
+            worker=worker,
+            time=float(when),
+            attempt=int(attempt),
+            store_dtype=dtype or "bf16",
+        )
+    except (ValueError, UnicodeDecodeError, DatasetError):
+        return data
+    return entry.to_json().encode()
 
 
 def _s(value: bytes | str) -> str:

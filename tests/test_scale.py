@@ -353,3 +353,23 @@ def test_the_scale_benchmark_smoke_run(tmp_path: Path) -> None:
     assert res["reenqueue"]["output"].endswith("enqueued        0 samples in 0 jobs")
     assert {r["batch"] for r in res["capacity"]["rows"]} == {"per-sample", 16}
     assert not (tmp_path / "w").exists()
+
+
+def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "cmp", tmp_path, 4)
+    e = ManifestEntry(output_relpath("s0000"), 300, 1234, "crc32:89abcdef", "h.1a2b3c", 5.25, 1)
+    odd = ManifestEntry("00/elsewhere.safetensors", 3, 100, "sha:1", "w", 0.0, 0, "fp8-e4m3")
+    st.mark_done_many([("s0000", e), ("s0001", odd)])
+    raw = st.client.hget(st.keys.done, "s0000")
+    assert raw is not None and len(raw) < len(e.to_json()) // 2
+    assert st.get_manifest("s0000") == ManifestEntry(
+        e.path, 300, 1234, "crc32:89abcdef", "h.1a2b3c", 5.2, 1
+    )
+    assert st.get_manifest("s0001") == odd  # not the usual shape: kept as JSON
+    assert dict(st.iter_manifest())["s0000"] == st.get_manifest("s0000")
+    assert json.loads(st.done_entries(["s0000"])[0] or b"")["path"] == e.path
+    st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
+    assert st.get_manifest("s0002") is None
+    assert dict(st.iter_done())["s0002"] == b"m1|x|y"
