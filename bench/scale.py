@@ -199,7 +199,13 @@ def status_time(url: str, *extra: str) -> dict[str, Any]:
         return {"error": proc.stderr.strip().splitlines()[-1]}
     st = json.loads(proc.stdout)
     keys = ("total", "done", "queued", "in_progress", "retry", "dead", "missing")
-    return {"wall_s": round(wall, 2), **{k: st[k] for k in keys}}
+    # The same call in this process: the command's time less Python's start.
+    from hsq.app.ops import run_status
+
+    store = RunStore(connect(url), RUN)
+    store.require_config()
+    inproc, _ = timed(lambda: run_status(store))
+    return {"wall_s": round(wall, 2), "in_process_s": round(inproc, 3), **{k: st[k] for k in keys}}
 
 
 def main() -> None:
