@@ -22,9 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
+
 from hsq.outputs import ManifestEntry
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
+
+log = structlog.get_logger("hsq.worker.commit")
 
 MAX_BATCH = 64
 MAX_DELAY_S = 0.2
@@ -113,8 +117,9 @@ class Committer:
         for p, first in zip(batch, newly, strict=True):
             try:
                 p.on_marked(first)
-            finally:
-                self.events.put(Event(p.item, EventKind.DONE))
+            except Exception as exc:  # counting or logging failed: the sample is done anyway
+                log.warning("done_callback_failed", sample=p.item.sample_id, error=str(exc))
+            self.events.put(Event(p.item, EventKind.DONE))
 
     def _mark(self, entries: list[tuple[str, ManifestEntry]]) -> list[bool]:
         many = getattr(self.store, "mark_done_many", None)
