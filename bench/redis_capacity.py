@@ -1,10 +1,11 @@
 """Redis capacity: the queue's per-sample command sequence, without servers or disks.
 
-Worker processes claim chunks, check done, mark every sample done (the same Lua call as a
-real worker) and finish the chunk, as fast as they can, against a private redis-server.
-Redis's own CPU time (INFO cpu) gives the capacity at one saturated core.
+Worker processes claim chunks, check done, mark the samples done (the same script call as a
+real worker's committer: one per `--batch` samples, or one per sample with `--per-sample`)
+and finish the chunk, as fast as they can, against a private redis-server. Redis's own CPU
+time (INFO cpu) gives the capacity at one saturated core.
 
-    .venv/bin/python -m bench.redis_capacity --samples 40000 --procs 3
+    .venv/bin/python -m bench.redis_capacity --samples 40000 --procs 3 --chunk 64 --batch 64
 """
 
 from __future__ import annotations
@@ -19,28 +20,37 @@ from pathlib import Path
 
 from hsq.dataset import IndexEntry
 from hsq.harness.procs import RedisServer
-from hsq.outputs import ManifestEntry
+from hsq.outputs import ManifestEntry, output_relpath
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore, chunked, connect, redis_calls
 
 RUN = "cap"
 
 
-def work(url: str, wid: int) -> int:
+def work(url: str, wid: int, batch: int) -> int:
+    """batch 0: one mark_done call per sample."""
     store = RunStore(connect(url), RUN)
     worker = f"cap{wid}"
     n = 0
     while (job := store.claim(worker, 1)) is not None:
         done = store.done_among([sid for sid, _ in job.samples])
-        for sid, e in job.samples:
-            if sid not in done:
-                store.mark_done(
-                    sid,
-                    ManifestEntry(
-                        f"x/{sid}", e.num_tokens, 1000, "crc32:0", worker, time.time(), 0
-                    ),
-                )
-                n += 1
+        todo = [
+            (
+                sid,
+                ManifestEntry(
+                    output_relpath(sid), e.num_tokens, 1000, "crc32:0", worker, time.time(), 0
+                ),
+            )
+            for sid, e in job.samples
+            if sid not in done
+        ]
+        if batch:
+            for i in range(0, len(todo), batch):
+                store.mark_done_many(todo[i : i + batch])
+        else:
+            for sid, entry in todo:
+                store.mark_done(sid, entry)
+        n += len(todo)
         store.finish(worker, job)
     return n
 
@@ -50,20 +60,24 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=40000)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--procs", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64, help="samples per mark_done_many call")
+    ap.add_argument("--per-sample", action="store_true", help="one mark_done call per sample")
+    ap.add_argument("--tokens", type=int, default=300, help="tokens per sample")
     args = ap.parse_args()
+    batch = 0 if args.per_sample else args.batch
     work_dir = Path(tempfile.mkdtemp(prefix="hsq-cap-"))
     srv = RedisServer(work_dir / "redis", password=secrets.token_hex(8)).wait_ready()
     try:
         client = connect(srv.url)
         store = RunStore(client, RUN)
         store.save_config(RunConfig(run=RUN, dataset="/dev/null", out="/tmp"))
-        refs = [(f"s{i:07d}", IndexEntry(0, 1, 0, 512)) for i in range(args.samples)]
+        refs = [(f"s{i:07d}", IndexEntry(0, 1, 0, args.tokens)) for i in range(args.samples)]
         store.enqueue(chunked(refs, args.chunk))
         info0 = client.info("cpu")
         c0 = redis_calls(client)
         t0 = time.perf_counter()
         with mp.Pool(args.procs) as pool:
-            done = sum(pool.starmap(work, [(srv.url, i) for i in range(args.procs)]))
+            done = sum(pool.starmap(work, [(srv.url, i, batch) for i in range(args.procs)]))
         wall = time.perf_counter() - t0
         info1 = client.info("cpu")
         calls = redis_calls(client) - c0 - 1
@@ -73,6 +87,7 @@ def main() -> None:
     row = {
         "samples": done,
         "chunk": args.chunk,
+        "batch": batch or "per-sample",
         "client_procs": args.procs,
         "samples_per_s": round(done / wall, 1),
         "redis_cmds_per_sample": round(calls / done, 2),

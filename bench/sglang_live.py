@@ -189,7 +189,8 @@ def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str)
 def write_deepseek(path: Path, *, seed: int, device: str) -> Path:
     """A tiny random DeepSeek-V3 (MLA attention, one dense then MoE layers), saved with
     per-expert weight names (what SGLang's DeepseekV2 loader reads)."""
-    if (path / "model.safetensors").exists() and "architectures" in (path / "config.json").read_text():
+    config = path / "config.json"
+    if (path / "model.safetensors").exists() and "architectures" in config.read_text():
         return path
     import torch
     from safetensors.torch import save_file

@@ -7,17 +7,28 @@ Per run R (a name matching RUN_NAME_RE):
                                         and its `generation`: a random token made when the
                                         run is created; every write of a worker is fenced on it
     hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
+    hsq:run:R:reaper              STRING the worker reaping dead workers' jobs now (expires, 1 s)
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
-    hsq:run:R:done                HASH  sample id -> manifest entry (JSON); THE truth of "done"
+    hsq:run:R:done                HASH  sample id -> manifest entry; THE truth of "done". Stored
+                                        as `m1|tokens|bytes|crc|worker|time|attempt|dtype`
+                                        (the path is the id's; hsq.store.manifest_json gives
+                                        the JSON back), or JSON as older hsq wrote it
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
-    hsq:run:R:stats               HASH  tokens / bytes done, counters
+    hsq:run:R:stats               HASH  tokens / bytes done, totals, and the counters status
+                                        reads: main_samples, main_jobs, retry_samples,
+                                        retry_jobs (what the queues hold), lost (samples in
+                                        no queue, as of the last recount), counters (version)
+    hsq:run:R:dead-reasons        HASH  reason -> dead-letter entries with that reason
+    hsq:run:R:job-sizes           HASH  job id -> samples, for jobs enqueued before job ids
+                                        carried their size (written by a recount)
     hsq:run:R:crashes             HASH  sample id -> requests that died with the server
     hsq:run:R:workers             SET   registered worker ids
     hsq:run:R:worker:W            HASH  worker W's heartbeat and state (expires: liveness)
     hsq:run:R:wip:W               LIST  job ids worker W holds (reliable-queue pattern)
     rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
-    rq:job:<id>                   HASH  RQ job (JSON serializer): the chunk's samples
+    rq:job:<id>                   HASH  RQ job (JSON serializer): the chunk's samples;
+                                        <id> is hsq-R-<hex>-n<samples in the job>
 
 Everything a queue may lose is recoverable: the dataset index minus `done`, `dead`, the
 queues and the wip lists is exactly what `requeue --missing` puts back.
@@ -77,6 +88,14 @@ class RunKeys:
         return self._prefix + "stats"
 
     @property
+    def dead_reasons(self) -> str:
+        return self._prefix + "dead-reasons"
+
+    @property
+    def job_sizes(self) -> str:
+        return self._prefix + "job-sizes"
+
+    @property
     def crashes(self) -> str:
         return self._prefix + "crashes"
 
@@ -87,6 +106,10 @@ class RunKeys:
     @property
     def enqueue_lock(self) -> str:
         return self._prefix + "enqueue-lock"
+
+    @property
+    def reaper(self) -> str:
+        return self._prefix + "reaper"
 
     def worker(self, worker_id: str) -> str:
         return self._prefix + "worker:" + worker_id
@@ -111,9 +134,12 @@ class RunKeys:
             self.done,
             self.dead,
             self.stats,
+            self.dead_reasons,
+            self.job_sizes,
             self.crashes,
             self.workers,
             self.enqueue_lock,
+            self.reaper,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

@@ -388,7 +388,7 @@ def tensor_dtype_code(name: str, meta: DumpMeta) -> str:
     """The safetensors dtype a dump's tensor must have."""
     if meta.encoding == FP8:
         return _SCALE_CODE if name.endswith(SCALE_SUFFIX) else _FP8_CODE
-    return stfile.dtype_code(DTYPES[meta.dtype])
+    return DTYPE_CODES[meta.dtype]  # no torch: a bf16 worker never loads it
 
 
 # ---------------------------------------------------------------------------- writing

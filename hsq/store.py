@@ -10,8 +10,14 @@ and enqueueing, through its public API only (Queue.prepare_data / enqueue_many, 
 docs/queue.md says why). hsq's worker dequeues on its own with the reliable-queue pattern
 (LMOVE into a per-worker wip list) because RQ's own worker brings back a SIGKILLed job only
 after timeout + 60 s + up to 600 s and spends about 52 Redis commands per job. A job is a
-chunk of sample ids, so queue overhead is paid once per chunk; each sample costs one script
-call when it is done.
+chunk of sample ids, so queue overhead is paid once per chunk; a worker marks the samples it
+finished done in batches (`mark_done_many`: one script call per batch, a fixed handful of
+commands whatever its size).
+
+Counters (docs/queue.md "Counters"): the stats hash holds the samples and jobs in the main and
+retry queues and the samples known lost; every script or MULTI that moves a job moves its
+count with it (a job id ends in `-n<samples>`), so `hsq status` reads a handful of O(1)
+values instead of every job. `recount_queues` re-derives them.
 
 Fencing: a run's config holds a random `generation` made when the run is created. Every write
 a worker makes (done-mark, finish, give-back, retry enqueue, dead letter, model pin, worker
@@ -27,11 +33,12 @@ import functools
 import inspect
 import json
 import os
+import re
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -44,16 +51,25 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from hsq.dataset import IndexEntry
-from hsq.errors import ConfigError, RunChangedError, StoreError, StoreUnavailableError
+from hsq.errors import (
+    ConfigError,
+    DatasetError,
+    RunChangedError,
+    StoreError,
+    StoreUnavailableError,
+)
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
-from hsq.outputs import ManifestEntry
+from hsq.outputs import ManifestEntry, output_relpath
 from hsq.runconfig import RunConfig
 
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"
 HEARTBEAT_TTL_S = 10
 ENQUEUE_LOCK_TTL_S = 60
+REAP_LOCK_MS = 1000
 MAX_DEAD_ENTRY = 64 * 1024
 SampleRef = tuple[str, IndexEntry]
+AnyRef = tuple[str, IndexEntry | str]
+"""A sample and its index entry, or the entry already encoded (the producer's fast path)."""
 Client = redis.Redis
 """The client type, for modules that hold a connection without importing redis."""
 P = ParamSpec("P")
@@ -86,17 +102,203 @@ _UNDO_DONE = _fenced_once(
 )
 # Ownership-checked job moves: act only if the job is still in this worker's wip list.
 _FINISH = _fenced_once("redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('DEL', KEYS[3])")
-_GIVE_BACK = _fenced_once(
-    "redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('LPUSH', KEYS[3], ARGV[2])"
+# Lua: a dead-letter entry's reason (entries are untrusted JSON), as dead_entries reads it.
+_REASON = """
+local function reason_of(v)
+  local ok, e = pcall(cjson.decode, v)
+  if ok and type(e) == 'table' and type(e.reason) == 'string' then return e.reason end
+  return '?'
+end
+local function unreason(key, v)
+  local r = reason_of(v)
+  if redis.call('HINCRBY', key, r, -1) <= 0 then redis.call('HDEL', key, r) end
+end
+"""
+
+# Marks a batch of samples done, each exactly once, and keeps the run's totals in step with
+# the done hash. KEYS: config, done, stats, dead, dead reasons; ARGV: generation, then
+# (sample id, manifest JSON, tokens, bytes) per sample. A newly done sample leaves the dead
+# letter (done and dead stay disjoint, so status adds them up without reading either).
+# Replies 1/0 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
+_MARK_DONE_MANY = (
+    _FENCE
+    + _REASON
+    + """
+local ids = {}
+for i = 2, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
+local have = redis.call('HMGET', KEYS[2], unpack(ids))
+local out, put, new, seen = {}, {}, {}, {}
+local tokens, nbytes = 0, 0
+for j, sid in ipairs(ids) do
+  local i = 2 + (j - 1) * 4
+  if have[j] or seen[sid] then
+    out[j] = 0
+  else
+    seen[sid] = true
+    out[j] = 1
+    put[#put + 1] = sid
+    put[#put + 1] = ARGV[i + 1]
+    new[#new + 1] = sid
+    tokens = tokens + tonumber(ARGV[i + 2])
+    nbytes = nbytes + tonumber(ARGV[i + 3])
+  end
+end
+if #new > 0 then
+  redis.call('HSET', KEYS[2], unpack(put))
+  redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
+  redis.call('HINCRBY', KEYS[3], 'bytes', nbytes)
+  if redis.call('HLEN', KEYS[4]) > 0 then
+    local dead = redis.call('HMGET', KEYS[4], unpack(new))
+    for j, sid in ipairs(new) do
+      if dead[j] then
+        unreason(KEYS[5], dead[j])
+        redis.call('HDEL', KEYS[4], sid)
+      end
+    end
+  end
+end
+return out
+"""
 )
-# Marks a sample done exactly once and keeps the run's totals in step with the done hash.
-_MARK_DONE = _fenced_once(
-    "redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3])",
-    "  redis.call('HINCRBY', KEYS[3], 'tokens', ARGV[4])\n"
-    "  redis.call('HINCRBY', KEYS[3], 'bytes', ARGV[5])",
+MAX_MARK_BATCH = 500
+"""Samples per mark_done_many script call (Lua's unpack takes a few thousand arguments)."""
+
+# Puts a dead-letter entry and counts its reason. KEYS: config, dead, reasons, done; ARGV:
+# generation, key, entry JSON, reason. A sample already done is not dead-lettered (0).
+_TO_DEAD = (
+    _FENCE
+    + _REASON
+    + """
+if redis.call('HMGET', KEYS[4], ARGV[2])[1] then return 0 end
+local old = redis.call('HGET', KEYS[2], ARGV[2])
+if old then unreason(KEYS[3], old) end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+return 1
+"""
 )
 
-_HSET = _FENCE + "redis.call('HSET', KEYS[2], ARGV[2], ARGV[3]) return 1"
+# Takes entries out of the dead letter, keeping the reason counts. KEYS: dead, reasons.
+_DEAD_REMOVE = (
+    _REASON
+    + """
+local n = 0
+for _, key in ipairs(ARGV) do
+  local old = redis.call('HGET', KEYS[1], key)
+  if old then
+    unreason(KEYS[2], old)
+    n = n + redis.call('HDEL', KEYS[1], key)
+  end
+end
+return n
+"""
+)
+
+# Lua: the samples of a job: its id ends in -n<count>; a job enqueued before counters existed
+# has its count in the job-sizes hash (recount_queues writes it), KEYS[SIZES] of the script.
+_SIZE = """
+local function size_of(id)
+  local n = string.match(id, '%-n(%d+)$')
+  if n then return tonumber(n) end
+  return tonumber(redis.call('HGET', KEYS[SIZES], id) or '1')
+end
+"""
+
+
+def _with_sizes(script: str, key_index: int) -> str:
+    return _SIZE.replace("SIZES", str(key_index)) + script
+
+
+# KEYS: config, wip, origin queue, stats, sizes; ARGV: generation, job id, origin's counter
+# prefix ('main' or 'retry').
+_GIVE_BACK = _with_sizes(
+    _fenced_once(
+        "redis.call('LREM', KEYS[2], 1, ARGV[2])",
+        "  redis.call('LPUSH', KEYS[3], ARGV[2])\n"
+        "  redis.call('HINCRBY', KEYS[4], ARGV[3] .. '_samples', size_of(ARGV[2]))\n"
+        "  redis.call('HINCRBY', KEYS[4], ARGV[3] .. '_jobs', 1)",
+    ),
+    5,
+)
+
+# Claims the first job of the retry queue, else of the main queue, into a worker's wip list,
+# moving its count out of that queue's counters. KEYS: retry, main, wip, stats, config,
+# sizes. Replies the job id and its queue ('retry' or 'main'), or nil.
+_CLAIM = _with_sizes(
+    """
+local id = redis.call('LMOVE', KEYS[1], KEYS[3], 'LEFT', 'RIGHT')
+local which = 'retry'
+if not id then
+  id = redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT')
+  which = 'main'
+end
+if not id then return false end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('HINCRBY', KEYS[4], which .. '_samples', -size_of(id))
+  redis.call('HINCRBY', KEYS[4], which .. '_jobs', -1)
+end
+return {id, which}
+""",
+    6,
+)
+
+# Moves the last job of a wip list to the front of the main queue, with its count.
+# KEYS: wip, main, stats, config, sizes.
+_RELEASE_ONE = _with_sizes(
+    """
+local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+if id and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'main_samples', size_of(id))
+  redis.call('HINCRBY', KEYS[3], 'main_jobs', 1)
+end
+return id
+""",
+    5,
+)
+
+# Re-derives the queue counters and the dead letter's reason counts from the lists and the
+# dead hash, atomically (O(jobs + dead entries): the repair and migration path, not status).
+# KEYS: config, main, retry, stats, sizes, dead, reasons.
+_RECOUNT = _with_sizes(
+    _REASON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local function sum(key)
+  local ids = redis.call('LRANGE', key, 0, -1)
+  local n = 0
+  for _, id in ipairs(ids) do n = n + size_of(id) end
+  return n, #ids
+end
+local ms, mj = sum(KEYS[2])
+local rs, rj = sum(KEYS[3])
+redis.call('HSET', KEYS[4], 'main_samples', ms, 'main_jobs', mj, 'retry_samples', rs,
+           'retry_jobs', rj, 'counters', ARGV[1])
+redis.call('DEL', KEYS[7])
+local counts = {}
+local dead = redis.call('HGETALL', KEYS[6])
+for i = 2, #dead, 2 do
+  local r = reason_of(dead[i])
+  counts[r] = (counts[r] or 0) + 1
+end
+for r, n in pairs(counts) do redis.call('HSET', KEYS[7], r, n) end
+return ms + rs
+""",
+    5,
+)
+COUNTERS_VERSION = 1
+# The reaper's lock, only in a run that exists (a purged run gets no key back).
+_REAP_LOCK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+return 0
+"""
+_FORGET_LOST = """
+if redis.call('HINCRBY', KEYS[1], 'lost', -tonumber(ARGV[1])) < 0 then
+  redis.call('HSET', KEYS[1], 'lost', 0)
+end
+return 1
+"""
+
 _HINCR = _FENCE + "return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)"
 
 # Model and layers of the first valid dump: HSETNX, only into the run we read.
@@ -118,11 +320,13 @@ return 1
 """
 )
 
-# Creates a run's config if there is none (one enqueue wins); 0 if it exists.
-_CREATE = """
+# Creates a run's config if there is none (one enqueue wins); 0 if it exists. Its counters
+# start exact (a new run has no job): KEYS[3] is the stats hash.
+_CREATE = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], 'counters', {COUNTERS_VERSION})
 return 1
 """
 
@@ -271,12 +475,50 @@ class Snapshot:
     out: str | None
 
 
+@dataclass(frozen=True)
+class Counts:
+    """A run's counters, read in one transaction (so they agree with each other)."""
+
+    index: int
+    done: int
+    dead: int
+    main_jobs_listed: int
+    retry_jobs_listed: int
+    stats: dict[str, int]
+    dead_reasons: dict[str, int]
+
+    @property
+    def consistent(self) -> bool:
+        """The queue counters can be trusted: they exist, and the job counts they keep
+        match the queues' lengths (a queue damaged from outside, e.g. a DEL, breaks this)."""
+        st = self.stats
+        return (
+            st.get("counters") == COUNTERS_VERSION
+            and st.get("main_jobs", 0) == self.main_jobs_listed
+            and st.get("retry_jobs", 0) == self.retry_jobs_listed
+        )
+
+
+_JOB_SIZE_RE = re.compile(r"-n([0-9]{1,9})$")
+
+
+def job_id_for(run: str, samples: int) -> str:
+    """A new job id; it carries the job's sample count, which the scripts read."""
+    return f"hsq-{run}-{secrets.token_hex(8)}-n{samples}"
+
+
+def job_size(job_id: str) -> int | None:
+    """The sample count a job id carries (None for ids made before they carried one)."""
+    m = _JOB_SIZE_RE.search(job_id)
+    return int(m.group(1)) if m else None
+
+
 def _job_kwargs(
-    run: str, samples: Iterable[SampleRef], attempt: int, reason: str | None
+    run: str, samples: Iterable[AnyRef], attempt: int, reason: str | None
 ) -> dict[str, Any]:
     return {
         "run": run,
-        "samples": [[sid, e.encode()] for sid, e in samples],
+        "samples": [[sid, e if isinstance(e, str) else e.encode()] for sid, e in samples],
         "attempt": attempt,
         "reason": reason,
     }
@@ -295,11 +537,17 @@ class RunStore:
         self._held: set[str] = set()  # job ids claim() handed out and not yet finished
         self._held_lock = threading.RLock()
         reg = client.register_script
-        self._mark_done = reg(_MARK_DONE)
+        self._mark_done_many = reg(_MARK_DONE_MANY)
+        self._to_dead = reg(_TO_DEAD)
+        self._dead_remove = reg(_DEAD_REMOVE)
+        self._claim = reg(_CLAIM)
+        self._release_one = reg(_RELEASE_ONE)
+        self._recount = reg(_RECOUNT)
+        self._forget_lost = reg(_FORGET_LOST)
+        self._reap_lock = reg(_REAP_LOCK)
         self._undo_done = reg(_UNDO_DONE)
         self._finish = reg(_FINISH)
         self._give_back = reg(_GIVE_BACK)
-        self._hset = reg(_HSET)
         self._hincr = reg(_HINCR)
         self._pin = reg(_PIN)
         self._heartbeat = reg(_HEARTBEAT)
@@ -341,7 +589,9 @@ class RunStore:
         concurrent creators one wins). Returns (the recorded config, whether we created it)."""
         fresh = replace(cfg, generation=secrets.token_hex(8))
         flat = [x for kv in fresh.to_redis().items() for x in kv]
-        created = bool(self._create(keys=[self.keys.config, RUNS], args=[self.run, *flat]))
+        created = bool(
+            self._create(keys=[self.keys.config, RUNS, self.keys.stats], args=[self.run, *flat])
+        )
         return self.require_config(), created
 
     def save_config(self, cfg: RunConfig) -> None:
@@ -355,7 +605,10 @@ class RunStore:
         return self._generation
 
     def _fenced(self, script: Any, keys: list[str], args: list[Any]) -> int:
-        res = int(script(keys=[self.keys.config, *keys], args=[self._fence_args(), *args]))
+        return int(self._fenced_raw(script, keys, args))
+
+    def _fenced_raw(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        res = script(keys=[self.keys.config, *keys], args=[self._fence_args(), *args])
         if res == -1:
             raise RunChangedError(
                 f"run {self.run!r} was purged or re-created (generation {self.generation} "
@@ -392,11 +645,11 @@ class RunStore:
             for name, raw in zip(values, recorded, strict=True)
         }
 
-    def put_index(self, entries: Iterable[tuple[str, IndexEntry]], batch: int = 5000) -> int:
+    def put_index(self, entries: Iterable[AnyRef], batch: int = 5000) -> int:
         n = 0
         buf: dict[str, str] = {}
         for sid, e in entries:
-            buf[sid] = e.encode()
+            buf[sid] = e if isinstance(e, str) else e.encode()
             if len(buf) >= batch:
                 self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
                 n += len(buf)
@@ -407,11 +660,16 @@ class RunStore:
         return n
 
     def delete_fields(self, key: str, fields: Iterable[str], batch: int = 5000) -> int:
-        """HDEL in batches (pruning the index and the dead letter)."""
+        """HDEL in batches (pruning the index and the dead letter: the dead letter's through
+        a script that keeps its reason counts)."""
         items = list(fields)
         n = 0
         for i in range(0, len(items), batch):
-            n += int(self.client.hdel(key, *items[i : i + batch]))
+            part = items[i : i + batch]
+            if key == self.keys.dead:
+                n += int(self._dead_remove(keys=[key, self.keys.dead_reasons], args=part))
+            else:
+                n += int(self.client.hdel(key, *part))
         return n
 
     def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
@@ -446,7 +704,8 @@ class RunStore:
     def iter_done(self) -> Iterator[tuple[str, bytes]]:
         """(sample id, raw manifest entry) of every done sample; entries are untrusted."""
         for field, value in self.client.hscan_iter(self.keys.done, count=1000):
-            yield _s(field), value
+            sid = _s(field)
+            yield sid, manifest_json(sid, value)
 
     def count(self, key: str) -> int:
         return int(self.client.hlen(key))
@@ -485,6 +744,113 @@ class RunStore:
             out=out_path if isinstance(out_path, str) else None,
         )
 
+    def counts(self) -> Counts:
+        """The O(1) counters `hsq status` adds up, in one MULTI: one instant of the run."""
+        k = self.keys
+        p = self.client.pipeline(transaction=True)
+        p.hlen(k.index)
+        p.hlen(k.done)
+        p.hlen(k.dead)
+        p.llen(rq_queue_key(k.main_queue))
+        p.llen(rq_queue_key(k.retry_queue))
+        p.hgetall(k.stats)
+        p.hgetall(k.dead_reasons)
+        index, done, dead, main, retry, stats, reasons = p.execute()
+        return Counts(
+            index=int(index),
+            done=int(done),
+            dead=int(dead),
+            main_jobs_listed=int(main),
+            retry_jobs_listed=int(retry),
+            stats={_s(a): int(b) for a, b in stats.items()},
+            dead_reasons={_s(a): int(b) for a, b in reasons.items() if int(b) > 0},
+        )
+
+    def recount_queues(self) -> int:
+        """Re-derive the queue counters and the dead letter's reason counts from the queues
+        themselves, atomically (O(jobs): the migration and repair path). Jobs enqueued before
+        ids carried their size get it recorded first. Returns the samples the queues hold."""
+        k = self.keys
+        sizes: dict[str, int] = {}
+        for key in (rq_queue_key(k.main_queue), rq_queue_key(k.retry_queue)):
+            legacy = [j for j in (_s(x) for x in self.client.lrange(key, 0, -1)) if not job_size(j)]
+            for i in range(0, len(legacy), 500):
+                for jid, job in zip(
+                    legacy[i : i + 500], self._fetch_jobs(legacy[i : i + 500]), strict=True
+                ):
+                    parsed = None if job is None else _parse_job(job, (k.main_queue,))
+                    sizes[jid] = len(parsed.samples) if parsed else 0
+        if sizes:
+            self.client.hset(k.job_sizes, mapping=sizes)  # type: ignore[arg-type]
+        res = int(
+            self._recount(
+                keys=[
+                    k.config,
+                    rq_queue_key(k.main_queue),
+                    rq_queue_key(k.retry_queue),
+                    k.stats,
+                    k.job_sizes,
+                    k.dead,
+                    k.dead_reasons,
+                ],
+                args=[COUNTERS_VERSION],
+            )
+        )
+        if res == -1:
+            raise ConfigError(f"run {self.run!r} does not exist")
+        return res
+
+    def presence(self, ids: list[str]) -> tuple[list[bool], list[bool], list[bool]]:
+        """For each id: in the index, done, in the dead letter (three HMGETs, one trip)."""
+        if not ids:
+            return [], [], []
+        p = self.client.pipeline(transaction=False)
+        for key in (self.keys.index, self.keys.done, self.keys.dead):
+            p.hmget(key, ids)
+        index, done, dead = p.execute()
+        return (
+            [v is not None for v in index],
+            [v is not None for v in done],
+            [v is not None for v in dead],
+        )
+
+    def begin_enqueue(self) -> bool:
+        """Flag an enqueue in progress; True if the last one never finished (a crash between
+        its index writes and its jobs: the next enqueue must then look at every job)."""
+        p = self.client.pipeline(transaction=True)
+        p.hget(self.keys.stats, "enqueuing")
+        p.hset(self.keys.stats, "enqueuing", 1)
+        was, _ = p.execute()
+        return was is not None
+
+    def end_enqueue(self) -> None:
+        """Everything of the dataset not done, dead or queued was enqueued: nothing is lost."""
+        p = self.client.pipeline(transaction=True)
+        p.hset(self.keys.stats, "lost", 0)
+        p.hdel(self.keys.stats, "enqueuing")
+        p.execute()
+
+    def set_lost(self, samples: int) -> None:
+        """Record how many samples are in no queue (a recount found them, or they were
+        all enqueued again: 0)."""
+        self.client.hset(self.keys.stats, "lost", max(0, samples))
+
+    def forget_lost(self, samples: int) -> None:
+        """`samples` lost ones were enqueued again (the count never goes below 0)."""
+        if samples:
+            self._forget_lost(keys=[self.keys.stats], args=[samples])
+
+    def workers_info(self) -> dict[str, dict[str, str]]:
+        """Every registered worker's heartbeat hash ({} once expired), in one round trip."""
+        wids = self.worker_ids()
+        p = self.client.pipeline(transaction=False)
+        for wid in wids:
+            p.hgetall(self.keys.worker(wid))
+        return {
+            wid: {_s(a): _s(b) for a, b in raw.items()}
+            for wid, raw in zip(wids, p.execute(), strict=True)
+        }
+
     # ------------------------------------------------------------------ done and dead
     def done_among(self, ids: list[str]) -> set[str]:
         if not ids:
@@ -494,12 +860,33 @@ class RunStore:
 
     def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         """True if this call made the sample done; False if it already was."""
-        res = self._fenced(
-            self._mark_done,
-            [self.keys.done, self.keys.stats],
-            [sample_id, entry.to_json(), entry.num_tokens, entry.bytes],
-        )
-        return bool(res)
+        return self.mark_done_many([(sample_id, entry)])[0]
+
+    def mark_done_many(self, entries: Sequence[tuple[str, ManifestEntry]]) -> list[bool]:
+        """Mark samples done, each exactly once, in one script call per MAX_MARK_BATCH (the
+        same fence, idempotency and totals as one mark_done each). Per sample: True if this
+        call made it done. Call it only once every file is durably written."""
+        out: list[bool] = []
+        k = self.keys
+        for i in range(0, len(entries), MAX_MARK_BATCH):
+            args: list[Any] = []
+            for sid, e in entries[i : i + MAX_MARK_BATCH]:
+                args += [sid, encode_manifest(sid, e), e.num_tokens, e.bytes]
+            res = self._fenced_raw(
+                self._mark_done_many, [k.done, k.stats, k.dead, k.dead_reasons], args
+            )
+            out += [bool(x) for x in res]
+        return out
+
+    def done_entries(self, ids: list[str]) -> list[bytes | None]:
+        """The raw (untrusted) manifest entry of each id, None where it is not done."""
+        if not ids:
+            return []
+        vals = self.client.hmget(self.keys.done, ids)
+        return [
+            None if v is None else manifest_json(sid, v.encode() if isinstance(v, str) else v)
+            for sid, v in zip(ids, vals, strict=True)
+        ]
 
     def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool:
         res = self._fenced(
@@ -514,7 +901,7 @@ class RunStore:
         an entry that does not parse (Redis is untrusted)."""
         for field, raw in self.client.hscan_iter(self.keys.done, count=1000):
             try:
-                entry: ManifestEntry | None = ManifestEntry.from_json(raw)
+                entry: ManifestEntry | None = ManifestEntry.from_json(manifest_json(_s(field), raw))
             except (ValueError, TypeError):
                 entry = None
             yield _s(field), entry
@@ -524,7 +911,7 @@ class RunStore:
         if not raw:
             return None
         try:
-            return ManifestEntry.from_json(raw)
+            return ManifestEntry.from_json(manifest_json(sample_id, raw))
         except (ValueError, TypeError):  # Redis is untrusted: a damaged entry is no entry
             return None
 
@@ -538,7 +925,17 @@ class RunStore:
             "worker": worker,
             "time": time.time(),
         }
-        self._fenced(self._hset, [self.keys.dead], [sample_id, json.dumps(entry)])
+        # A sample already done is not dead-lettered: done and dead stay disjoint.
+        self._fenced(
+            self._to_dead,
+            [self.keys.dead, self.keys.dead_reasons, self.keys.done],
+            [sample_id, json.dumps(entry), reason],
+        )
+
+    def dead_reasons(self) -> dict[str, int]:
+        """Dead-letter entries by reason, from the counts the scripts keep (O(reasons))."""
+        raw = self.client.hgetall(self.keys.dead_reasons)
+        return {_s(k): int(v) for k, v in raw.items() if int(v) > 0}
 
     def dead_entries(self) -> dict[str, dict[str, Any]]:
         """The dead letter; an unreadable entry (Redis is untrusted) reads as reason `?`."""
@@ -555,11 +952,9 @@ class RunStore:
 
     def clear_failures(self, ids: Iterable[str]) -> None:
         """Take samples out of the dead letter and the crash counts (they were requeued)."""
-        p = self.client.pipeline(transaction=False)
-        for sid in ids:
-            p.hdel(self.keys.dead, sid)
-            p.hdel(self.keys.crashes, sid)
-        p.execute()
+        items = list(ids)
+        self.delete_fields(self.keys.dead, items)
+        self.delete_fields(self.keys.crashes, items)
 
     def record_crash(self, sample_id: str) -> int:
         return self._fenced(self._hincr, [self.keys.crashes], [sample_id])
@@ -567,20 +962,27 @@ class RunStore:
     # ------------------------------------------------------------------ queues
     def enqueue(
         self,
-        chunks: Iterable[list[SampleRef]],
+        chunks: Iterable[Sequence[AnyRef]],
         *,
         retry: bool = False,
         attempt: int = 0,
         reason: str | None = None,
         batch: int = 200,
+        clear_failures: bool = False,
     ) -> int:
         """Enqueue chunk jobs (RQ, JSON serializer), fenced on the run's generation; returns
-        the number of samples."""
+        the number of samples. `clear_failures`: the samples leave the dead letter and the
+        crash counts in the same transaction (a requeue: never both queued and dead)."""
         q = self._queues[self.keys.retry_queue if retry else self.keys.main_queue]
         n = 0
         datas = []
+        sizes = 0
+        ids: list[str] = []
+        which = "retry" if retry else "main"
         for chunk in chunks:
-            job_id = f"hsq-{self.run}-{secrets.token_hex(8)}"
+            if clear_failures:
+                ids += [sid for sid, _ in chunk]
+            job_id = job_id_for(self.run, len(chunk))
             datas.append(
                 Queue.prepare_data(
                     JOB_FUNC,
@@ -592,18 +994,23 @@ class RunStore:
                 )
             )
             n += len(chunk)
+            sizes += len(chunk)
             if len(datas) >= batch:
-                self._enqueue_fenced(q, datas)
-                datas = []
+                self._enqueue_fenced(q, datas, sizes, which, ids)
+                datas, sizes, ids = [], 0, []
         if datas:
-            self._enqueue_fenced(q, datas)
+            self._enqueue_fenced(q, datas, sizes, which, ids)
         return n
 
-    def _enqueue_fenced(self, q: Queue, datas: list[Any]) -> None:
+    def _enqueue_fenced(
+        self, q: Queue, datas: list[Any], samples: int, which: str, cleared: list[str]
+    ) -> None:
         # RQ writes the job hash and the queue entry; WATCH makes that conditional on the
         # config (and so the generation) staying as we read it. Another config change
         # (a model pin) only makes us try again.
         gen = self._fence_args()
+        if cleared:  # loads the script if Redis does not have it yet (a no-op call)
+            self._dead_remove(keys=[self.keys.dead, self.keys.dead_reasons], args=[])
         for _ in range(100):
             with self.client.pipeline() as pipe:
                 try:
@@ -614,6 +1021,14 @@ class RunStore:
                         )
                     pipe.multi()
                     q.enqueue_many(datas, pipeline=pipe)
+                    # The queue's counters move in the same transaction as its jobs.
+                    pipe.hincrby(self.keys.stats, f"{which}_samples", samples)
+                    pipe.hincrby(self.keys.stats, f"{which}_jobs", len(datas))
+                    if cleared:
+                        # EVALSHA queued in the MULTI (the script was loaded above).
+                        k = self.keys
+                        pipe.evalsha(self._dead_remove.sha, 2, k.dead, k.dead_reasons, *cleared)
+                        pipe.hdel(k.crashes, *cleared)
                     pipe.execute()
                     return
                 except redis.exceptions.WatchError:
@@ -631,17 +1046,34 @@ class RunStore:
         stray = self._stray(wip)
         if stray is not None:
             return stray
-        job_id = self.client.lmove(rq_queue_key(self.keys.retry_queue), wip, "LEFT", "RIGHT")
+        job_id = self._claim_now(wip)
         if job_id is None and timeout <= 0:  # no wait: the caller has other work going
-            job_id = self.client.lmove(rq_queue_key(self.keys.main_queue), wip, "LEFT", "RIGHT")
-        elif job_id is None:
-            # BLMOVE: the job is never only in flight; a crash leaves it in our wip list.
-            job_id = self.client.blmove(
-                rq_queue_key(self.keys.main_queue), wip, max(1, round(timeout)), "LEFT", "RIGHT"
-            )
+            return None
+        if job_id is None:
+            # Wait for work without taking it: BLMOVE of the main queue onto itself returns
+            # as soon as it holds a job (rotating one, so nothing is ever only in flight),
+            # then the claim script takes a job and its count atomically.
+            main = rq_queue_key(self.keys.main_queue)
+            if self.client.blmove(main, main, max(1, round(timeout)), "LEFT", "RIGHT") is None:
+                return None
+            job_id = self._claim_now(wip)
         if job_id is None:
             return None
-        return self._load_job(wip, _s(job_id))
+        return self._load_job(wip, job_id)
+
+    def _claim_now(self, wip: str) -> str | None:
+        k = self.keys
+        res = self._claim(
+            keys=[
+                rq_queue_key(k.retry_queue),
+                rq_queue_key(k.main_queue),
+                wip,
+                k.stats,
+                k.config,
+                k.job_sizes,
+            ]
+        )
+        return None if not res else _s(res[0])
 
     def _stray(self, wip: str) -> ChunkJob | None:
         held = [_s(j) for j in self.client.lrange(wip, 0, -1)]
@@ -657,8 +1089,12 @@ class RunStore:
             None if job is None else _parse_job(job, (self.keys.main_queue, self.keys.retry_queue))
         )
         if parsed is None:
-            # A job hash lost or unreadable: drop the id; `requeue --missing` finds its samples.
-            self.client.lrem(wip, 1, jid)
+            # A job hash lost or unreadable: drop the id and count its samples as lost;
+            # `requeue --missing` finds them.
+            p = self.client.pipeline(transaction=True)
+            p.lrem(wip, 1, jid)
+            p.hincrby(self.keys.stats, "lost", job_size(jid) or 1)
+            p.execute()
             self._forget(jid)
             raise StoreError(
                 f"job {jid} unreadable; its samples are found by `hsq requeue --missing`"
@@ -686,10 +1122,16 @@ class RunStore:
         only while we still hold it, so a reaped job is never queued twice."""
         with self._held_lock:
             try:
+                which = "retry" if job.origin == self.keys.retry_queue else "main"
                 res = self._fenced(
                     self._give_back,
-                    [self.keys.wip(worker_id), rq_queue_key(job.origin)],
-                    [job.job_id],
+                    [
+                        self.keys.wip(worker_id),
+                        rq_queue_key(job.origin),
+                        self.keys.stats,
+                        self.keys.job_sizes,
+                    ],
+                    [job.job_id, which],
                 )
             finally:
                 self._held.discard(job.job_id)
@@ -703,16 +1145,26 @@ class RunStore:
         return {"main": int(main), "retry": int(retry)}
 
     def outstanding_job_ids(self) -> dict[str, list[str]]:
-        """Job ids per place: "main", "retry" and "wip:<worker>"."""
+        """Job ids per place: "main", "retry" and "wip:<worker>", read in one transaction
+        (a job moving between places is seen in exactly one)."""
         places = {
             "main": rq_queue_key(self.keys.main_queue),
             "retry": rq_queue_key(self.keys.retry_queue),
         }
-        for wid in self.worker_ids():
-            places[f"wip:{wid}"] = self.keys.wip(wid)
-        return {
-            name: [_s(j) for j in self.client.lrange(key, 0, -1)] for name, key in places.items()
+        # Wip lists by SCAN too: a worker reaped while alive holds jobs until its next
+        # heartbeat registers it again (O(keys): only the recount and repair paths).
+        wids = set(self.worker_ids())
+        prefix = self.keys.wip("")
+        wids |= {
+            _s(key)[len(prefix) :] for key in self.client.scan_iter(match=prefix + "*", count=1000)
         }
+        for wid in sorted(wids):
+            places[f"wip:{wid}"] = self.keys.wip(wid)
+        p = self.client.pipeline(transaction=True)
+        for key in places.values():
+            p.lrange(key, 0, -1)
+        lists = p.execute()
+        return {name: [_s(j) for j in ids] for name, ids in zip(places, lists, strict=True)}
 
     def outstanding_samples(self) -> dict[str, str]:
         """sample id -> place ("main", "retry", "wip:<worker>") for every queued or held sample."""
@@ -773,20 +1225,29 @@ class RunStore:
     def release_wip(self, worker_id: str) -> int:
         """Move every job a worker holds back to the front of the main queue."""
         n = 0
-        main = rq_queue_key(self.keys.main_queue)
+        k = self.keys
+        keys = [k.wip(worker_id), rq_queue_key(k.main_queue), k.stats, k.config, k.job_sizes]
         with self._held_lock:
-            while (
-                jid := self.client.lmove(self.keys.wip(worker_id), main, "RIGHT", "LEFT")
-            ) is not None:
+            while (jid := self._release_one(keys=keys)) is not None:
                 self._held.discard(_s(jid))
                 n += 1
         return n
 
     def reap(self) -> dict[str, int]:
-        """Hand the jobs of workers whose heartbeat expired back to the queue front."""
+        """Hand the jobs of workers whose heartbeat expired back to the queue front.
+
+        One reaper at a time (a lock of REAP_LOCK_MS): every worker calls this every few
+        seconds, and each pass reads every worker's heartbeat, so without the lock a
+        thousand workers would send Redis a million EXISTS every pass interval."""
+        if not self._reap_lock(keys=[self.keys.config, self.keys.reaper], args=[REAP_LOCK_MS]):
+            return {}
         recovered: dict[str, int] = {}
-        for wid in self.worker_ids():
-            if self.client.exists(self.keys.worker(wid)):
+        wids = self.worker_ids()
+        p = self.client.pipeline(transaction=False)
+        for wid in wids:
+            p.exists(self.keys.worker(wid))
+        for wid, alive in zip(wids, p.execute(), strict=True):
+            if alive:
                 continue
             # LMOVE is atomic per item: two reapers never move the same job twice.
             recovered[wid] = self.release_wip(wid)
@@ -865,6 +1326,47 @@ def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:
     return ChunkJob(job.id, origin, samples, attempt, reason)
 
 
+# Done entries are stored compactly (half the Redis memory of the JSON): the path is always
+# output_relpath(id), so it is not stored; "crc32:" and the default dtype are implied.
+# Readers get the JSON back (manifest_json); an entry of an older hsq is JSON already.
+_COMPACT = "m1"
+
+
+def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
+    """A done entry as stored: `m1|tokens|bytes|checksum|worker|time|attempt|dtype`."""
+    if e.path != output_relpath(sample_id) or "|" in e.worker + e.checksum + e.store_dtype:
+        return e.to_json()  # not the usual shape: stored as it is
+    crc = e.checksum.removeprefix("crc32:")
+    if ":" in crc:
+        crc = e.checksum  # another kind of checksum, kept whole
+    dtype = "" if e.store_dtype == "bf16" else e.store_dtype
+    when = f"{e.time:.1f}"
+    return f"{_COMPACT}|{e.num_tokens}|{e.bytes}|{crc}|{e.worker}|{when}|{e.attempt}|{dtype}"
+
+
+def manifest_json(sample_id: str, raw: bytes | str) -> bytes:
+    """A stored done entry as the manifest JSON readers check (untrusted either way: what
+    does not decode is handed back as it is, and refused by whoever checks it)."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    if not data.startswith(b"m1|"):
+        return data
+    try:
+        _, tokens, nbytes, crc, worker, when, attempt, dtype = data.decode().split("|")
+        entry = ManifestEntry(
+            path=output_relpath(sample_id),
+            num_tokens=int(tokens),
+            bytes=int(nbytes),
+            checksum=crc if ":" in crc else f"crc32:{crc}",
+            worker=worker,
+            time=float(when),
+            attempt=int(attempt),
+            store_dtype=dtype or "bf16",
+        )
+    except (ValueError, UnicodeDecodeError, DatasetError):
+        return data
+    return entry.to_json().encode()
+
+
 def _s(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -878,6 +1380,9 @@ def new_worker_id(name: str | None) -> str:
     return f"{base}.{secrets.token_hex(3)}"
 
 
-def chunked(items: list[SampleRef], size: int) -> Iterator[list[SampleRef]]:
+R_ = TypeVar("R_")
+
+
+def chunked(items: Sequence[R_], size: int) -> Iterator[list[R_]]:
     for i in range(0, len(items), size):
-        yield items[i : i + size]
+        yield list(items[i : i + size])

@@ -11,6 +11,14 @@ instead of scanning in parallel and queueing every sample twice.
 
 `recover_run` (`hsq recover`) is the same pass after a Redis loss: before enqueueing, every
 output file already under <out>/<run>/ is checked against its dataset line and re-marked done.
+
+A plain enqueue streams (`_enqueue_streaming`): the dataset is scanned in batches
+(producer/fastscan.py) and each batch is decided, enqueued and indexed before the next is
+read, with pipelined reads (one round trip of three HMGETs a batch); no list of every
+sample is held. Whether an id already in the index is queued comes from the run's counters
+(docs/queue.md): when they are exact and nothing is lost, an indexed id that is neither done
+nor dead is queued or held; otherwise (counters missing or off, samples lost, the last
+enqueue interrupted) every job is read, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import json
 import os
 import socket
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +36,9 @@ import structlog
 from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
+from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, chunked
+from hsq.store import AnyRef, RunStore, chunked
 
 log = structlog.get_logger("hsq.producer")
 
@@ -84,6 +93,10 @@ def enqueue_run(
     cfg.validate()
     holder = f"{socket.gethostname()}:{os.getpid()}"
     with store.enqueue_lock(holder):
+        if not recover:
+            return _enqueue_streaming(
+                store, cfg, strict=strict, progress=progress, rejected=rejected
+            )
         return _enqueue_locked(
             store, cfg, strict=strict, progress=progress, recover=recover, rejected=rejected
         )
@@ -125,6 +138,7 @@ def _enqueue_locked(
 
     if existing is None:
         existing, _ = store.create_config(cfg)
+    store.begin_enqueue()
     store.put_index(valid)
     store.set_totals(
         samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
@@ -153,6 +167,12 @@ def _enqueue_locked(
     chunks = list(chunked(todo, cfg.chunk_size))
     report.enqueued = store.enqueue(chunks)
     report.chunks = len(chunks)
+    store.end_enqueue()
+    _log_report(cfg, report)
+    return report
+
+
+def _log_report(cfg: RunConfig, report: EnqueueReport) -> None:
     log.info(
         "enqueued",
         run=cfg.run,
@@ -164,15 +184,152 @@ def _enqueue_locked(
         pruned=report.pruned,
         recovered=report.recovered,
     )
+
+
+STREAM_BATCH = 5000
+
+
+def _enqueue_streaming(
+    store: RunStore,
+    cfg: RunConfig,
+    *,
+    strict: bool,
+    progress: bool,
+    rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
+) -> EnqueueReport:
+    """`enqueue` without a recover pass, one batch at a time (module docstring)."""
+    existing = store.load_config()
+    if existing is not None:
+        conflicts = existing.conflicts(cfg)
+        if conflicts:
+            raise ConfigError(
+                f"run {cfg.run!r} exists with other settings: " + "; ".join(conflicts)
+            )
+    path = Path(cfg.dataset)
+    report = EnqueueReport()
+    if strict:  # refuse before writing anything: a first pass that only validates
+        bad_first: Bad = []
+        for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen={}):
+            bad_first += b.bad
+        _add_rejected(EnqueueReport(), bad_first, rejected)
+        if bad_first:
+            probe = EnqueueReport()
+            _count_bad(probe, bad_first)
+            raise DatasetError(
+                f"--strict: {len(bad_first)} invalid line(s), nothing enqueued; first: "
+                + "; ".join(probe.problems[:5]),
+                "strict",
+            )
+    seen: dict[str, int] = {}
+    bad: Bad = []
+    tokens = 0
+    started = False
+    exact: dict[str, str] | None = None  # id -> place of every queued sample, if needed
+    pending: list[AnyRef] = []
+    with logs.progress(path.stat().st_size, "B", "enqueueing", enabled=progress) as bar:
+        for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen=seen):
+            bar.update(b.bytes)
+            report.lines += b.lines
+            bad += b.bad
+            _count_bad(report, b.bad)
+            if not b.valid:
+                continue
+            if not started:
+                exact = _start(store, cfg, existing)
+                started = True
+            tokens += b.tokens
+            pending += _decide(store, b.valid, exact, report, existing is not None)
+            full = len(pending) - len(pending) % cfg.chunk_size
+            _enqueue_chunks(store, cfg, pending[:full], report)
+            del pending[:full]  # the rest waits for the next batch: chunks stay full
+            # An interrupted enqueue leaves indexed samples in no queue: `begin_enqueue`'s
+            # flag makes the next one look at every job.
+            store.put_index(b.valid)
+    _enqueue_chunks(store, cfg, pending, report)
+    _add_rejected(report, bad, rejected)
+    report.valid = len(seen)  # only valid lines' ids are recorded
+    if not started:
+        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+    store.set_totals(samples=report.valid, tokens=tokens, invalid_lines=len(bad))
+    for key, err, sid in bad:
+        store.to_dead(key, err.reason, f"{err} (id {sid!r})" if sid else str(err), 0, None)
+    report.pruned = _prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
+    store.end_enqueue()
+    _log_report(cfg, report)
     return report
 
 
-def _prune(store: RunStore, valid_ids: set[str], bad_lines: set[str]) -> int:
+def _enqueue_chunks(
+    store: RunStore, cfg: RunConfig, todo: list[AnyRef], report: EnqueueReport
+) -> None:
+    if todo:
+        chunks = list(chunked(todo, cfg.chunk_size))
+        report.enqueued += store.enqueue(chunks)
+        report.chunks += len(chunks)
+
+
+def _start(store: RunStore, cfg: RunConfig, existing: RunConfig | None) -> dict[str, str] | None:
+    """Create the run if needed and flag the enqueue; the place of every queued sample when
+    the counters cannot say which indexed samples are queued (None when they can)."""
+    if existing is None:
+        store.create_config(cfg)
+    interrupted = store.begin_enqueue()
+    if existing is None:
+        return None
+    c = store.counts()
+    if "counters" not in c.stats:
+        store.recount_queues()  # a run made before counters: they start here
+        return store.outstanding_samples()
+    if interrupted or not c.consistent or c.stats.get("lost", 0) > 0:
+        return store.outstanding_samples()
+    return None
+
+
+def _decide(
+    store: RunStore,
+    valid: list[tuple[str, str]],
+    exact: dict[str, str] | None,
+    report: EnqueueReport,
+    existed: bool,
+) -> list[AnyRef]:
+    """The samples of a batch to enqueue: neither done, nor queued or held, nor dead."""
+    if not existed:
+        return list(valid)
+    ids = [sid for sid, _ in valid]
+    indexed, done, dead = store.presence(ids)
+    todo: list[AnyRef] = []
+    for ref, was_indexed, is_done, is_dead in zip(valid, indexed, done, dead, strict=True):
+        queued = ref[0] in exact if exact is not None else was_indexed and not is_dead
+        if is_done:
+            report.done += 1
+        elif queued:
+            report.outstanding += 1
+        elif is_dead:
+            report.dead += 1
+        else:
+            todo.append(ref)
+    return todo
+
+
+def _count_bad(report: EnqueueReport, bad: Bad) -> None:
+    for key, err, _ in bad:
+        report.invalid[err.reason] += 1
+        if len(report.problems) < 20:
+            report.problems.append(f"{key.replace('line:', 'line ', 1)}: {err}")
+
+
+def _prune(
+    store: RunStore, valid_ids: Container[str], bad_lines: set[str], valid_count: int | None = None
+) -> int:
     """Drop what no longer belongs to the dataset: index entries and done marks of removed
     ids (their files stay, `verify` lists them as orphans) and dead-letter entries of
-    removed ids or of lines that are no longer invalid."""
+    removed ids or of lines that are no longer invalid. `valid_count`: the index was just
+    written with every valid id, so if it holds that many it holds nothing else (no scan)."""
     k = store.keys
-    gone_index = [sid for sid in store.iter_hash_keys(k.index) if sid not in valid_ids]
+    if valid_count is not None and store.count(k.index) == valid_count:
+        gone_index: list[str] = []
+    else:
+        gone_index = [sid for sid in store.iter_hash_keys(k.index) if sid not in valid_ids]
     n = store.delete_fields(k.index, gone_index)
     for sid in gone_index:
         entry = store.get_manifest(sid)

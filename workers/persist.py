@@ -26,6 +26,7 @@ from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import DumpMeta, open_dump_tensors
 from hsq.quant import FP8
 from hsq.workers.chunks import WorkItem
+from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
 from hsq.workers.runview import Pinner, RunView
@@ -103,6 +104,8 @@ class PersistStage:
         self._on_done = on_done
         self._lease = lease
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
+        # Written samples are marked done in batches; it posts their DONE events.
+        self.committer = Committer(store, events)
         self._threads = [
             threading.Thread(target=self._loop, name=f"persist-{i}", daemon=True)
             for i in range(max(1, threads))
@@ -133,12 +136,14 @@ class PersistStage:
     def drain(self) -> None:
         """Wait until every submitted sample has been handled (and reported)."""
         self._queue.join()
+        self.committer.flush()
 
     def close(self) -> None:
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+        self.committer.close()
 
     def _loop(self) -> None:
         while True:
@@ -146,11 +151,13 @@ class PersistStage:
             try:
                 if item is None:
                     return
-                self.events.put(self.handle(item))
+                ev = self.handle(item)
+                if ev is not None:  # a written sample's DONE comes from the committer
+                    self.events.put(ev)
             finally:
                 self._queue.task_done()
 
-    def handle(self, item: StagedSample) -> Event:
+    def handle(self, item: StagedSample) -> Event | None:
         try:
             self._persist(item)
         except _DoneElsewhere:
@@ -159,7 +166,7 @@ class PersistStage:
             return Event(item.item, EventKind.FAILED, exc)
         finally:
             shutil.rmtree(item.staged, ignore_errors=True)
-        return Event(item.item, EventKind.DONE)
+        return None
 
     def _persist(self, item: StagedSample) -> None:
         sid = item.item.sample_id
@@ -219,23 +226,27 @@ class PersistStage:
             store_dtype=store_dtype,
         )
         t2 = time.perf_counter()
-        newly = self.store.mark_done(sid, entry)
-        t3 = time.perf_counter()
-        self.metrics.observe("persist", t3 - t1)
-        self.metrics.done(entry.num_tokens, entry.bytes)
-        if self._on_done is not None:
-            self._on_done(entry.num_tokens)
+        self.metrics.observe("persist", t2 - t1)
         steps = {k.removesuffix("_s") + "_ms": round(v * 1e3, 2) for k, v in stats.items()}
-        log.info(
-            "sample_done",
-            sample=sid,
-            tokens=entry.num_tokens,
-            bytes=entry.bytes,
-            attempt=item.item.attempt,
-            first=newly,
-            persist_ms=round((t3 - t0) * 1e3, 2),
-            validate_ms=round((t1 - t0) * 1e3, 2),
-            mark_ms=round((t3 - t2) * 1e3, 2),
-            **steps,
-            **{k: round(v, 2) for k, v in item.timings.items()},
-        )
+
+        def marked(newly: bool) -> None:
+            # Called by the committer once the batch holding this sample is marked done.
+            t3 = time.perf_counter()
+            self.metrics.done(entry.num_tokens, entry.bytes)
+            if self._on_done is not None:
+                self._on_done(entry.num_tokens)
+            log.info(
+                "sample_done",
+                sample=sid,
+                tokens=entry.num_tokens,
+                bytes=entry.bytes,
+                attempt=item.item.attempt,
+                first=newly,
+                persist_ms=round((t3 - t0) * 1e3, 2),
+                validate_ms=round((t1 - t0) * 1e3, 2),
+                mark_ms=round((t3 - t2) * 1e3, 2),
+                **steps,
+                **{k: round(v, 2) for k, v in item.timings.items()},
+            )
+
+        self.committer.add(item.item, entry, marked)

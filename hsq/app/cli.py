@@ -456,8 +456,18 @@ def _store(redis_url: str, run: str) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per run (stable keys)")
 @click.option("--watch", is_flag=True, help="refresh in place until Ctrl-C")
 @click.option("--interval", default=2.0, show_default=True, type=float)
-def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval: float) -> None:
+@click.option(
+    "--recount",
+    is_flag=True,
+    help="re-derive the run's counters from its queues and hashes first (O(samples); status "
+    "does it by itself when they are missing or disagree with the queues)",
+)
+def status(
+    run: str | None, redis_url: str, as_json: bool, watch: bool, interval: float, recount: bool
+) -> None:
     """How far along a run is: counts, rate, ETA, workers, dead letter by reason.
+
+    Reads a handful of counters per run, whatever its size (docs/queue.md, "Counters").
 
     \b
     Example:
@@ -474,8 +484,10 @@ def status(run: str | None, redis_url: str, as_json: bool, watch: bool, interval
     runs = [run] if run else list_runs(client)
     if run:
         _store(redis_url, run)
+    first = True
     while True:
-        reports = [run_status(RunStore(client, r)) for r in runs]
+        reports = [run_status(RunStore(client, r), recount_first=recount and first) for r in runs]
+        first = False
         if as_json:
             out = "\n".join(dumps_json(r.to_dict()) for r in reports)
         else:
@@ -557,8 +569,20 @@ def _file_progress(total: int, desc: str, off: bool) -> Any:
     help="un-done missing and corrupt samples (corrupt files removed) and requeue",
 )
 @_mounted_out_option
+@click.option(
+    "--jobs",
+    default=None,
+    type=click.IntRange(min=1),
+    help="processes checking files [default: the CPUs, from 20,000 samples]",
+)
 def verify(
-    run: str, redis_url: str, deep: bool, do_requeue: bool, out: Path | None, no_progress: bool
+    run: str,
+    redis_url: str,
+    deep: bool,
+    do_requeue: bool,
+    out: Path | None,
+    no_progress: bool,
+    jobs: int | None,
 ) -> None:
     """Check every output file against the run's manifest; exit 1 if anything is wrong.
 
@@ -577,7 +601,7 @@ def verify(
     cfg = st.require_config()
     root = (out or Path(cfg.out)) / run
     with _file_progress(st.count(st.keys.done), "verifying", no_progress) as bar:
-        res = do_verify(st, root, deep=deep, on_progress=bar.update)
+        res = do_verify(st, root, deep=deep, on_progress=bar.update, jobs=jobs)
     click.echo(
         f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
         f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}, refused {len(res.refused)}"

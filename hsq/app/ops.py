@@ -10,11 +10,13 @@ puts it back. The headline figures (total, done, dead, tokens, bytes) come from
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from collections import Counter
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,8 +122,7 @@ def _partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set
     return index, outstanding, done, dead_keys - dead_lines, dead_lines
 
 
-def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
-    info = store.worker_info(wid)
+def _worker_status(wid: str, info: dict[str, str], now: float) -> WorkerStatus:
     if not info:
         return WorkerStatus(id=wid, state="dead (heartbeat expired)")
 
@@ -146,41 +147,63 @@ def _worker_status(store: RunStore, wid: str, now: float) -> WorkerStatus:
     )
 
 
-def run_status(store: RunStore, now: float | None = None) -> RunStatus:
-    now = time.time() if now is None else now
+def recount(store: RunStore) -> int:
+    """Re-derive a run's counters (`hsq status --recount`; status does it by itself when
+    they are missing, as in a run made by an older hsq, or disagree with the queues): the
+    queue and dead-letter counts atomically, then the samples in no queue from a full
+    partition (O(samples), the one slow path). Returns the samples found missing."""
+    store.recount_queues()
     index, outstanding, done, dead, _ = _partition(store)
-    fig = run_figures(store)
-    # done and dead come from the same reads as the places below, not from `fig` (read a
-    # moment later): during a live run a sample marked done in between would otherwise
-    # count twice, and the numbers must always add up to `total`.
-    done_n = len(index & done)
-    dead_n = len((index - done) & dead) + fig.invalid_lines
-    places = Counter[str]()
-    for sid in index - done - dead:
-        place = outstanding.get(sid, "missing")
-        places["in_progress" if place.startswith("wip:") else place] += 1
-    workers = [_worker_status(store, wid, now) for wid in store.worker_ids()]
+    missing = len(index - done - dead - set(outstanding))
+    store.set_lost(missing)
+    return missing
+
+
+def run_status(
+    store: RunStore, now: float | None = None, *, recount_first: bool = False
+) -> RunStatus:
+    """A run's status from O(1) counters (one MULTI) plus one read per worker.
+
+    done and dead are the hashes' lengths (disjoint: the scripts keep them so); queued and
+    retry are the samples the queues hold (counted by the scripts that move jobs); missing
+    the samples a recount found in no queue, less those enqueued again since; in_progress
+    the rest. Each part is capped by what is left, so the parts always add up to `total`;
+    while a chunk in progress also has a sample in the retry queue, that sample counts once."""
+    now = time.time() if now is None else now
+    c = store.counts()
+    if recount_first or not c.consistent:
+        recount(store)
+        c = store.counts()
+    st = c.stats
+    invalid = st.get("invalid_lines", 0)
+    total = c.index + invalid
+    remaining = max(total - c.done - c.dead, 0)
+    missing = min(max(st.get("lost", 0), 0), remaining)
+    retry = min(max(st.get("retry_samples", 0), 0), remaining - missing)
+    queued = min(max(st.get("main_samples", 0), 0), remaining - missing - retry)
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
-    tokens_left = max(fig.tokens_total - fig.tokens_done, 0)
+    tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)
+    tokens_left = max(tokens_total - tokens_done, 0)
     eta = tokens_left / tokens_s if tokens_s > 0 else None
     return RunStatus(
         run=store.run,
-        total=len(index) + fig.invalid_lines,
-        done=done_n,
-        queued=places["main"],
-        in_progress=places["in_progress"],
-        retry=places["retry"],
-        dead=dead_n,
-        missing=places["missing"],
-        invalid_lines=fig.invalid_lines,
-        tokens_done=fig.tokens_done,
-        tokens_total=fig.tokens_total,
-        bytes_done=fig.bytes_done,
+        total=total,
+        done=c.done,
+        queued=queued,
+        in_progress=remaining - missing - retry - queued,
+        retry=retry,
+        dead=c.dead,
+        missing=missing,
+        invalid_lines=invalid,
+        tokens_done=tokens_done,
+        tokens_total=tokens_total,
+        bytes_done=st.get("bytes", 0),
         samples_per_s=round(samples_s, 3),
         tokens_per_s=round(tokens_s, 1),
         eta_s=None if eta is None else round(eta, 1),
-        dead_by_reason=dict(Counter(str(e["reason"]) for e in store.dead_entries().values())),
+        dead_by_reason=c.dead_reasons,
         workers=workers,
     )
 
@@ -190,6 +213,12 @@ class RequeueResult:
     selected: int = 0
     enqueued: int = 0
     skipped: dict[str, list[str]] = field(default_factory=dict)
+    unqueued: set[str] = field(default_factory=set)
+    """Selected ids known to be in no queue (dead-letter entries: a requeue takes them out
+    of the dead letter in the transaction that queues them; missing ones): requeue need not
+    read every job to skip queued ones."""
+    missing: set[str] = field(default_factory=set)
+    """Selected ids that were missing (their requeue lowers the run's lost count)."""
 
     def skip(self, why: str, sid: str) -> None:
         self.skipped.setdefault(why, []).append(sid)
@@ -213,10 +242,13 @@ def select_for_requeue(
                 res.skip("invalid dataset line: fix it and run `hsq enqueue` again", key)
                 continue
             chosen.append(key)
+            res.unqueued.add(key)
     chosen += list(samples)
     if missing:
         index, outstanding, done, dead, _ = _partition(store)
-        chosen += sorted(index - done - dead - set(outstanding))
+        res.missing = index - done - dead - set(outstanding)
+        res.unqueued |= res.missing
+        chosen += sorted(res.missing)
     res.selected = len(chosen)
     return list(dict.fromkeys(chosen)), res
 
@@ -225,7 +257,8 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     """Enqueue the given samples afresh (attempt 0), skipping unknown, done and queued ones."""
     index = store.get_index(ids)
     done = store.done_among(ids)
-    outstanding = store.outstanding_samples()
+    # Reading every job is O(queue); only ids that may be queued need it.
+    outstanding = store.outstanding_samples() if set(ids) - res.unqueued else {}
     todo: list[tuple[str, IndexEntry]] = []
     for sid in ids:
         if sid not in index:
@@ -240,10 +273,9 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     if dry_run or not todo:
         return
     cfg = store.require_config()
-    # Enqueue first, then clear the dead-letter entry: a crash in between leaves a sample
-    # both queued and dead (harmless), never neither.
-    store.enqueue(chunked(todo, cfg.chunk_size))
-    store.clear_failures(sid for sid, _ in todo)
+    # One transaction per batch queues the samples and takes them out of the dead letter.
+    store.enqueue(chunked(todo, cfg.chunk_size), clear_failures=True)
+    store.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))
 
 
 @dataclass
@@ -282,9 +314,8 @@ def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestE
         raise ValueError(str(exc)) from exc
     if obj["path"] != expected:
         raise ValueError(f"manifest path {obj['path'][:200]!r} is not {expected!r}")
-    root = out_root.resolve()
-    if not (root / expected).resolve().is_relative_to(root):
-        raise ValueError(f"{expected!r} resolves outside {root}")
+    if not _resolves_under(out_root, expected):
+        raise ValueError(f"{expected!r} resolves outside {out_root.resolve()}")
     try:
         return ManifestEntry(
             path=obj["path"],
@@ -300,28 +331,28 @@ def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestE
         raise ValueError(f"manifest entry malformed: {exc}") from exc
 
 
-def verify(
-    store: RunStore,
+VERIFY_PAGE = 2000
+"""Done entries a verify process checks per task (and manifest entries read per HSCAN)."""
+PARALLEL_FROM = 20000
+"""Below this many done samples verify checks in its own process (no pool to start)."""
+
+
+def _check_page(
     out_root: Path,
-    *,
-    deep: bool = False,
-    on_progress: Callable[[int], None] | None = None,
+    page: list[tuple[str, bytes]],
+    deep: bool,
+    run_dtype: str | None,
+    prenorm: bool = False,
 ) -> VerifyResult:
+    """Check one page of done entries (in a pool process, or inline)."""
     res = VerifyResult()
-    known: set[str] = set()
-    cfg = store.load_config()
-    run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
-    prenorm = cfg.prenorm if cfg is not None else False
-    for sid, raw in store.iter_done():
+    for sid, raw in page:
         res.checked += 1
-        if on_progress is not None:
-            on_progress(1)
         try:
             entry = trusted_entry(sid, raw, out_root)
         except ValueError as exc:
             res.refused[sid] = str(exc)  # never acted on: an operator looks at it
             continue
-        known.add(entry.path)
         problems = check_output(
             out_root / entry.path, sid, entry, deep=deep, store_dtype=run_dtype, prenorm=prenorm
         )
@@ -333,14 +364,123 @@ def verify(
             res.entries[sid] = entry
         else:
             res.ok += 1
-    if out_root.is_dir():
-        for dirpath, _dirs, files in os.walk(out_root):
-            for name in files:
-                rel = os.path.relpath(os.path.join(dirpath, name), out_root)
-                if rel not in known and (name.endswith(SUFFIX) or name.endswith(".tmp")):
-                    res.orphans.append(rel)
-    res.orphans.sort()
     return res
+
+
+def _merge(into: VerifyResult, part: VerifyResult) -> None:
+    into.checked += part.checked
+    into.ok += part.ok
+    into.missing += part.missing
+    into.corrupt.update(part.corrupt)
+    into.refused.update(part.refused)
+    into.entries.update(part.entries)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(path: str) -> str:
+    """A directory's real path, once per verify process (256 shard directories): resolving
+    every file's full path was most of a header check."""
+    return os.path.realpath(path)
+
+
+def _resolves_under(out_root: Path, rel: str) -> bool:
+    """`out_root/rel` resolves under out_root: its directory does (cached), and the file
+    itself is no symlink leading out."""
+    root = _resolved(str(out_root))
+    head, _, name = rel.rpartition("/")
+    parent = _resolved(os.path.join(str(out_root), head))
+    if os.path.commonpath([root, parent]) != root:
+        return False
+    path = os.path.join(parent, name)
+    if os.path.islink(path):
+        return Path(path).resolve().is_relative_to(root)
+    return True
+
+
+def verify(
+    store: RunStore,
+    out_root: Path,
+    *,
+    deep: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+    jobs: int | None = None,
+) -> VerifyResult:
+    """Check every done sample's file, then list orphans (files no done entry claims).
+
+    Memory stays bounded whatever the run's size: done entries are read a page at a time
+    (HSCAN) and checked by `jobs` processes (default: the CPUs, for runs of PARALLEL_FROM
+    samples or more), a few pages in flight; orphans are found one directory at a time by
+    asking the done hash about that directory's files, never by a set of every path."""
+    res = VerifyResult()
+    cfg = store.load_config()
+    run_dtype = cfg.store_dtype if cfg is not None else None  # one storage format per run
+    prenorm = cfg.prenorm if cfg is not None else False
+    n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    if n_jobs > 1 and store.count(store.keys.done) < PARALLEL_FROM and jobs is None:
+        n_jobs = 1
+    pages = _pages(store.iter_done(), VERIFY_PAGE)
+    if n_jobs <= 1:
+        for page in pages:
+            _merge(res, _check_page(out_root, page, deep, run_dtype, prenorm))
+            if on_progress is not None:
+                on_progress(len(page))
+    else:
+        with ProcessPoolExecutor(n_jobs) as pool:
+            pending: deque[Future[VerifyResult]] = deque()
+            for page in pages:
+                pending.append(pool.submit(_check_page, out_root, page, deep, run_dtype, prenorm))
+                while len(pending) >= 2 * n_jobs:
+                    _take(res, pending.popleft(), on_progress)
+            while pending:
+                _take(res, pending.popleft(), on_progress)
+    res.orphans = sorted(_orphans(store, out_root))
+    return res
+
+
+def _take(
+    res: VerifyResult, fut: Future[VerifyResult], on_progress: Callable[[int], None] | None
+) -> None:
+    part = fut.result()
+    _merge(res, part)
+    if on_progress is not None:
+        on_progress(part.checked)
+
+
+def _pages(items: Iterable[tuple[str, bytes]], size: int) -> Iterable[list[tuple[str, bytes]]]:
+    page: list[tuple[str, bytes]] = []
+    for item in items:
+        page.append(item)
+        if len(page) >= size:
+            yield page
+            page = []
+    if page:
+        yield page
+
+
+def _orphans(store: RunStore, out_root: Path) -> Iterable[str]:
+    """Output and temp files under out_root that no trusted done entry claims, one
+    directory at a time (a file is claimed when its name's id is done, its entry is
+    trusted, and the entry's path is this file)."""
+    if not out_root.is_dir():
+        return
+    for dirpath, _dirs, files in os.walk(out_root):
+        names = [n for n in files if n.endswith(SUFFIX) or n.endswith(".tmp")]
+        rels = {n: os.path.relpath(os.path.join(dirpath, n), out_root) for n in names}
+        outputs = [n for n in names if n.endswith(SUFFIX)]
+        yield from (rels[n] for n in names if not n.endswith(SUFFIX))  # temps: never claimed
+        for i in range(0, len(outputs), VERIFY_PAGE):
+            part = outputs[i : i + VERIFY_PAGE]
+            sids = [n[: -len(SUFFIX)] for n in part]
+            for name, sid, raw in zip(part, sids, store.done_entries(sids), strict=True):
+                if raw is None or not _claims(sid, raw, out_root, rels[name]):
+                    yield rels[name]
+
+
+def _claims(sid: str, raw: bytes, out_root: Path, rel: str) -> bool:
+    try:
+        return trusted_entry(sid, raw, out_root).path == rel
+    except ValueError:
+        return False
 
 
 def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
@@ -352,7 +492,7 @@ def repair(store: RunStore, out_root: Path, res: VerifyResult) -> int:
         if sid in res.corrupt:
             (out_root / output_relpath(sid)).unlink(missing_ok=True)
         store.undo_done(sid, entry)
-    outcome = RequeueResult()
+    outcome = RequeueResult(unqueued=set(bad))  # they were done until just now
     requeue(store, bad, outcome, dry_run=False)
     res.requeued = outcome.enqueued
     return outcome.enqueued

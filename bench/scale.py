@@ -1,0 +1,327 @@
+"""Scale: one run of ten million samples, and the Redis traffic of a thousand servers (CPU).
+
+Steps (each timed; the operator commands run as the real CLI, in a subprocess, so the
+times include Python's start):
+
+  gen        a JSONL dataset of --samples lines (ids unique, token lists from a pool)
+  enqueue    `hsq enqueue`; Redis memory per sample after it (INFO memory)
+  reenqueue  `hsq enqueue` again (nothing to enqueue)
+  status     `hsq status --json` with every sample queued, then mid-run (half the samples
+             done, 1% dead, jobs held by workers), and `hsq status --recount` (the slow path)
+  requeue    `hsq requeue --failed` of the 1% dead
+  verify     `hsq verify` (headers) of a run of --verify-files real output files
+  recover    `hsq recover` of a run of --recover-files real output files, Redis purged
+  capacity   bench/redis_capacity.py at chunk sizes --cap-chunks (commands per sample and
+             samples/s per saturated Redis core)
+
+    .venv/bin/python -m bench.scale                        # the full run (~1 h, ~8 GB disk)
+    .venv/bin/python -m bench.scale --samples 20000 --verify-files 2000 \\
+        --recover-files 100 --cap-samples 5000             # a smoke run, seconds
+
+Prints one JSON object per step and a summary JSON at the end. Everything is written under
+--work (a fresh /tmp directory by default) and removed unless --keep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hsq.dataset import IndexEntry
+from hsq.harness.procs import RedisServer, hsq_command
+from hsq.outputs import OUTPUT_FORMAT, ManifestEntry, output_relpath
+from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION, fingerprint
+from hsq.runconfig import RunConfig
+from hsq.stfile import build_header
+from hsq.store import RunStore, connect
+
+RUN = "scale"
+STEPS = ("gen", "enqueue", "reenqueue", "status", "requeue", "verify", "recover", "capacity")
+results: dict[str, Any] = {}
+
+
+def report(step: str, **row: Any) -> None:
+    results[step] = row
+    print(json.dumps({"step": step, **row}), flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def hsq(*args: str, ok: tuple[int, ...] = (0, 1)) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(hsq_command(*args), capture_output=True, text=True)
+    if proc.returncode not in ok:
+        raise SystemExit(f"hsq {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def used_memory(client: Any) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def mark(store: RunStore, entries: list[tuple[str, ManifestEntry]]) -> None:
+    many = getattr(store, "mark_done_many", None)
+    if many is not None:
+        many(entries)
+    else:  # an hsq from before the batch call (the "before" figures)
+        for sid, e in entries:
+            store.mark_done(sid, e)
+
+
+# ---------------------------------------------------------------------------- datasets
+def write_dataset(path: Path, n: int, min_len: int, max_len: int, seed: int = 0) -> int:
+    """n lines as json.dumps writes them; token lists come from a pool of 4096 (the parser's
+    work is the same), ids are unique. Returns the file's size."""
+    rng = random.Random(seed)
+    pool = []
+    for _ in range(4096):
+        k = round(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))
+        ids = ", ".join(str(rng.randrange(150000)) for _ in range(k))
+        mask = ", ".join(["0"] * (k // 2) + ["1"] * (k - k // 2))
+        pool.append(f'"input_ids": [{ids}], "loss_mask": [{mask}]}}\n')
+    with open(path, "w", buffering=2**22) as f:
+        for i in range(n):
+            f.write(f'{{"id": "s{i:09d}", {pool[i & 4095]}')
+    return path.stat().st_size
+
+
+def _output_bytes(sid: str, run: str, tokens: list[int]) -> bytes:
+    """A real (tiny) output file: 3 aux layers of hidden size 8, bf16 zeros."""
+    n, hidden, layers = len(tokens), 8, [1, 2, 3]
+    meta = {
+        "format": OUTPUT_FORMAT,
+        "sample_id": sid,
+        "run": run,
+        "layer_ids": json.dumps(layers),
+        "layer_convention": LAYER_CONVENTION,
+        "model_id": "bench/tiny@0",
+        "num_tokens": str(n),
+        "input_fingerprint": fingerprint(tokens),
+        "store_dtype": "bf16",
+    }
+    aux, last = 2 * n * hidden * len(layers), 2 * n * hidden
+    header = build_header(
+        [
+            ("input_ids", "I64", [n], 8 * n),
+            ("loss_mask", "I64", [n], 8 * n),
+            (AUX_TENSOR, "BF16", [n, hidden * len(layers)], aux),
+            (LAST_TENSOR, "BF16", [n, hidden], last),
+        ],
+        meta,
+    )
+    ints = struct.pack(f"<{n}q", *tokens) + struct.pack(f"<{n}q", *([1] * n))
+    return header + ints + bytes(aux + last)
+
+
+def make_outputs(work: Path, run: str, n: int, url: str) -> tuple[Path, Path]:
+    """A dataset of n 4-token samples, every output file written, each sample marked done
+    (mark_done_many, 500 a call) as a worker would have. Returns (dataset, out root)."""
+    ds, out = work / f"{run}.jsonl", work / "out"
+    store = RunStore(connect(url), run)
+    store.create_config(RunConfig(run=run, dataset=str(ds), out=str(out)))
+    root = out / run
+    batch: list[tuple[str, ManifestEntry]] = []
+    index: list[tuple[str, IndexEntry]] = []
+    offset = 0
+    with open(ds, "wb") as f:
+        for i in range(n):
+            sid = f"v{i:08d}"
+            tokens = [i % 1000, 7, 8, 9]
+            line = json.dumps({"id": sid, "input_ids": tokens, "loss_mask": [1] * 4}).encode()
+            f.write(line + b"\n")
+            index.append((sid, IndexEntry(offset, len(line), 0, 4)))
+            offset += len(line) + 1
+            rel = output_relpath(sid)
+            path = root / rel
+            data = _output_bytes(sid, run, tokens)
+            try:
+                path.write_bytes(data)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True)
+                path.write_bytes(data)
+            batch.append((sid, ManifestEntry(rel, 4, len(data), "crc32:0", "bench", 0.0, 0)))
+            if len(batch) >= 500:
+                mark(store, batch)
+                store.put_index(index)
+                batch, index = [], []
+    mark(store, batch)
+    store.put_index(index)
+    store.set_totals(samples=n, tokens=4 * n, invalid_lines=0)
+    return ds, out
+
+
+# ---------------------------------------------------------------------------- steps
+def run_progress(url: str, n: int) -> None:
+    """Mid-run state without servers: half the samples claimed and marked done, 1% of the
+    rest dead-lettered, 64 jobs held by 8 workers."""
+    store = RunStore(connect(url), RUN)
+    store.require_config()
+    done_target, dead_target = n // 2, n // 100
+    done = dead = 0
+    while done < done_target and (job := store.claim("bench-done", 1)) is not None:
+        entries = [
+            (sid, ManifestEntry(output_relpath(sid), e.num_tokens, 1000, "crc32:0", "b", 0.0, 0))
+            for sid, e in job.samples
+        ]
+        mark(store, entries)
+        store.finish("bench-done", job)
+        done += len(entries)
+    while dead < dead_target and (job := store.claim("bench-dead", 1)) is not None:
+        for sid, _ in job.samples:
+            store.to_dead(sid, "wrong_length", "bench", 3, "bench-dead")
+        store.finish("bench-dead", job)
+        dead += len(job.samples)
+    for w in range(8):
+        store.register(f"bench-w{w}", {"state": "working", "name": f"w{w}"})
+        for _ in range(8):
+            store.claim(f"bench-w{w}", 1)
+
+
+def status_time(url: str, *extra: str) -> dict[str, Any]:
+    args = ("status", "--run", RUN, "--redis", url, "--json", *extra)
+    wall, proc = timed(lambda: hsq(*args, ok=(0, 1, 2)))
+    if proc.returncode == 2:  # an hsq without this option (the "before" figures)
+        return {"error": proc.stderr.strip().splitlines()[-1]}
+    st = json.loads(proc.stdout)
+    keys = ("total", "done", "queued", "in_progress", "retry", "dead", "missing")
+    # The same call in this process: the command's time less Python's start.
+    from hsq.app.ops import run_status
+
+    store = RunStore(connect(url), RUN)
+    store.require_config()
+    inproc, _ = timed(lambda: run_status(store))
+    return {"wall_s": round(wall, 2), "in_process_s": round(inproc, 3), **{k: st[k] for k in keys}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=10_000_000)
+    ap.add_argument("--min-tokens", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--verify-files", type=int, default=1_000_000)
+    ap.add_argument("--recover-files", type=int, default=20_000)
+    ap.add_argument("--cap-samples", type=int, default=200_000)
+    ap.add_argument("--cap-chunks", default="16,64,256")
+    ap.add_argument("--cap-procs", type=int, default=3)
+    ap.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset")
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    steps = set(args.steps.split(","))
+    work = args.work or Path(tempfile.mkdtemp(prefix="hsq-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    srv = RedisServer(work / "redis").wait_ready()
+    try:
+        url = srv.url
+        client = connect(url)
+        ds, out = work / "data.jsonl", work / "out"
+        n = args.samples
+        if "gen" in steps or not ds.exists():
+            wall, size = timed(lambda: write_dataset(ds, n, args.min_tokens, args.max_tokens))
+            report(
+                "gen", samples=n, bytes=size, bytes_per_line=round(size / n), wall_s=round(wall, 1)
+            )
+        enq = ["enqueue", str(ds), "--run", RUN, "--out", str(out), "--redis", url]
+        enq += ["--no-progress", "--chunk-size", str(args.chunk)]
+        if "enqueue" in steps:
+            mem0 = used_memory(client)
+            wall, _ = timed(lambda: hsq(*enq))
+            mem1 = used_memory(client)
+            report(
+                "enqueue",
+                samples=n,
+                chunk=args.chunk,
+                wall_s=round(wall, 1),
+                lines_per_s=round(n / wall),
+                redis_bytes_per_sample_queued=round((mem1 - mem0) / n, 1),
+            )
+        if "reenqueue" in steps:
+            wall, proc = timed(lambda: hsq(*enq))
+            report(
+                "reenqueue",
+                wall_s=round(wall, 1),
+                lines_per_s=round(n / wall),
+                output=proc.stdout.strip().splitlines()[-1],
+            )
+        if "status" in steps:
+            report("status_all_queued", **status_time(url))
+            mem0 = used_memory(client)
+            wall, _ = timed(lambda: run_progress(url, n))
+            mem1 = used_memory(client)
+            report(
+                "mid_run_state",
+                wall_s=round(wall, 1),
+                redis_bytes_per_sample_overall=round(mem1 / n, 1),
+                note="half done, 1% dead, 64 jobs held",
+                used_memory=mem1,
+            )
+            report("status_mid_run", **status_time(url))
+            report("status_recount", **status_time(url, "--recount"))
+        if "requeue" in steps:
+            wall, proc = timed(lambda: hsq("requeue", "--run", RUN, "--failed", "--redis", url))
+            report("requeue_failed", wall_s=round(wall, 1), output=proc.stdout.strip())
+            report("status_after_requeue", **status_time(url))
+        if "verify" in steps and args.verify_files:
+            vrun = "scale-verify"
+            wall, _ = timed(lambda: make_outputs(work, vrun, args.verify_files, url))
+            report("verify_setup", files=args.verify_files, wall_s=round(wall, 1))
+            wall, proc = timed(
+                lambda: hsq("verify", "--run", vrun, "--redis", url, "--no-progress")
+            )
+            report(
+                "verify_headers",
+                files=args.verify_files,
+                wall_s=round(wall, 1),
+                files_per_s=round(args.verify_files / wall),
+                output=proc.stdout.strip().splitlines()[0],
+            )
+        if "recover" in steps and args.recover_files:
+            rrun = "scale-recover"
+            rds, rout = make_outputs(work, rrun, args.recover_files, url)
+            hsq("purge", "--run", rrun, "--yes", "--redis", url)
+            rec = ("recover", str(rds), "--run", rrun, "--out", str(rout), "--redis", url)
+            wall, proc = timed(lambda: hsq(*rec, "--no-progress"))
+            recovered = [x for x in proc.stdout.splitlines() if x.startswith("recovered")]
+            report(
+                "recover",
+                files=args.recover_files,
+                wall_s=round(wall, 1),
+                files_per_s=round(args.recover_files / wall),
+                output=recovered[0] if recovered else proc.stdout[-300:],
+            )
+        if "capacity" in steps:
+            rows = []
+            for chunk in (int(c) for c in args.cap_chunks.split(",")):
+                for mode in ("--per-sample", f"--batch={chunk}"):
+                    cmd = [sys.executable, "-m", "bench.redis_capacity", "--samples",
+                           str(args.cap_samples), "--chunk", str(chunk), "--procs",
+                           str(args.cap_procs), mode]  # fmt: skip
+                    out_ = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                    rows.append(json.loads(out_.strip().splitlines()[-1]))
+            report("capacity", rows=rows)
+    finally:
+        srv.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"summary": results}, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

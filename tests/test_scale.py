@@ -1,0 +1,372 @@
+"""Issue 26: counters instead of recounts, batched done marks, the fast dataset scan, the
+parallel verify, and the scale benchmark's smoke run. Real redis-server throughout."""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hsq.app.ops import _partition, run_status, verify
+from hsq.dataset import IndexEntry, scan_dataset
+from hsq.errors import RunChangedError
+from hsq.keys import rq_queue_key
+from hsq.outputs import ManifestEntry, output_relpath
+from hsq.producer.fastscan import scan_batches
+from hsq.runconfig import RunConfig
+from hsq.store import RunStore, chunked, job_size
+from hsq.workers.chunks import WorkItem
+from hsq.workers.commit import Committer
+from hsq.workers.events import Event, EventKind
+from tests.helpers import hsq, store
+
+ROOT = Path(__file__).resolve().parent.parent
+E = IndexEntry(0, 10, 0, 3)
+
+
+def manifest(sid: str) -> ManifestEntry:
+    return ManifestEntry(output_relpath(sid), 3, 100, "crc32:0", "w", 0.0, 0)
+
+
+def new_run(redis_url: str, run: str, tmp_path: Path, n: int, chunk: int = 4) -> RunStore:
+    st = store(redis_url, run)
+    st.create_config(RunConfig(run=run, dataset=str(tmp_path / "d.jsonl"), out=str(tmp_path)))
+    refs = [(f"s{i:04d}", E) for i in range(n)]
+    st.put_index(refs)
+    st.set_totals(samples=n, tokens=3 * n, invalid_lines=0)
+    st.enqueue(chunked(refs, chunk))
+    return st
+
+
+def exact(st: RunStore) -> dict[str, int]:
+    """The partition by reading every id (what status did before counters)."""
+    index, outstanding, done, dead, _ = _partition(st)
+    places = {"main": 0, "retry": 0, "in_progress": 0}
+    for sid in index - done - dead:
+        place = outstanding.get(sid)
+        if place is not None:
+            places["in_progress" if place.startswith("wip:") else place] += 1
+    missing = len(index - done - dead - set(outstanding))
+    return {
+        "done": len(done),
+        "dead": len(dead),
+        "queued": places["main"],
+        "retry": places["retry"],
+        "in_progress": places["in_progress"],
+        "missing": missing,
+    }
+
+
+def counted(st: RunStore) -> dict[str, int]:
+    s = run_status(st)
+    return {k: getattr(s, k) for k in ("done", "dead", "queued", "retry", "in_progress", "missing")}
+
+
+def test_counters_agree_with_a_full_recount_through_every_kind_of_move(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "cnt", tmp_path, 40)
+    assert counted(st) == exact(st) == {**exact(st), "queued": 40}
+    job = st.claim("w1", 1)
+    assert job is not None and job_size(job.job_id) == 4
+    assert counted(st) == exact(st)  # 4 in progress
+    assert st.mark_done_many([(sid, manifest(sid)) for sid, _ in job.samples[:3]]) == [True] * 3
+    st.to_dead(job.samples[3][0], "wrong_length", "x", 3, "w1")
+    assert st.finish("w1", job)
+    assert counted(st) == exact(st)
+    retried = st.claim("w1", 1)
+    assert retried is not None
+    st.enqueue([[retried.samples[0]]], retry=True, attempt=1, reason="stale_dump")
+    st.mark_done_many([(sid, manifest(sid)) for sid, _ in retried.samples[1:]])
+    assert st.finish("w1", retried)
+    assert counted(st) == exact(st)  # 1 in the retry queue
+    held = st.claim("w2", 1)
+    assert held is not None and held.origin == st.keys.retry_queue
+    assert st.give_back("w2", held)
+    assert counted(st) == exact(st)
+    for _ in range(3):
+        st.claim("w3", 1)
+    assert st.release_wip("w3") == 3
+    assert counted(st) == exact(st)
+    st.register("w4", {"state": "working"})
+    st.claim("w4", 1)
+    assert counted(st) == exact(st)
+    assert sum(counted(st).values()) == 40
+
+
+def test_a_damaged_queue_is_recounted_and_requeue_missing_clears_the_lost_count(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "lost", tmp_path, 20, chunk=3)
+    st.client.lpop(rq_queue_key(st.keys.main_queue))  # one job lost from outside
+    got = counted(st)
+    assert got == exact(st) and got["missing"] == 3 and got["queued"] == 17
+    assert st.counts().consistent  # the recount re-derived the counters
+    assert "requeued 3" in hsq("requeue", "--run", "lost", "--missing", "--redis", redis_url).stdout
+    assert counted(st) == exact(st) and counted(st)["missing"] == 0
+
+
+def test_a_run_made_before_counters_gets_them_from_one_recount(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "old", tmp_path, 12)
+    st.to_dead("s0000", "bad", "x", 1, None)
+    # An older hsq kept none of these, and its job ids carried no size.
+    fields = ["counters", "main_samples", "main_jobs", "retry_samples", "retry_jobs", "lost"]
+    st.client.hdel(st.keys.stats, *fields)
+    st.client.delete(st.keys.dead_reasons)
+    main = rq_queue_key(st.keys.main_queue)
+    first = str(st.client.lindex(main, 0), "ascii")  # type: ignore[arg-type]
+    st.client.lset(main, 0, first.rsplit("-n", 1)[0])  # a legacy id, same job hash
+    st.client.rename(f"rq:job:{first}", f"rq:job:{first.rsplit('-n', 1)[0]}")
+    assert not st.counts().consistent
+    assert counted(st) == exact(st)
+    c = st.counts()
+    assert c.consistent and c.stats["main_samples"] == 12 and c.dead_reasons == {"bad": 1}
+    job = st.claim("w", 1)  # the legacy job: its size comes from the job-sizes hash
+    assert job is not None and job_size(job.job_id) is None
+    assert counted(st) == exact(st)
+
+
+def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "many", tmp_path, 8)
+    batch = [(f"s{i:04d}", manifest(f"s{i:04d}")) for i in range(5)]
+    st.to_dead("s0001", "stale_dump", "x", 3, "w")
+    assert st.mark_done_many([*batch, batch[0]]) == [True] * 5 + [False]
+    assert st.mark_done_many(batch[:2]) == [False, False]
+    assert st.stats()["tokens"] == 15 and st.stats()["bytes"] == 500
+    assert st.count(st.keys.dead) == 0 and st.dead_reasons() == {}  # done leaves the dead
+    st.to_dead("s0002", "x", "y", 1, "w")
+    assert st.count(st.keys.dead) == 0  # a done sample is not dead-lettered
+    assert hsq("purge", "--run", "many", "--yes", "--redis", redis_url).returncode == 0
+    with pytest.raises(RunChangedError):
+        st.mark_done_many([("s0006", manifest("s0006"))])
+    assert st.client.keys("hsq:run:many:*") == []
+
+
+def test_one_reaper_at_a_time(tmp_path: Path, redis_url: str) -> None:
+    a = new_run(redis_url, "reap", tmp_path, 8)
+    b = store(redis_url, "reap")
+    b.require_config()
+    a.register("dead-w", {"state": "x"})
+    a.claim("dead-w", 1)
+    a.client.delete(a.keys.worker("dead-w"))  # its heartbeat expired
+    results = [a.reap(), b.reap()]
+    assert sorted(len(r) for r in results) == [0, 1]
+    assert counted(a) == exact(a)
+
+
+class MarkStore:
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.calls: list[int] = []
+        self.fail = fail
+
+    def mark_done(self, _sample_id: str, _entry: ManifestEntry) -> bool:
+        raise AssertionError("the committer must use the batch call")
+
+    def mark_done_many(self, entries: list[tuple[str, ManifestEntry]]) -> list[bool]:
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(len(entries))
+        return [True] * len(entries)
+
+
+def item(i: int) -> WorkItem:
+    return WorkItem((f"s{i}", E), 0, "job")
+
+
+def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch() -> None:
+    events: queue.Queue[Event] = queue.Queue()
+    ms = MarkStore()
+    marked: list[bool] = []
+    c = Committer(ms, events, max_batch=4, max_delay_s=3600)
+    for i in range(10):
+        c.add(item(i), manifest(f"s{i}"), marked.append)
+    assert ms.calls == [4, 4]  # full batches go at once; the rest waits for its time
+    c.flush()
+    assert ms.calls == [4, 4, 2] and marked == [True] * 10
+    assert [events.get_nowait().kind for _ in range(10)] == [EventKind.DONE] * 10
+    c.close()
+
+    failing = MarkStore(fail=RunChangedError("purged"))
+    c = Committer(failing, events, max_batch=64, max_delay_s=0.01)
+    c.add(item(1), manifest("s1"), marked.append)
+    c.add(item(2), manifest("s2"), marked.append)
+    got = [events.get(timeout=30), events.get(timeout=30)]  # flushed by the timer
+    assert {e.kind for e in got} == {EventKind.FAILED}
+    assert all(isinstance(e.exc, RunChangedError) for e in got)
+    c.close()
+
+
+LINES = [
+    '{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}',
+    '{"id":"b","input_ids":[1,2,3],"loss_mask":[0,1,1]}',
+    '{"id": 7, "input_ids": [0], "loss_mask": [1]}',
+    '{"id": "c", "input_ids": [5, 6]}',
+    '{"id": "d", "input_ids": [2147483647, 1], "loss_mask": [1, 1]}',
+    '{"id": "e", "input_ids": [2147483648], "loss_mask": [1]}',
+    '{"id": "f", "input_ids": [01, 2], "loss_mask": [1, 1]}',
+    '{"id": "g", "input_ids": [1, 2, ], "loss_mask": [1, 1]}',
+    '{"id": "h", "input_ids": [1,, 2], "loss_mask": [1, 1]}',
+    '{"id": "i", "input_ids": [1, 2], "loss_mask": [01, 1]}',
+    '{"id": "j", "input_ids": [1, 2], "loss_mask": [1, 11]}',
+    '{"id": "k", "input_ids": [1, 2], "loss_mask": [1]}',
+    '{"id": "l", "input_ids": [-1, 2], "loss_mask": [1, 1]}',
+    '{"id": "m", "input_ids": [1.0, 2], "loss_mask": [1, 1]}',
+    '{"id": "n", "input_ids": [], "loss_mask": []}',
+    '{"id": "o", "input_ids": [true], "loss_mask": [1]}',
+    '{"id": "p", "input_ids": [1], "loss_mask": [true]}',
+    '{"id": "../x", "input_ids": [1], "loss_mask": [1]}',
+    '{"id": "a", "input_ids": [9], "loss_mask": [1]}',
+    '{"id": "q", "input_ids": [1], "loss_mask": [1], "extra": 1}',
+    '{"id": "r", "id": "s", "input_ids": [1], "loss_mask": [1]}',
+    '{"id": "t\\u0041", "input_ids": [1], "loss_mask": [1]}',
+    '{"id": "u", "input_ids": [1 2], "loss_mask": [1]}',
+    '{"id": "v", "input_ids": [1, 2], "loss_mask": [1,  1]}',
+    '{"id": "w", "input_ids": [1,2, 3], "loss_mask": [1, 1, 1]}',
+    '{"id": "x", "input_ids": [1, 2], "loss_mask": null}',
+    '{"id": 007, "input_ids": [1], "loss_mask": [1]}',
+    '{"id": "y", "input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [1, 1, 1, 1, 1, 1]}',
+    '  {"id": "z", "input_ids": [1], "loss_mask": [1]}',
+    "",
+    "not json",
+    '{"id": "aa", "input_ids": [9999999999], "loss_mask": [1]}',
+    '{"id": "ab", "input_ids": [1], "loss_mask": [1]}\r',
+]
+
+
+def compare_scans(path: Path, max_tokens: int | None) -> None:
+    slow = [
+        (x.line_no, x.sample_id, x.entry.encode() if x.entry else None, x.error.reason)
+        if x.error
+        else (x.line_no, x.sample_id, x.entry.encode() if x.entry else None, None)
+        for x in scan_dataset(path, max_tokens)
+    ]
+    fast_valid: list[tuple[str, str]] = []
+    fast_bad: list[tuple[int, str | None, str]] = []
+    for b in scan_batches(path, max_tokens, batch=3, seen={}):
+        fast_valid += b.valid
+        fast_bad += [(int(k.split(":")[1]), sid, err.reason) for k, err, sid in b.bad]
+    assert fast_valid == [(sid, e) for _, sid, e, reason in slow if reason is None]
+    assert fast_bad == [(n, sid, reason) for n, sid, _, reason in slow if reason is not None]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 4])
+def test_the_fast_scan_decides_every_line_as_the_dataset_scan_does(
+    tmp_path: Path, max_tokens: int | None
+) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(LINES) + "\n")
+    compare_scans(path, max_tokens)
+
+
+def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:
+    rng = random.Random(26)
+    lines = []
+    for i in range(3000):
+        n = rng.randint(1, 12)
+        toks = [rng.choice([0, 1, 7, 10, 999999999, 1000000000, 2147483647]) for _ in range(n)]
+        mask = [rng.randint(0, 1) for _ in range(n)]
+        sep = rng.choice([(", ", ": "), (",", ":")])
+        line = json.dumps({"id": f"r{i}", "input_ids": toks, "loss_mask": mask}, separators=sep)
+        for _ in range(rng.randint(0, 2)):  # a few random edits
+            pos = rng.randrange(len(line))
+            line = line[:pos] + rng.choice('0123456789, -[]"1') + line[pos + rng.randint(0, 1) :]
+        lines.append(line)
+    path = tmp_path / "fuzz.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    compare_scans(path, None)
+
+
+def write_output(root: Path, sid: str) -> ManifestEntry:
+    from bench.scale import _output_bytes
+
+    rel = output_relpath(sid)
+    data = _output_bytes(sid, "vr", [1, 2, 3, 4])
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_bytes(data)
+    return ManifestEntry(rel, 4, len(data), "crc32:0", "w", 0.0, 0)
+
+
+def test_parallel_verify_finds_what_the_single_process_one_does(
+    tmp_path: Path, redis_url: str
+) -> None:
+    out = tmp_path / "out"
+    root = out / "vr"
+    st = store(redis_url, "vr")
+    st.create_config(RunConfig(run="vr", dataset=str(tmp_path / "d.jsonl"), out=str(out)))
+    entries = [(f"v{i:03d}", write_output(root, f"v{i:03d}")) for i in range(60)]
+    st.mark_done_many(entries)
+    (root / entries[0][1].path).unlink()  # missing
+    (root / entries[1][1].path).write_bytes(b"garbage")  # corrupt
+    (root / "zz").mkdir()
+    (root / "zz" / "stray.safetensors").write_bytes(b"x")  # orphan in no shard
+    (root / entries[2][1].path).parent.joinpath(".x.safetensors.h.1.ab.tmp").write_bytes(b"")
+    right = (root / entries[3][1].path).parent.name
+    wrong = root / ("00" if right != "00" else "01") / f"{entries[3][0]}.safetensors"
+    wrong.parent.mkdir(exist_ok=True)
+    wrong.write_bytes(b"x")  # a done id, in the wrong shard directory: an orphan
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    st.client.hset(st.keys.done, "v999", json.dumps({"path": "../../x"}))  # refused
+    one = verify(st, root, jobs=1)
+    two = verify(st, root, jobs=2)
+    for res in (one, two):
+        assert res.missing == [entries[0][0]] and list(res.corrupt) == [entries[1][0]]
+        assert res.ok == 58 and set(res.refused) == {"v999"}
+        assert "zz/stray.safetensors" in res.orphans
+        assert str(wrong.relative_to(root)) in res.orphans
+        assert any(o.endswith(".tmp") for o in res.orphans)
+    assert sorted(one.orphans) == sorted(two.orphans)
+    assert one.checked == two.checked == 61
+
+
+def test_the_scale_benchmark_smoke_run(tmp_path: Path) -> None:
+    """bench/scale.py at CI size: every step runs and status adds up at each state."""
+    argv = [sys.executable, "-m", "bench.scale", "--samples", "3000", "--verify-files", "300"]
+    argv += ["--recover-files", "10", "--cap-samples", "1000", "--cap-chunks", "16"]
+    argv += ["--cap-procs", "2", "--work", str(tmp_path / "w")]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    res: dict[str, Any] = {r["step"]: r for r in rows}
+    for step in ("status_all_queued", "status_mid_run", "status_recount", "status_after_requeue"):
+        st = res[step]
+        parts = ("done", "queued", "in_progress", "retry", "dead", "missing")
+        assert sum(st[k] for k in parts) == st["total"] == 3000, st
+    keys = ("total", *parts)
+    assert [res["status_mid_run"][k] for k in keys] == [res["status_recount"][k] for k in keys]
+    assert f"requeued {res['status_mid_run']['dead']}" in res["requeue_failed"]["output"]
+    assert "ok 300," in res["verify_headers"]["output"]
+    assert "recovered       10 " in res["recover"]["output"]
+    assert res["reenqueue"]["output"].endswith("enqueued        0 samples in 0 jobs")
+    assert {r["batch"] for r in res["capacity"]["rows"]} == {"per-sample", 16}
+    assert not (tmp_path / "w").exists()
+
+
+def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
+    tmp_path: Path, redis_url: str
+) -> None:
+    st = new_run(redis_url, "cmp", tmp_path, 4)
+    e = ManifestEntry(output_relpath("s0000"), 300, 1234, "crc32:89abcdef", "h.1a2b3c", 5.25, 1)
+    odd = ManifestEntry("00/elsewhere.safetensors", 3, 100, "sha:1", "w", 0.0, 0, "fp8-e4m3")
+    st.mark_done_many([("s0000", e), ("s0001", odd)])
+    raw = st.client.hget(st.keys.done, "s0000")
+    assert raw is not None and len(raw) < len(e.to_json()) // 2
+    assert st.get_manifest("s0000") == ManifestEntry(
+        e.path, 300, 1234, "crc32:89abcdef", "h.1a2b3c", 5.2, 1
+    )
+    assert st.get_manifest("s0001") == odd  # not the usual shape: kept as JSON
+    assert dict(st.iter_manifest())["s0000"] == st.get_manifest("s0000")
+    assert json.loads(st.done_entries(["s0000"])[0] or b"")["path"] == e.path
+    st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
+    assert st.get_manifest("s0002") is None
+    assert dict(st.iter_done())["s0002"] == b"m1|x|y"
