@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, ParamSpec, TypeVar
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -47,6 +47,8 @@ from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreError, StoreUnavailableError
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
 from hsq.outputs import ManifestEntry
+from hsq.redisurl import check_url, scrub
+from hsq.redisurl import redact as redact  # re-exported: callers and tests use hsq.store.redact
 from hsq.runconfig import RunConfig
 
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"
@@ -189,6 +191,7 @@ def _translate_public(cls: type[T]) -> type[T]:
 def connect(url: str) -> redis.Redis:
     """A client from a URL (auth, db and TLS files come from it, or from HSQ_REDIS_CA /
     HSQ_REDIS_CERT / HSQ_REDIS_KEY for rediss://); retries transient connection errors."""
+    check_url(url)  # before any parser sees it: a reserved character would leak (redisurl.py)
     kwargs: dict[str, Any] = {}
     if url.startswith("rediss://"):
         query = dict(parse_qsl(urlsplit(url).query))
@@ -208,25 +211,10 @@ def connect(url: str) -> redis.Redis:
             )
             client.ping()
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"bad Redis URL {redact(url)}: {exc}") from exc
+        raise ConfigError(f"bad Redis URL {redact(url)}: {scrub(str(exc), url)}") from None
+    except StoreError as exc:  # redis-py's messages name what it parsed: never a password
+        raise type(exc)(scrub(str(exc), url)) from None
     return client
-
-
-def redact(url: str) -> str:
-    """The URL without credentials: userinfo (up to the LAST @ before the host, since a
-    password may hold an @) and any password=... query parameter."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "&".join(
-        f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
-        for k, v in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 _redact = redact  # the name older callers use

@@ -100,6 +100,24 @@ def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> 
         os.environ[TLS_ENV[str(param.name)]] = value
 
 
+def _remember_url_file(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.meta["hsq_redis_url_file"] = value
+
+
+def _redis_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """--redis, or the URL read from --redis-url-file (a Docker secret, a mode-600 file):
+    a password on a command line is visible to every local user in `ps` and /proc."""
+    path = ctx.meta.get("hsq_redis_url_file")
+    if path is None:
+        return value
+    if ctx.get_parameter_source("redis_url") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("give --redis or --redis-url-file, not both")
+    from hsq.redisurl import read_url_file
+
+    return read_url_file(path)
+
+
 def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
     tls = [
         ("--redis-ca", "ssl_ca_certs", "HSQ_REDIS_CA", "CA bundle that signed the Redis server"),
@@ -117,6 +135,17 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Path(exists=True, dir_okay=False),
             help=f"rediss:// only: {text}; env {env} or URL query `{name}=`",
         )(f)
+    f = click.option(
+        "--redis-url-file",
+        envvar="HSQ_REDIS_URL_FILE",
+        show_envvar=True,
+        default=None,
+        is_eager=True,  # read before --redis, whose callback uses it
+        expose_value=False,
+        callback=_remember_url_file,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="read the Redis URL from this file (its first line; e.g. a Docker secret)",
+    )(f)
     return click.option(
         "--redis",
         "redis_url",
@@ -124,7 +153,10 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
         show_envvar=True,
         default="redis://127.0.0.1:6379/0",
         show_default=True,
-        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for TLS)",
+        callback=_redis_url,
+        help="Redis URL with its auth, `redis://[USER]:PASSWORD@host:port/db` (rediss:// for "
+        "TLS). Give a password through the environment or --redis-url-file, never as a "
+        "flag: every local user sees a command line",
     )(f)
 
 
@@ -266,7 +298,8 @@ def enqueue(
 
     \b
     Example:
-      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+      export HSQ_REDIS_URL=redis://:PASSWORD@head:6379/0   # or --redis-url-file FILE
+      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs
       hsq enqueue chats.jsonl --tokenizer /models/qwen3-8b --run q3 --out /shared/hs
     Running it again enqueues nothing; after a partial run it enqueues only the rest.
     With --tokenizer, DATASET holds chat rows (see `hsq tokenize`); rows that cannot be
@@ -340,7 +373,7 @@ def recover(
 
     \b
     Example (Redis was wiped):
-      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+      hsq recover data.jsonl --run kimi-v1 --out /shared/hs   # HSQ_REDIS_URL set
     """
     from hsq.producer.enqueue import recover_run
     from hsq.store import RunStore, connect
@@ -663,7 +696,7 @@ def runs(redis_url: str) -> None:
 
     \b
     Example:
-      hsq runs --redis redis://:pw@head:6379/0
+      hsq runs --redis-url-file /run/secrets/redis_url
     """
     from hsq.app.ops import run_figures
     from hsq.store import RunStore, connect, list_runs
@@ -717,7 +750,7 @@ def exporter(redis_url: str, port: int, host: str) -> None:
 
     \b
     Example:
-      hsq exporter --redis redis://:pw@head:6379/0 --port 9640 --metrics-host 0.0.0.0
+      hsq exporter --redis-url-file /run/secrets/redis_url --port 9640 --metrics-host 0.0.0.0
     """
     from hsq.app.exporter import run_exporter
 
