@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from hsq import stfile
+from hsq import jsonsafe, stfile
 from hsq.errors import (
     CorruptDumpError,
     HookInactiveError,
@@ -117,7 +117,7 @@ def _load_bounded(
     if len(text) > limit:
         raise error(f"{what} is {len(text)} bytes, over {limit}")
     try:
-        return json.loads(text)
+        return jsonsafe.loads(text)  # deep nesting: a ValueError, not a crash
     except (ValueError, UnicodeDecodeError) as exc:
         raise error(f"{what} is malformed: {exc}") from exc
 

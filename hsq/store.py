@@ -43,6 +43,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreError, StoreUnavailableError
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
@@ -459,7 +460,7 @@ class RunStore:
         res = p.execute()
         out_path = None
         with contextlib.suppress(ValueError, TypeError):
-            out_path = json.loads(out) if out else None
+            out_path = jsonsafe.loads(out) if out else None
         return Snapshot(
             index=int(index),
             done=int(done),
@@ -535,7 +536,7 @@ class RunStore:
             entry: Any = None
             if len(v) <= MAX_DEAD_ENTRY:
                 with contextlib.suppress(ValueError):
-                    entry = json.loads(v)
+                    entry = jsonsafe.loads(v)
             if not isinstance(entry, dict) or not isinstance(entry.get("reason"), str):
                 entry = {"reason": "?", "message": "unreadable dead-letter entry"}
             out[_s(k)] = entry

@@ -15,7 +15,6 @@ output file already under <out>/<run>/ is checked against its dataset line and r
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections import Counter
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from hsq import logs
+from hsq import jsonsafe, logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
 from hsq.runconfig import RunConfig
@@ -233,7 +232,7 @@ def _identity(path: Path) -> tuple[str, list[int]] | None:
 
     meta = read_header(path).metadata
     try:
-        layers = json.loads(meta.get("layer_ids", "null"))
+        layers = jsonsafe.loads(meta.get("layer_ids", "null"))
     except ValueError:
         return None
     model = meta.get("model_id")

@@ -57,6 +57,28 @@ def check_dump_dir(path: Path, force: bool) -> bool:
     return False
 
 
+def fresh_staging(dump_dir: Path) -> Path:
+    """An empty <dump_dir>/.hsq-staging. Whatever holds the name is removed without being
+    followed: a symlink or a file left there (by anyone who could write the dump dir) made
+    mkdir fail with "[Errno 17] File exists" (issue 23 item 15)."""
+    staging = dump_dir / STAGING
+    try:
+        try:
+            st = os.lstat(staging)
+        except FileNotFoundError:
+            pass
+        else:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(staging)
+            else:
+                os.unlink(staging)  # the link itself, never its target
+                log.warning("staging_replaced", path=str(staging), mode=oct(st.st_mode))
+        staging.mkdir(mode=0o700)
+    except OSError as exc:
+        raise ConfigError(f"cannot make a fresh {staging}: {exc.strerror or exc}") from exc
+    return staging
+
+
 def startup(s: WorkerSettings, worker_id: str) -> Started:
     s.validate()
     store = RunStore(connect(s.redis_url), s.run)
@@ -71,9 +93,7 @@ def startup(s: WorkerSettings, worker_id: str) -> Started:
         os.chmod(d, 0o700)  # ours: private to this worker whatever the umask
     lock = DumpDirLock(d)
     lock.acquire(worker_id)
-    staging = d / STAGING
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(mode=0o700)
+    staging = fresh_staging(d)
     cleared = clear_dump_dir(d)  # leftovers of an earlier worker or server: never ours now
     view.out_root.mkdir(parents=True, exist_ok=True)
     return Started(store, view, lock, staging, cleared)

@@ -189,6 +189,16 @@ def _chat_options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="text closing an assistant turn [default: read off the template]",
         ),
+        click.option(
+            "--control-tokens",
+            type=click.Choice(["allow", "escape", "reject"]),
+            default="allow",
+            show_default=True,
+            help="the tokenizer's special tokens and the template's markers inside content "
+            "(a user message faking an assistant turn): allow (as SpecForge: rendered as "
+            "control tokens, the faked turn is trained on), escape (tokenized as text) or "
+            "reject the row",
+        ),
         click.option("--jobs", type=int, default=None, help="processes [default: every core]"),
     ]
     for opt in reversed(opts):
@@ -212,18 +222,19 @@ def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
             truncate=not kw["no_truncate"],
             last_turn_only=kw["last_turn_only"],
             system_prompt=kw["system_prompt"],
+            control_tokens=kw["control_tokens"],
         ),
         jobs=kw["jobs"],
     )
 
 
 def _looks_like_chat(path: Path) -> bool:
-    import json
+    from hsq import jsonsafe
 
     with open(path, "rb") as f:
         first = f.readline(1 << 20)
     try:
-        row = json.loads(first)
+        row = jsonsafe.loads(first)
     except ValueError:
         return False
     return isinstance(row, dict) and ("conversations" in row or "messages" in row)
