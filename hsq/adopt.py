@@ -1,33 +1,91 @@
 """Adopting an output file that is already on disk: `recover` and `enqueue --recover` check
 it as thoroughly as a worker checked the dump it came from (header, token ids against the
-dataset line, every tensor, finite states) before marking the sample done."""
+dataset line, every tensor, finite states) before marking the sample done.
+
+Nothing about the run is taken from one file (issue 23 item 3): the storage format is the
+one most files have, and the model and layers are decided over all files by the caller
+(producer/enqueue.py). A file is adopted only where the worker would have written it: a
+regular file, not a symlink, in a shard directory that is no symlink either (item 4).
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import time
+from collections import Counter
 from pathlib import Path
 
+from hsq import jsonsafe
 from hsq.dataset import Sample
-from hsq.errors import HsqError
+from hsq.errors import ConfigError, HsqError
 from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, output_relpath
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
-    """The storage format of the first readable output file under out_root (a run holds one)."""
+    """The storage format most output files under out_root declare (a run holds one; a
+    stale file of another format must not decide it); None without files. A tie is a
+    ConfigError: the caller must be told which (`--store-dtype`)."""
     from hsq.outputs import read_header
     from hsq.quant import store_dtype_of
 
     if not out_root.is_dir():
         return None
+    seen: Counter[str] = Counter()
     for dirpath, _dirs, files in os.walk(out_root):
-        for name in sorted(files):
-            if name.endswith(SUFFIX):
+        for name in files:
+            if name.endswith(SUFFIX) and not name.startswith("."):
                 try:
-                    return store_dtype_of(read_header(Path(dirpath) / name).metadata)
+                    seen[store_dtype_of(read_header(Path(dirpath) / name).metadata)] += 1
                 except (OSError, ValueError, HsqError):
                     continue
-    return None
+    ranked = seen.most_common()
+    if not ranked:
+        return None
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        raise ConfigError(
+            f"output files under {out_root} are stored as {dict(seen)}: pass --store-dtype"
+        )
+    return ranked[0][0]
+
+
+def file_identity(path: Path) -> tuple[str, list[int]] | None:
+    """(model_id, layer_ids) from an output file's header; None if it does not say."""
+    from hsq.outputs import read_header
+
+    meta = read_header(path).metadata
+    try:
+        layers = jsonsafe.loads(meta.get("layer_ids", "null"))
+    except ValueError:
+        return None
+    model = meta.get("model_id")
+    if (
+        not isinstance(model, str)
+        or not isinstance(layers, list)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    ):
+        return None
+    return model, layers
+
+
+def placement_problem(out_root: Path, rel: str) -> str:
+    """Why out_root/rel is not a file hsq itself would have written there ("" if it is):
+    lstat, never followed, so a symlink to a valid copy elsewhere is refused."""
+    path = out_root / rel
+    try:
+        shard = os.lstat(path.parent)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot stat: {exc.strerror}"
+    if stat.S_ISLNK(shard.st_mode) or not stat.S_ISDIR(shard.st_mode):
+        return f"its shard directory {path.parent.name}/ is a symlink or not a directory"
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symlink (to {os.readlink(path)[:200]}), not a file hsq wrote"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    return ""
 
 
 def adopt_output(
@@ -41,6 +99,9 @@ def adopt_output(
 
     rel = output_relpath(sample.id)
     path = out_root / rel
+    where = placement_problem(out_root, rel)
+    if where:
+        return None, where
     try:
         size = path.stat().st_size
         meta = read_header(path).metadata

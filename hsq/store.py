@@ -569,7 +569,7 @@ class RunStore:
         n = 0
         datas = []
         for chunk in chunks:
-            job_id = f"hsq-{self.run}-{secrets.token_hex(8)}"
+            job_id = self.keys.job_id(secrets.token_hex(8))
             datas.append(
                 Queue.prepare_data(
                     JOB_FUNC,
@@ -822,18 +822,26 @@ class RunStore:
         k = self.keys
         n = int(self.client.delete(k.config))
         # wip lists by SCAN too: a worker that never registered (or was reaped) holds jobs.
-        wips = {_s(key) for key in self.client.scan_iter(match=k.wip("*"), count=1000)}
+        wips = set(self._scan_names(k.wip("*")))
         wips |= {k.wip(w) for w in self.worker_ids()}
         jobs = [j for ids in self.outstanding_job_ids().values() for j in ids]
         for wip in wips:
             jobs += [_s(j) for j in self.client.lrange(wip, 0, -1)]
         keys = [*k.all_static(), *wips]
-        keys += [_s(key) for key in self.client.scan_iter(match=k.worker("*"), count=1000)]
+        keys += self._scan_names(k.worker("*"))
         keys += [rq_job_key(j) for j in set(jobs)]
         for i in range(0, len(keys), 1000):
             n += int(self.client.delete(*keys[i : i + 1000]))
         self.client.srem(RUNS, self.run)
         return n
+
+    def _scan_names(self, pattern: str) -> list[str]:
+        """Key names matching `pattern` by SCAN; [] for a per-run ACL user, which may not
+        SCAN (it would list every run's key names): the registered workers are used alone."""
+        try:
+            return [_s(key) for key in self.client.scan_iter(match=pattern, count=1000)]
+        except redis.exceptions.NoPermissionError:
+            return []
 
 
 def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, RunChangedError, StoreError
+from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, RunStore, new_worker_id
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
@@ -85,6 +86,7 @@ class Worker:
         self._pause: Pause | None = None
         self._pauses = 0
         self._changed: str | None = None
+        self._refused: str | None = None
         self._hold_until = 0.0
         self._server_errors = 0
         self.dispatcher = Dispatcher(
@@ -171,7 +173,7 @@ class Worker:
             self.lock.release()
             self.client.close()
             log.info("worker_stopped", worker=self.id, peak_rss_mb=_peak_rss_mb(), **self.counts)
-        return 0
+        return 2 if self._refused else 0
 
     def _step(self) -> bool:
         """One turn of the main loop; True when a --burst worker is finished."""
@@ -447,6 +449,9 @@ class Worker:
             self._stop.wait(backoff(n, base=1.0, cap=self.settings.backoff_max_s))
         else:
             return
+        if tampered := config_tampered(self.view.cfg, cfg):
+            self._refuse(tampered)
+            return
         self.view = RunView.of(cfg, self.settings.run)
         self.view.out_root.mkdir(parents=True, exist_ok=True)
         self.metrics.out_dir = self.view.out_root
@@ -503,8 +508,18 @@ class Worker:
         old = self.view.cfg
         if cfg is None:
             self._changed = self._changed or "the run's config is gone from Redis"
+        elif tampered := config_tampered(old, cfg):
+            self._refuse(tampered)
         elif (cfg.created, cfg.out, cfg.dataset) != (old.created, old.out, old.dataset):
             self._changed = self._changed or "the run's config was re-created"
+
+    def _refuse(self, why: str) -> None:
+        """Stop without writing anything more: the run's config changed where only a new
+        run (a new generation) may change it. Exit code 2; in-flight work is handed back."""
+        if self._refused is None:
+            log.error("run_config_changed_refused", run=self.settings.run, why=why)
+            self._refused = why
+        self.request_stop()
 
     def _shutdown_store(self) -> None:
         try:
@@ -515,6 +530,26 @@ class Worker:
         except STORE_TROUBLE as exc:
             # Our heartbeat expires and another worker's reaper takes our jobs back.
             log.error("unregister_failed", error=str(exc))
+
+
+def config_tampered(old: RunConfig, new: RunConfig) -> str | None:
+    """Why `new` cannot be the same run as `old`: its output dir, dataset or creation time
+    changed but its generation did not. Only a re-created run (a new generation: purge and
+    enqueue) may change them; anything else is someone rewriting the config under running
+    workers (issue 23 item 19: a worker then wrote to the writer's path)."""
+    if new.generation != old.generation:
+        return None
+    changed = [
+        f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}"
+        for name in ("out", "dataset", "created")
+        if getattr(old, name) != getattr(new, name)
+    ]
+    if not changed:
+        return None
+    return (
+        "the run's config changed without a new generation (" + "; ".join(changed) + "): "
+        "refusing to write anywhere else; re-create the run (hsq purge, hsq enqueue) to move it"
+    )
 
 
 def _peak_rss_mb() -> float:

@@ -365,7 +365,15 @@ def enqueue(
     "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
-@settings_options(RunConfig, only=("chunk_size", "store_dtype"))
+@settings_options(RunConfig, only=("chunk_size", "store_dtype", "layer_ids", "model_id"))
+@click.option(
+    "--server-dump-dir",
+    "server_dump_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="dump dir of one of the run's servers (repeatable): its readiness marker says the "
+    "model and layers the run uses",
+)
 @click.option("--no-progress", is_flag=True)
 def recover(
     dataset: Path | None,
@@ -374,6 +382,9 @@ def recover(
     redis_url: str,
     chunk_size: int,
     store_dtype: str,
+    layer_ids: list[int] | None,
+    model_id: str | None,
+    server_dump_dirs: tuple[Path, ...],
     no_progress: bool,
 ) -> None:
     """Rebuild a run's Redis state from its output files (after a Redis loss).
@@ -381,22 +392,33 @@ def recover(
     Every file under OUT/RUN/ is checked against its DATASET line (header, every tensor,
     token ids, finite values); valid ones are marked done with their checksum, the rest of
     the dataset is enqueued. Safe to run on a live run: it only adds what is missing.
+    The run's model and layers are its recorded ones, else --model-id/--layers, else what
+    the readiness markers in --server-dump-dir say, else what most files hold (a tie is
+    refused); files of another model or layers are stale: reported and enqueued again.
+    Symlinks are never adopted.
 
     \b
-    Example (Redis was wiped):
-      hsq recover data.jsonl --run kimi-v1 --out /shared/hs   # HSQ_REDIS_URL set
+    Example (Redis was wiped; HSQ_REDIS_URL set):
+      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --server-dump-dir /dev/shm/hsq0
     """
-    from hsq.producer.enqueue import recover_run
+    from hsq.producer.enqueue import IdentityHint, recover_run
     from hsq.store import RunStore, connect
 
     store = RunStore(connect(redis_url), run)
     known = store.load_config()
+    hint = IdentityHint(model_id, layer_ids, _announced(server_dump_dirs))
     if known is not None:
         given = [
             f"{name}: recorded {rec}, given {arg}"
             for name, rec, arg in (("dataset", known.dataset, dataset), ("out", known.out, out))
             if arg is not None and Path(rec) != arg.resolve()
         ]
+        given += [
+            f"{name}: recorded {rec!r}, given {arg!r}"
+            for name, rec, arg in (("model_id", known.model_id, model_id),
+                                   ("layer_ids", known.layer_ids, layer_ids))
+            if arg is not None and rec is not None and rec != arg
+        ]  # fmt: skip
         if given:
             raise ConfigError(f"run {run!r} exists with other settings: " + "; ".join(given))
         cfg = known
@@ -406,7 +428,7 @@ def recover(
         from hsq.adopt import detect_store_dtype
 
         root = out.resolve()
-        if not _given("store_dtype"):  # the files say what the run stored
+        if not _given("store_dtype"):  # what most files say the run stored
             store_dtype = detect_store_dtype(root / run) or store_dtype
         cfg = RunConfig(
             run=run,
@@ -415,11 +437,31 @@ def recover(
             chunk_size=chunk_size,
             store_dtype=store_dtype,
         )
-    report = recover_run(store, cfg, progress=not no_progress)
+    report = recover_run(store, cfg, progress=not no_progress, hint=hint)
     for line in report.lines_out() + report.recover_lines():
         click.echo(line)
     for sid, why in list(report.rejected_files.items())[:10]:
         click.echo(f"  rejected file of {sid}: {why}", err=True)
+
+
+def _announced(dump_dirs: tuple[Path, ...]) -> tuple[str, list[int]] | None:
+    """The model and layers the readiness markers in these dump dirs announce (they must
+    agree); None without dirs."""
+    from hsq.protocol import read_ready
+
+    seen: dict[tuple[str, tuple[int, ...]], Path] = {}
+    for d in dump_dirs:
+        marker = read_ready(d)
+        if marker is None:
+            raise ConfigError(f"--server-dump-dir {d} holds no readiness marker (hsq-ready.json)")
+        seen.setdefault((marker.model.model_id, tuple(marker.layer_ids)), d)
+    if len(seen) > 1:
+        said = "; ".join(f"{d}: {m} layers {list(ls)}" for (m, ls), d in seen.items())
+        raise ConfigError(f"the servers announce different models or layers: {said}")
+    if not seen:
+        return None
+    (model, layers), _ = seen.popitem()
+    return model, list(layers)
 
 
 @cli.command("worker")
@@ -719,6 +761,30 @@ def runs(redis_url: str) -> None:
     for name in names:
         fig = run_figures(RunStore(client, name))
         click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")
+
+
+@cli.command("acl")
+@click.option("--run", required=True, help="run name")
+@click.option("--user", default=None, help="ACL user name [default: hsq-RUN]")
+def acl(run: str, user: str | None) -> None:
+    """Print a Redis ACL user that can work on one run only.
+
+    It can enqueue, run workers, status/requeue/verify/recover/audit/purge that run, and
+    cannot read, change or list another run's keys (docs/operations.md). Put the line in
+    Redis's ACL file with a real password in place of <PASSWORD>, then `ACL LOAD`; never
+    pass a password to redis-cli as an argument.
+
+    \b
+    Example:
+      hsq acl --run kimi-v1 >> /etc/redis/users.acl   # then edit <PASSWORD>
+    """
+    from hsq.keys import RunKeys
+
+    try:
+        keys = RunKeys(run)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    click.echo(keys.acl_user(user))
 
 
 @cli.command("purge")
