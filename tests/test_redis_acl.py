@@ -87,10 +87,10 @@ def test_one_runs_user_does_the_whole_run_and_nothing_to_another_run(
     as_a("recover", "--run", "a", "--no-progress")
 
     a = redis.Redis.from_url(url(port, "a"))
-    admin = redis.Redis.from_url(url(port, None))
+    admin = redis.Redis.from_url(url(port, None), decode_responses=True)
     kb, kab = RunKeys("b"), RunKeys("a-b")
-    b_job = admin.lrange(rq_queue_key(kb.main_queue), 0, 0)[0].decode()
-    ab_job = admin.lrange(rq_queue_key(kab.main_queue), 0, 0)[0].decode()
+    b_job = str(admin.lrange(rq_queue_key(kb.main_queue), 0, 0)[0])
+    ab_job = str(admin.lrange(rq_queue_key(kab.main_queue), 0, 0)[0])
     b_out = admin.hget(kb.config, "out")
     denied: list[Callable[[], object]] = [
         lambda: a.hset(kb.config, "out", json.dumps("/tmp/attacker")),  # the attack
