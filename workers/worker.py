@@ -32,6 +32,7 @@ import structlog
 from hsq.errors import ConfigError, RunChangedError, StoreError
 from hsq.runconfig import RunConfig
 from hsq.store import ChunkJob, RunStore, new_worker_id
+from hsq.workers.audit import WorkerAudit
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
@@ -107,6 +108,9 @@ class Worker:
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight
+        )
+        self.audit = WorkerAudit(
+            settings.audit_fraction, self.send, self.store, self.metrics, self.id
         )
 
     @property
@@ -190,6 +194,12 @@ class Worker:
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
+        if self.audit.pending:  # --audit-fraction: alone on the server (workers/audit.py)
+            if self.sending == 0:
+                self.audit.run_one()
+            else:
+                self._wait_event(0.05)
+            return False
         if self.sending < self.settings.inflight:
             nxt = self.book.peek_tokens()
             if nxt is None and self._claim():
@@ -272,6 +282,7 @@ class Worker:
             self.counts["tokens"] += item.tokens
             self._server_errors = 0
             self._settled(item)
+            self.audit.offer(item, self.view)
         elif ev.kind is EventKind.FAILED:
             assert ev.exc is not None
             self._route_failure(item, ev.exc)
@@ -435,6 +446,7 @@ class Worker:
         )
         self.state = "backing_off"
         self._settle()
+        self.audit.clear()  # audits of the old run's files: nothing to compare any more
         n = 0
         while not self._stop.is_set():
             try:
@@ -483,6 +495,7 @@ class Worker:
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
             **self.counts,
+            **self.audit.counts,
         }
 
     def _heartbeat_loop(self) -> None:

@@ -665,6 +665,84 @@ def verify(
         sys.exit(EXIT_PROBLEMS)
 
 
+@cli.command("audit")
+@_run_option
+@_redis_option
+@click.option(
+    "--sample-fraction",
+    "fraction",
+    type=float,
+    required=True,
+    help="fraction of the done samples to re-extract, chosen at random (0 < F <= 1)",
+)
+@click.option("--server", required=True, help="inference server URL the audit may use alone")
+@click.option(
+    "--dump-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="that server's dump dir; the audit takes it as a worker does (refused while a "
+    "worker holds it)",
+)
+@click.option("--requeue", "do_requeue", is_flag=True, help="un-done and requeue mismatches")
+@click.option("--seed", type=int, default=None, help="which samples [default: random, printed]")
+@click.option("--dump-timeout", default=60.0, show_default=True, type=float)
+@click.option("--dump-dir-force", is_flag=True, help="use a dump dir that looks shared")
+@_mounted_out_option
+def audit(
+    run: str,
+    redis_url: str,
+    fraction: float,
+    server: str,
+    dump_dir: Path,
+    do_requeue: bool,
+    seed: int | None,
+    dump_timeout: float,
+    dump_dir_force: bool,
+    out: Path | None,
+    no_progress: bool,
+) -> None:
+    """Re-extract a random subset of done samples alone and compare with the stored states.
+
+    No check on a dump's metadata can tell that a batching server put one request's rid,
+    fingerprint and token count on another request's states: they are saved as valid and
+    `verify --deep` passes. The audit sends each chosen sample alone (one request at a
+    time, so alone in its batch) to --server, through --dump-dir (which it owns while it
+    runs), and compares with the stored file within the reference tolerance (per token:
+    cosine >= 0.999, max |diff| <= 1% of the norm). Exit 1 on any mismatch or a sample it
+    could not audit. Workers can audit continuously too: `hsq worker --audit-fraction F`.
+
+    \b
+    Example (a spare server; HSQ_REDIS_URL set):
+      hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:30009 \\
+          --dump-dir /dev/shm/hsq-audit --requeue
+    """
+    from hsq.app.audit import run_audit
+
+    st = _store(redis_url, run)
+    root = (out or Path(st.require_config().out)) / run
+    with _file_progress(0, "auditing", no_progress) as bar:
+        report = run_audit(
+            st,
+            server=server,
+            dump_dir=dump_dir,
+            fraction=fraction,
+            out_root=root,
+            seed=seed,
+            do_requeue=do_requeue,
+            dump_timeout_s=dump_timeout,
+            dump_dir_force=dump_dir_force,
+            on_progress=bar.update,
+        )
+    for line in report.lines_out():
+        click.echo(line)
+    for sid, why in list(report.mismatched.items())[:50]:
+        click.echo(f"  mismatch  {sid}: {why}")
+    for sid, why in list(report.failed.items())[:20]:
+        click.echo(f"  failed    {sid}: {why}")
+    if report.mismatched or report.failed:
+        sys.exit(EXIT_PROBLEMS)
+
+
 @cli.command("export")
 @_run_option
 @_redis_option
