@@ -550,8 +550,8 @@ def config_tampered(old: RunConfig, new: RunConfig) -> str | None:
     changed but its generation did not. Only a re-created run (a new generation: purge and
     enqueue) may change them; anything else is someone rewriting the config under running
     workers (issue 23 item 19: a worker then wrote to the writer's path)."""
-    if new.generation != old.generation:
-        return None
+    if old.generation is None or new.generation != old.generation:
+        return None  # a re-created run; None: no generation to judge by (never from RunStore)
     changed = [
         f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}"
         for name in ("out", "dataset", "created")
