@@ -149,7 +149,7 @@ def _enqueue_locked(
     plan: RecoveryPlan | None = None
     if recover:  # read-only until the identity is decided: a refusal changes nothing
         plan = _plan_recovery(store, existing or cfg, valid, report, progress, hint)
-        if existing is None:
+        if existing is None and plan.identity is not None:
             cfg = replace(cfg, model_id=plan.identity[0], layer_ids=plan.identity[1])
     if existing is None:
         existing, _ = store.create_config(cfg)
@@ -239,7 +239,8 @@ class IdentityHint:
 
 @dataclass
 class RecoveryPlan:
-    identity: Identity
+    identity: Identity | None
+    """None: no valid file and nothing given; the first fully valid dump pins it."""
     adopt: list[tuple[str, ManifestEntry]]
 
 
@@ -291,9 +292,10 @@ def _plan_recovery(
             adopt.append((sid, manifest))
         else:
             report.stale += 1
-            report.rejected_files[sid] = (
-                f"stale: model {ident[0]} layers {ident[1]}, the run's is "
-                f"model {identity[0]} layers {identity[1]}"
+            report.rejected_files[sid] = f"stale: model {ident[0]} layers {ident[1]}, " + (
+                f"the run's is model {identity[0]} layers {identity[1]}"
+                if identity is not None
+                else "not what was given"
             )
     for sid, why in list(report.rejected_files.items())[:20]:
         log.warning("recover_rejected_file", sample=sid, why=why)
@@ -306,7 +308,7 @@ def _key(ident: Identity) -> tuple[str, tuple[int, ...]]:
 
 def decide_identity(
     cfg: RunConfig, hint: IdentityHint, counts: Counter[tuple[str, tuple[int, ...]]]
-) -> tuple[Identity, str]:
+) -> tuple[Identity | None, str]:
     """The run's model and layers and how they were decided: recorded in the run, else
     given, else announced by its servers, else the files' majority (a tie is refused);
     each part separately, so a model given alone picks among the files of that model."""
@@ -331,11 +333,8 @@ def decide_identity(
         }
     )
     ranked = fits.most_common()
-    if not ranked:
-        raise ConfigError(
-            "no valid output file says which model and layers the run used: pass "
-            "--model-id and --layers, or --server-dump-dir of one of its servers"
-        )
+    if not ranked:  # nothing to adopt: the run's first fully valid dump pins it, as usual
+        return None, f"not decided: no valid file of what was given among {total} files"
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
         tied = "; ".join(f"{n} files of model {m} layers {list(ls)}" for (m, ls), n in ranked)
         raise ConfigError(
@@ -347,6 +346,8 @@ def decide_identity(
 
 
 def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) -> None:
+    if plan.identity is None:
+        return
     model, layers = plan.identity
     recorded = store.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
     if recorded != (model, layers):
