@@ -176,3 +176,39 @@ def test_a_worker_auditing_continuously_dead_letters_exactly_the_mixed_samples(
     assert len(log_events(w.log_path, "audit_ok")) == N - len(mixed)
     code, text = audit(run, clean, redis_url)  # what stays done is right
     assert code == 0 and f"audited         {N - len(mixed)}" in text, text
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3"])
+def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str) -> None:
+    """The bound in numbers: batched-forward noise (1e-3 relative, far above CPU fp32's)
+    passes in both storage formats; another token's states fail."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hsq import quant
+    from hsq.audit import compare_states
+
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(16, 3 * 64, generator=gen)
+    last = torch.randn(16, 64, generator=gen)
+
+    def stored(a: torch.Tensor, b: torch.Tensor) -> SimpleNamespace:
+        if fmt == quant.FP8:
+            a = quant.dequantize(*quant.quantize(a, 3))
+            b = quant.dequantize(*quant.quantize(b, 1))
+        return SimpleNamespace(
+            input_ids=torch.arange(16),
+            metadata={quant.META_KEY: fmt},
+            aux_hidden_states=a.to(torch.bfloat16),
+            last_hidden_state=b.to(torch.bfloat16),
+        )
+
+    ids = list(range(16))
+    kept = stored(aux, last)
+    noisy = (aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
+    assert compare_states(kept, ids, *noisy).ok
+    swapped = (aux.roll(1, dims=0), last)  # token i holds token i-1's states
+    verdict = compare_states(kept, ids, *swapped)
+    assert not verdict.ok and "aux_hidden_states" in verdict.detail
+    assert not compare_states(kept, [*ids[:-1], 99], aux, last).ok
