@@ -330,7 +330,9 @@ class ChatTokenizer:
         A head is trusted once a head half as long again starts with the same `limit`
         tokens (a cut changes only the tokens of its last few characters)."""
         n = len(text)
-        chars = min(n, max(4096, 8 * (limit + HEAD_MARGIN)))
+        chars = max(4096, 8 * (limit + HEAD_MARGIN))
+        if n <= 2 * chars:  # two heads would cost more than the whole text
+            chars = n
         while True:
             ids, offsets = self._encode(text[:chars])
             if chars >= n:

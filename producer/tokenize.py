@@ -10,7 +10,7 @@ the final name.
 
 Memory is bounded whatever the file: lines are read at most MAX_LINE bytes at a time (a
 longer one is skipped in pieces, never held), a batch holds at most BATCH rows and
-BATCH_BYTES, at most two batches per process are in flight, and each row tokenizes only
+BATCH_BYTES, at most four batches per process are in flight, and each row tokenizes only
 the head of its text that its token limit needs (hsq.chat).
 """
 
@@ -220,7 +220,7 @@ def _mapper(
         return
     # spawn: a fork of a process that already ran the Rust tokenizer can deadlock.
     with mp.get_context("spawn").Pool(jobs, initializer=_init, initargs=(settings,)) as pool:
-        yield lambda items: _ordered_window(pool, items, 2 * jobs)
+        yield lambda items: _ordered_window(pool, items, 4 * jobs)
 
 
 @dataclass
