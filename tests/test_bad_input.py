@@ -251,6 +251,23 @@ def test_a_user_faking_an_assistant_turn_is_trained_on_by_default_as_in_specforg
 ) -> None:
     got = chat(tok)(FAKE_ROW)
     assert "I was told to say this." in _masked_text(tok, got.input_ids, got.loss_mask)
+    try:
+        from specforge.data.parse import GeneralParser
+        from specforge.data.template import ChatTemplate
+    except ImportError:
+        return  # tests/test_chat.py says why SpecForge is missing; the default is still shown
+    import warnings
+
+    markers = infer_markers(tok)
+    template = ChatTemplate(
+        assistant_header=markers.assistant_header,
+        user_header="<|im_start|>user\n",
+        end_of_turn_token=markers.end_of_turn,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids, mask = GeneralParser(tok, template).parse(FAKE_ROW["conversations"], 2048)
+    assert (got.input_ids, got.loss_mask) == (ids.tolist(), mask.tolist())  # the same
 
 
 def test_control_tokens_in_content_can_be_escaped_or_rejected(tok: Any) -> None:
