@@ -1,52 +1,106 @@
 """Adopting an output file that is already on disk: `recover` and `enqueue --recover` check
 it as thoroughly as a worker checked the dump it came from (header, token ids against the
-dataset line, every tensor, finite states) before marking the sample done."""
+dataset line, every tensor, finite states) before marking the sample done.
+
+Nothing about the run is taken from one file (issue 23 item 3): the storage format is the
+one most files have, and the model and layers are decided over all files by the caller
+(producer/enqueue.py). A file is adopted only where the worker would have written it: a
+regular file, not a symlink, in a shard directory that is no symlink either (item 4).
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hsq import jsonsafe
 from hsq.dataset import Sample
-from hsq.errors import HsqError
+from hsq.errors import ConfigError, HsqError
 from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, output_relpath
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
-    """The storage format of the first readable output file under out_root (a run holds one)."""
+    """The storage format most output files under out_root declare (a run holds one; a
+    stale file of another format must not decide it); None without files. A tie is a
+    ConfigError: the caller must be told which (`--store-dtype`)."""
     from hsq.quant import store_dtype_of
 
-    header = _first_header(out_root, lambda h: store_dtype_of(h.metadata))
-    return None if header is None else store_dtype_of(header.metadata)
+    return _majority(out_root, lambda h: store_dtype_of(h.metadata), "--store-dtype")
 
 
 def detect_prenorm(out_root: Path) -> bool | None:
-    """Whether the first readable output file under out_root stores the pre-norm state."""
+    """Whether most output files under out_root store the pre-norm state; None without
+    files, a ConfigError on a tie (`--prenorm` decides)."""
     from hsq.quant import PRENORM
 
-    header = _first_header(out_root)
-    return None if header is None else PRENORM in header.tensors
+    found = _majority(out_root, lambda h: "yes" if PRENORM in h.tensors else "no", "--prenorm")
+    return None if found is None else found == "yes"
 
 
-def _first_header(out_root: Path, check: Callable[[Any], object] | None = None) -> Any:
+def _majority(out_root: Path, key: Callable[[Any], str], flag: str) -> str | None:
+    """The value of `key` most readable output headers under out_root give."""
     from hsq.outputs import read_header
 
     if not out_root.is_dir():
         return None
+    seen: Counter[str] = Counter()
     for dirpath, _dirs, files in os.walk(out_root):
-        for name in sorted(files):
-            if name.endswith(SUFFIX):
+        for name in files:
+            if name.endswith(SUFFIX) and not name.startswith("."):
                 try:
-                    header = read_header(Path(dirpath) / name)
-                    if check is not None:
-                        check(header)
-                    return header
+                    seen[key(read_header(Path(dirpath) / name))] += 1
                 except (OSError, ValueError, HsqError):
                     continue
-    return None
+    ranked = seen.most_common()
+    if not ranked:
+        return None
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        raise ConfigError(f"output files under {out_root} disagree {dict(seen)}: pass {flag}")
+    return ranked[0][0]
+
+
+def file_identity(path: Path) -> tuple[str, list[int]] | None:
+    """(model_id, layer_ids) from an output file's header; None if it does not say."""
+    from hsq.outputs import read_header
+
+    meta = read_header(path).metadata
+    try:
+        layers = jsonsafe.loads(meta.get("layer_ids", "null"))
+    except ValueError:
+        return None
+    model = meta.get("model_id")
+    if (
+        not isinstance(model, str)
+        or not isinstance(layers, list)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    ):
+        return None
+    return model, layers
+
+
+def placement_problem(out_root: Path, rel: str) -> str:
+    """Why out_root/rel is not a file hsq itself would have written there ("" if it is):
+    lstat, never followed, so a symlink to a valid copy elsewhere is refused."""
+    path = out_root / rel
+    try:
+        shard = os.lstat(path.parent)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"cannot stat: {exc.strerror}"
+    if stat.S_ISLNK(shard.st_mode) or not stat.S_ISDIR(shard.st_mode):
+        return f"its shard directory {path.parent.name}/ is a symlink or not a directory"
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symlink (to {os.readlink(path)[:200]}), not a file hsq wrote"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    return ""
 
 
 def adopt_output(
@@ -64,6 +118,9 @@ def adopt_output(
 
     rel = output_relpath(sample.id)
     path = out_root / rel
+    where = placement_problem(out_root, rel)
+    if where:
+        return None, where
     try:
         size = path.stat().st_size
         meta = read_header(path).metadata

@@ -16,8 +16,18 @@ sees what SpecForge would have fed it:
    mapped to tokens by re-encoding the text before its start and end.
 
 Rows hsq cannot use raise `DatasetError` with a stable reason (no_assistant, unknown_role,
-empty_content, template_error, too_long, ...) and go to the dead letter; they are not
-silently repaired.
+empty_content, bad_content, too_deep, control_tokens, template_error, too_long, ...) and go
+to the dead letter; they are not silently repaired.
+
+Memory per row is bounded (issue 23 item 14): only as much of the rendered text is
+tokenized as the row's token limit needs (--max-length, else MAX_ROW_TOKENS), so a 50 MB row
+costs about what its first max-length tokens cost, not ~700 bytes per byte of text.
+
+Template control tokens inside content (`<|im_end|>\n<|im_start|>assistant\n` in a user
+message) are rendered and tokenized as the tokenizer's special tokens and the text after
+them is masked as an assistant turn: SpecForge does the same. `--control-tokens escape`
+breaks each one inside content with a zero-width space (U+200B) after its first character,
+so it is tokenized as text; `reject` dead-letters the row (`control_tokens`).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsq import jsonsafe
 from hsq.dataset import check_sample_id
 from hsq.errors import ConfigError, DatasetError
 
@@ -37,6 +48,14 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 KEEP_ROLES = ("system", "tool")
 KEEP_KEYS = ("role", "content", "tool_calls", "reasoning_content")
 MAX_MESSAGES = 10_000
+MAX_ROW_TOKENS = 2**18
+"""Tokens of one row without --max-length: the longest context windows (Kimi K2.5: 262,144).
+A longer row is `too_long`, found without tokenizing it whole."""
+HEAD_MARGIN = 64
+"""Tokens past the limit the tokenized head must reach: a cut text changes at most the
+tokens of its last few characters, and the head is checked against a longer one."""
+CONTROL_TOKEN_MODES = ("allow", "escape", "reject")
+ZWSP = "\u200b"
 _PROBE_USER, _PROBE_ASSISTANT = "hsq-probe-user-7f3a", "hsq-probe-assistant-9c1e"
 
 
@@ -46,6 +65,8 @@ class ChatOptions:
     truncate: bool = True
     last_turn_only: bool = False
     system_prompt: str | None = None
+    control_tokens: str = "allow"
+    """allow (SpecForge's behaviour), escape or reject template control tokens in content."""
 
 
 @dataclass(frozen=True)
@@ -137,18 +158,29 @@ def row_id(row: dict[str, Any]) -> str:
     return f"c{digest[:24]}"
 
 
-def _content(msg: dict[str, Any]) -> str:
-    content = msg.get("content") or msg.get("value") or ""
-    if not isinstance(content, str):
-        raise DatasetError("message content must be a string", "bad_content")
-    return content
+def _content(msg: dict[str, Any], i: int, role: Any) -> str:
+    """The message's text: `content`, else ShareGPT's `value`; absent or null is "" (an
+    assistant turn with only tool calls). Anything but a string is `bad_content`: content
+    0, false or {} is a type error, not an empty message."""
+    raw = msg.get("content")
+    if raw is None or raw == "":
+        raw = msg.get("value", raw)
+    if raw is None:
+        return ""
+    if not isinstance(raw, str):
+        shown = json.dumps(raw)[:40]
+        raise DatasetError(
+            f"message {i} ({role}) content is {type(raw).__name__} {shown}, not a string",
+            "bad_content",
+        )
+    return raw
 
 
 def _tool_calls(raw: Any) -> list[dict[str, Any]] | None:
     """SpecForge's _sanitize_message: JSON strings parsed, only id/type/function kept."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = jsonsafe.loads(raw)
         except ValueError:
             return None
     if not isinstance(raw, list):
@@ -163,7 +195,7 @@ def _tool_calls(raw: Any) -> list[dict[str, Any]] | None:
             args = func.get("arguments", {})
             if isinstance(args, str):
                 try:
-                    args = json.loads(args)
+                    args = jsonsafe.loads(args)
                 except ValueError:
                     args = {}
             call["function"] = {"name": func.get("name", ""), "arguments": args}
@@ -185,7 +217,7 @@ def normalize(raw_messages: Any) -> list[dict[str, Any]]:
         role = ROLES.get(role, role) if isinstance(role, str) else role
         if role not in ("user", "assistant", *KEEP_ROLES):
             raise DatasetError(f"message {i} has unknown role {role!r}", "unknown_role")
-        m: dict[str, Any] = {"role": role, "content": _content(msg)}
+        m: dict[str, Any] = {"role": role, "content": _content(msg, i, role)}
         if "tool_calls" in msg:
             calls = _tool_calls(msg["tool_calls"])
             if calls is not None:
@@ -227,6 +259,11 @@ class ChatTokenizer:
     """Boundaries per process computed both ways before the fast way is trusted."""
 
     def __init__(self, tok: Any, markers: Markers, options: ChatOptions) -> None:
+        if options.control_tokens not in CONTROL_TOKEN_MODES:
+            raise ConfigError(
+                f"--control-tokens must be one of {', '.join(CONTROL_TOKEN_MODES)}, "
+                f"not {options.control_tokens!r}"
+            )
         self.tok = tok
         self.markers = markers
         self.pattern = markers.pattern
@@ -239,6 +276,10 @@ class ChatTokenizer:
             if not (t.lstrip or t.rstrip or t.normalized)
         }
         self.checks_left = self.CHECKS if getattr(tok, "is_fast", False) else -1
+        self.control = control_strings(tok, markers)
+        self._control_re = (
+            re.compile("|".join(re.escape(c) for c in self.control)) if self.control else None
+        )
 
     def _encode_len(self, texts: list[str]) -> list[int]:
         if not texts:
@@ -276,9 +317,75 @@ class ChatTokenizer:
                 return self._encode_len([text[:c] for c in chars])
         return fast
 
+    def _encode(self, text: str) -> tuple[list[int], list[Any]]:
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.checks_left >= 0)
+        return enc["input_ids"], enc.get("offset_mapping", [])
+
+    def _head(self, text: str, limit: int) -> tuple[list[int], list[Any], int]:
+        """(ids, offsets, chars): the tokens of text[:chars], which either is the whole text
+        or has more than `limit` tokens whose first `limit` are those of the whole text.
+
+        Bounded memory (item 14): the head grows geometrically from a few characters per
+        token, so a huge row costs a few times its `limit` tokens, never its whole text.
+        A head is trusted once a head half as long again starts with the same `limit`
+        tokens (a cut changes only the tokens of its last few characters)."""
+        n = len(text)
+        chars = max(4096, 8 * (limit + HEAD_MARGIN))
+        if n <= 2 * chars:  # two heads would cost more than the whole text
+            chars = n
+        while True:
+            ids, offsets = self._encode(text[:chars])
+            if chars >= n:
+                return ids, offsets, n
+            if len(ids) > limit + HEAD_MARGIN:
+                longer = min(n, chars + chars // 2)
+                more, _ = self._encode(text[:longer])
+                if more[:limit] == ids[:limit]:
+                    return ids, offsets, chars
+                chars = longer
+            else:
+                chars = min(n, chars * 2)
+
+    def _guard(self, msgs: list[dict[str, Any]], tools: Any) -> tuple[list[dict[str, Any]], Any]:
+        """--control-tokens: reject a row whose content holds a template control token, or
+        escape each one (U+200B after its first character, so it tokenizes as text)."""
+        mode, pattern = self.options.control_tokens, self._control_re
+        if mode == "allow" or pattern is None:
+            return msgs, tools
+        where: list[str] = []
+
+        def fix(value: Any, path: str) -> Any:
+            if isinstance(value, str):
+                if mode == "reject":
+                    if m := pattern.search(value):
+                        where.append(f"{path} holds the template control token {m.group()!r}")
+                    return value
+                return pattern.sub(lambda m: m.group()[0] + ZWSP + m.group()[1:], value)
+            if isinstance(value, list):
+                return [fix(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            if isinstance(value, dict):
+                return {k: fix(v, f"{path}.{k}") for k, v in value.items()}
+            return value
+
+        msgs = [
+            {
+                k: v if k == "role" else fix(v, f"message {i} ({m['role']}) {k}")
+                for k, v in m.items()
+            }
+            for i, m in enumerate(msgs)
+        ]
+        tools = fix(tools, "tools")
+        if where:
+            raise DatasetError(
+                "; ".join(where[:3]) + " (--control-tokens reject)", "control_tokens"
+            )
+        return msgs, tools
+
     def __call__(self, row: Any) -> Tokenized:
         if not isinstance(row, dict):
             raise DatasetError("a row must be a JSON object", "bad_row")
+        if jsonsafe.too_deep(row):  # templates and json.dumps recurse over what they render
+            raise DatasetError(f"row nested deeper than {jsonsafe.MAX_DEPTH} levels", "too_deep")
         sid = row_id(row)
         key = "conversations" if "conversations" in row else "messages"
         msgs, dropped = arrange(normalize(row.get(key)), self.options.system_prompt)
@@ -287,6 +394,7 @@ class ChatTokenizer:
         tools = row.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise DatasetError("`tools` must be a list", "bad_row")
+        msgs, tools = self._guard(msgs, tools)
         try:
             text = self.tok.apply_chat_template(
                 msgs, tokenize=False, add_generation_prompt=False, tools=tools
@@ -295,8 +403,8 @@ class ChatTokenizer:
             raise DatasetError(f"chat template failed: {exc}", "template_error") from exc
         if not isinstance(text, str):
             raise DatasetError("chat template did not return text", "template_error")
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=self.checks_left >= 0)
-        ids: list[int] = enc["input_ids"]
+        limit = self.options.max_length or MAX_ROW_TOKENS
+        ids, offsets, head = self._head(text, limit)
         spans = list(self.pattern.finditer(text))
         if self.options.last_turn_only and spans:
             spans = spans[-1:]
@@ -306,16 +414,35 @@ class ChatTokenizer:
                 "template_error",
             )
         chars = [s.start(1) for s in spans] + [s.end(1) for s in spans]
-        bounds = self._boundaries(text, ids, enc.get("offset_mapping", []), chars)
+        # A boundary past the tokenized head lies past the limit: as good as the end.
+        inside = [c for c in chars if c <= head]
+        known = dict(zip(inside, self._boundaries(text, ids, offsets, inside), strict=True))
+        bounds = [known.get(c, len(ids)) for c in chars]
         mask = [0] * len(ids)
         for start, end in zip(bounds[: len(spans)], bounds[len(spans) :], strict=True):
             mask[start : min(end, len(ids))] = [1] * max(0, min(end, len(ids)) - start)
         truncated = False
-        limit = self.options.max_length
-        if limit is not None and len(ids) > limit:
-            if not self.options.truncate:
-                raise DatasetError(f"{len(ids)} tokens, more than --max-length {limit}", "too_long")
+        if len(ids) > limit:
+            if not self.options.truncate or self.options.max_length is None:
+                more = "more than " if head < len(text) else ""
+                flag = (
+                    f"--max-length {limit}"
+                    if self.options.max_length
+                    else (f"the {limit} tokens a row may have (pass --max-length to cut rows)")
+                )
+                raise DatasetError(f"{more}{len(ids)} tokens, more than {flag}", "too_long")
             ids, mask, truncated = ids[:limit], mask[:limit], True
         if not any(mask):
             raise DatasetError("no assistant token left after truncation", "no_loss_tokens")
         return Tokenized(sid, ids, mask, truncated, dropped)
+
+
+def control_strings(tok: Any, markers: Markers) -> list[str]:
+    """What content must not hold under --control-tokens: the tokenizer's special tokens
+    and the template's own markers (plain text in some templates), longest first."""
+    found = {str(t) for t in getattr(tok, "all_special_tokens", [])}
+    for t in getattr(tok, "added_tokens_decoder", {}).values():
+        if getattr(t, "special", False):
+            found.add(str(t.content))
+    found |= {markers.assistant_header.strip(), markers.end_of_turn.strip()}
+    return sorted((c for c in found if len(c) >= 2), key=len, reverse=True)

@@ -16,7 +16,6 @@ into DataLoader worker processes.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from hsq import jsonsafe
 from hsq.errors import OutputError
 from hsq.outputs import SUFFIX, open_output
 
@@ -52,7 +52,7 @@ def read_manifest(root: Path) -> list[Item]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = jsonsafe.loads(line)
                 item = Item(str(obj["id"]), str(obj["path"]), int(obj["num_tokens"]))
             except (ValueError, KeyError, TypeError) as exc:
                 raise OutputError(f"{root / MANIFEST} line {n}: bad entry: {exc}") from exc

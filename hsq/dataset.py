@@ -9,15 +9,15 @@ path on every worker node (a shared filesystem); Redis holds about 40 bytes per 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hsq import jsonsafe
 from hsq.errors import DatasetError
 
 # Sample ids become file names: keep them to a conservative, portable alphabet.
@@ -34,6 +34,9 @@ class Sample:
     id: str
     input_ids: list[int]
     loss_mask: list[int] | None
+    id_text: str = field(default="", compare=False)
+    """The id as the line wrote it (`1` or `"1"`): both are the id "1", and a duplicate's
+    message shows which form each line used."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,24 @@ def check_sample_id(raw: Any) -> str:
     return sid
 
 
-def parse_line(line: bytes, max_tokens: int | None = None) -> Sample:
+def load_row(line: bytes | str) -> Any:
+    """A dataset or chat line's JSON; malformed or too deeply nested for the parser is a
+    DatasetError (`malformed_json`, `too_deep`), never a crash (jsonsafe)."""
     try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return jsonsafe.loads(line)
+    except jsonsafe.TooDeepError as exc:
+        raise DatasetError(str(exc), "too_deep") from None
+    except (ValueError, UnicodeDecodeError) as exc:
         raise DatasetError(f"not valid JSON: {exc}", "malformed_json") from exc
+
+
+def id_text(raw: Any) -> str:
+    """How a line wrote its id: `1` for an integer, `'1'` for a string."""
+    return repr(raw) if isinstance(raw, str) else str(raw)
+
+
+def parse_line(line: bytes, max_tokens: int | None = None) -> Sample:
+    obj = load_row(line)
     if not isinstance(obj, dict):
         raise DatasetError("a line must be a JSON object", "malformed_json")
     if "id" not in obj:
@@ -90,7 +106,7 @@ def parse_line(line: bytes, max_tokens: int | None = None) -> Sample:
             raise DatasetError("`loss_mask` must be a list as long as input_ids", "bad_loss_mask")
         if any(type(m) is not int or m not in (0, 1) for m in mask):
             raise DatasetError("`loss_mask` must hold 0 or 1", "bad_loss_mask")
-    return Sample(id=sid, input_ids=ids, loss_mask=mask)
+    return Sample(id=sid, input_ids=ids, loss_mask=mask, id_text=id_text(obj["id"]))
 
 
 @dataclass(frozen=True)
@@ -102,11 +118,12 @@ class ScannedLine:
 
 
 def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedLine]:
-    """Yield every non-blank line with its index entry or its error; duplicates are errors."""
-    seen: dict[str, int] = {}
+    """Yield every non-blank line with its index entry or its error; duplicates are errors
+    (ids are compared as text: `1` and `"1"` name one file, so they are one id)."""
+    seen: dict[str, tuple[int, str]] = {}
     offset = 0
     with open(path, "rb") as f:
-        for line_no, (line, size) in enumerate(_bounded_lines(f), start=1):
+        for line_no, (line, size) in enumerate(bounded_lines(f), start=1):
             start, offset = offset, offset + size
             if line is None:
                 err = DatasetError(
@@ -123,21 +140,26 @@ def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedL
                 yield ScannedLine(line_no, None, _best_effort_id(body), exc)
                 continue
             if sample.id in seen:
+                first, form = seen[sample.id]
                 err = DatasetError(
-                    f"duplicate id {sample.id!r} (first on line {seen[sample.id]})", "duplicate_id"
+                    f"duplicate id {sample.id!r}: this line's id {sample.id_text} and line "
+                    f"{first}'s id {form} are the same id (ids are compared as text); the "
+                    f"sample of line {first} is kept",
+                    "duplicate_id",
                 )
                 yield ScannedLine(line_no, None, None, err)
                 continue
-            seen[sample.id] = line_no
+            seen[sample.id] = (line_no, sample.id_text)
             entry = IndexEntry(start, len(body), zlib.crc32(body), len(sample.input_ids))
             yield ScannedLine(line_no, entry, sample.id, None)
 
 
-def _bounded_lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
-    """(line, its size in bytes); None instead of a line longer than MAX_LINE_BYTES, which is
-    skipped in pieces without ever being held in memory."""
-    while line := f.readline(MAX_LINE_BYTES + 1):
-        if line.endswith(b"\n") or len(line) <= MAX_LINE_BYTES:
+def bounded_lines(f: BinaryIO, limit: int | None = None) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its size in bytes); None instead of a line longer than `limit` (default
+    MAX_LINE_BYTES), which is skipped in pieces without ever being held in memory."""
+    limit = MAX_LINE_BYTES if limit is None else limit
+    while line := f.readline(limit + 1):
+        if line.endswith(b"\n") or len(line) <= limit:
             yield line, len(line)
             continue
         size = len(line)
@@ -149,9 +171,9 @@ def _bounded_lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
 
 def _best_effort_id(body: bytes) -> str | None:
     try:
-        obj = json.loads(body)
+        obj = load_row(body)
         return check_sample_id(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
-    except (ValueError, DatasetError):
+    except DatasetError:
         return None
 
 

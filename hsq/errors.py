@@ -17,8 +17,9 @@
     │   ├── WrongLengthError        token count differs from the request's
     │   ├── CachedTokensError       the server reused a cached prefix (radix cache on)
     │   ├── MetaMismatchError       layers, hidden size, dtype or model differ from the run's
-    │   └── CorruptDumpError        unreadable meta or tensors, bad shapes
-    │       └── NonFiniteDumpError  NaN or Inf in the hidden states
+    │   ├── CorruptDumpError        unreadable meta or tensors, bad shapes
+    │   │   └── NonFiniteDumpError  NaN or Inf in the hidden states
+    │   └── AuditMismatchError      stored states differ from the sample re-extracted alone
     └── ServerError                 talking to the inference server
         ├── ServerUnavailableError  down, restarting or timing out: *not* the sample's fault
         └── ServerRejectedError     the server answered 4xx/5xx to a well-formed request
@@ -106,6 +107,15 @@ class CorruptDumpError(DumpError):
 
 class NonFiniteDumpError(CorruptDumpError):
     reason = "non_finite"
+
+
+class AuditMismatchError(DumpError):
+    """`hsq audit` or a worker's --audit-fraction re-extracted a done sample alone and its
+    stored states are not within the reference tolerance: they belong to another input
+    (a batching server mixed requests up). Dead-lettered, not retried: the server is at
+    fault until shown otherwise."""
+
+    reason = "audit_mismatch"
 
 
 class ServerError(HsqError):

@@ -27,11 +27,18 @@ Per run R (a name matching RUN_NAME_RE):
     hsq:run:R:wip:W               LIST  job ids worker W holds (reliable-queue pattern)
     rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
-    rq:job:<id>                   HASH  RQ job (JSON serializer): the chunk's samples;
-                                        <id> is hsq-R-<hex>-n<samples in the job>
+    rq:job:hsq-R-<16 hex>-n<count> HASH RQ job (JSON serializer): the chunk's samples; the
+                                        id carries the job's sample count (counters)
+    rq:queues                     SET   RQ's registry of queue keys (RQ adds ours to it)
 
 Everything a queue may lose is recoverable: the dataset index minus `done`, `dead`, the
 queues and the wip lists is exactly what `requeue --missing` puts back.
+
+Per-run isolation: every key of run R matches one of `RunKeys(R).acl_key_patterns()` and no
+key of another run does (run names hold no `:`, a job id's random part has a fixed length,
+and a run name may not end in `-retry`, which would make its main queue another run's retry
+queue). `RunKeys.acl_user` turns them into a Redis ACL user that can do run R's work and
+cannot read, write or list another run's keys (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -43,6 +50,18 @@ RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 RUNS = "hsq:runs"
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_JOB_PREFIX = "rq:job:"
+RQ_QUEUES = "rq:queues"
+"""RQ adds every queue it enqueues into to this set (rq.Queue.redis_queues_keys)."""
+RETRY_SUFFIX = "-retry"
+JOB_TOKEN_HEX = 16
+"""Hex digits of a job id's random part: fixed, so a run's job-key pattern is exact."""
+ACL_COMMANDS = (
+    "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
+    "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
+    "+lpush +rpush +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard"
+)
+"""What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
+the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""
 
 
 def rq_queue_key(queue_name: str) -> str:
@@ -61,6 +80,11 @@ class RunKeys:
         if not RUN_NAME_RE.fullmatch(self.run):
             raise ValueError(
                 f"run name {self.run!r} must match {RUN_NAME_RE.pattern} (letters, digits, _ -)"
+            )
+        if self.run.endswith(RETRY_SUFFIX):
+            raise ValueError(
+                f"run name {self.run!r} may not end in {RETRY_SUFFIX!r}: its queue would be "
+                f"run {self.run.removesuffix(RETRY_SUFFIX)!r}'s retry queue"
             )
 
     @property
@@ -124,7 +148,38 @@ class RunKeys:
 
     @property
     def retry_queue(self) -> str:
-        return f"hsq-{self.run}-retry"
+        return f"hsq-{self.run}{RETRY_SUFFIX}"
+
+    def job_id(self, token: str, samples: int) -> str:
+        """An RQ job id of this run: `hsq-R-`, JOB_TOKEN_HEX hex digits and `-n<samples>`
+        (the count the store's scripts keep counters with)."""
+        if len(token) != JOB_TOKEN_HEX or any(c not in "0123456789abcdef" for c in token):
+            raise ValueError(f"a job token is {JOB_TOKEN_HEX} lowercase hex digits")
+        if not 0 < samples < 10**9:
+            raise ValueError(f"a job holds 1..999999999 samples, not {samples}")
+        return f"hsq-{self.run}-{token}-n{samples}"
+
+    def acl_key_patterns(self) -> list[str]:
+        """Redis ACL key patterns matching every key of this run and no other run's."""
+        # The fixed-length hex token cannot be followed by another run's name: a longer
+        # run name sharing this prefix puts a `-` where the pattern wants a hex digit.
+        job = rq_job_key(f"hsq-{self.run}-" + "[0-9a-f]" * JOB_TOKEN_HEX + "-n*")
+        queues = [rq_queue_key(self.main_queue), rq_queue_key(self.retry_queue)]
+        return [self._prefix + "*", *queues, job]
+
+    def acl_user(self, user: str | None = None, password: str = "<PASSWORD>") -> str:
+        """A Redis ACL user (an ACL file or redis.conf line) that can do this run's work
+        (enqueue, workers, status/requeue/verify/recover/audit/purge of this run) and cannot
+        read, write or list another run's keys. The shared sets of run and queue names may
+        only be added to and removed from (SADD/SREM, also from a script), not read."""
+        name = user or f"hsq-{self.run}"
+        keys = " ".join("~" + k for k in self.acl_key_patterns())
+        # A selector: the shared sets with SADD/SREM only, and EVALSHA for the script that
+        # creates the run (it declares the run's config and hsq:runs: one selector must
+        # allow all of a command's keys). Commands inside a script are checked one by one.
+        shared = f"(~{self._prefix}* ~{RUNS} ~{RQ_QUEUES} +sadd +srem +evalsha)"
+        perms = f"resetkeys resetchannels -@all {ACL_COMMANDS}"
+        return f"user {name} on >{password} {perms} {keys} {shared}"
 
     def all_static(self) -> list[str]:
         """Keys `purge` deletes besides wip/worker keys and job hashes."""

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from hsq import jsonsafe
 from hsq.dataset import Sample, check_sample_id
 from hsq.errors import CorruptDumpError, NonFiniteDumpError, OutputError
 
@@ -400,7 +401,7 @@ def check_output(
             problems.append(f"stored as {fmt}, the run stores {store_dtype}")
         if entry.store_dtype != fmt:
             problems.append(f"stored as {fmt}, manifest says {entry.store_dtype}")
-        layer_ids = json.loads(meta.get("layer_ids", "null"))
+        layer_ids = jsonsafe.loads(meta.get("layer_ids", "null"))
         groups = len(layer_ids) if isinstance(layer_ids, list) and layer_ids else None
         problems += quant.layout_problems(fmt, header.tensors, n, groups)
     except (OSError, ValueError, OutputError) as exc:
@@ -549,7 +550,7 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
             f"{list(mask.shape)}, {AUX_TENSOR} {list(aux.shape)}, {LAST_TENSOR} {list(last.shape)}"
         )
     try:
-        layer_ids = [int(x) for x in json.loads(meta.get("layer_ids", "[]"))]
+        layer_ids = [int(x) for x in jsonsafe.loads(meta.get("layer_ids", "[]"))]
     except (ValueError, TypeError) as exc:
         raise OutputError(f"{path}: bad layer_ids metadata") from exc
     return OutputSample(

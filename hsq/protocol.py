@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsq import stfile
+from hsq import jsonsafe, stfile
 from hsq.errors import (
     CorruptDumpError,
     DumpDirError,
@@ -225,7 +225,7 @@ def _load_bounded(
     if len(text) > limit:
         raise error(f"{what} is {len(text)} bytes, over {limit}")
     try:
-        return json.loads(text)
+        return jsonsafe.loads(text)  # deep nesting: a ValueError, not a crash
     except (ValueError, UnicodeDecodeError) as exc:
         raise error(f"{what} is malformed: {exc}") from exc
 

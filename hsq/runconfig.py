@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from hsq import jsonsafe
 from hsq.errors import ConfigError
 from hsq.quant import BF16, STORE_DTYPES, check_store_dtype
 from hsq.settings import int_list_or_none, setting
@@ -83,7 +84,7 @@ class RunConfig:
             for k, v in raw.items():
                 key = k.decode()
                 if key in known:
-                    values[key] = json.loads(v)
+                    values[key] = jsonsafe.loads(v)
             return cls(**values)
         except (ValueError, TypeError) as exc:  # Redis is untrusted too
             raise ConfigError(f"the run's config in Redis is unreadable: {exc}") from exc

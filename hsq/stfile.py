@@ -32,6 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hsq import jsonsafe
+
 if TYPE_CHECKING:
     import torch
 
@@ -138,7 +140,7 @@ def read_header(fd: int) -> Header:
     if n > MAX_HEADER or 8 + n > size:
         raise FormatError(f"implausible header length {n} for a {size}-byte file")
     try:
-        raw = json.loads(os.pread(fd, n, 8))
+        raw = jsonsafe.loads(os.pread(fd, n, 8))
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"header is not JSON: {exc}") from exc
     if not isinstance(raw, dict):

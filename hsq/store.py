@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ParamSpec, TypeVar
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -50,6 +50,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import (
     ConfigError,
@@ -60,6 +61,8 @@ from hsq.errors import (
 )
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
 from hsq.outputs import ManifestEntry, output_relpath
+from hsq.redisurl import check_url, scrub
+from hsq.redisurl import redact as redact  # re-exported: callers and tests use hsq.store.redact
 from hsq.runconfig import RunConfig
 
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"
@@ -393,6 +396,7 @@ def _translate_public(cls: type[T]) -> type[T]:
 def connect(url: str) -> redis.Redis:
     """A client from a URL (auth, db and TLS files come from it, or from HSQ_REDIS_CA /
     HSQ_REDIS_CERT / HSQ_REDIS_KEY for rediss://); retries transient connection errors."""
+    check_url(url)  # before any parser sees it: a reserved character would leak (redisurl.py)
     kwargs: dict[str, Any] = {}
     if url.startswith("rediss://"):
         query = dict(parse_qsl(urlsplit(url).query))
@@ -412,25 +416,10 @@ def connect(url: str) -> redis.Redis:
             )
             client.ping()
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"bad Redis URL {redact(url)}: {exc}") from exc
+        raise ConfigError(f"bad Redis URL {redact(url)}: {scrub(str(exc), url)}") from None
+    except StoreError as exc:  # redis-py's messages name what it parsed: never a password
+        raise type(exc)(scrub(str(exc), url)) from None
     return client
-
-
-def redact(url: str) -> str:
-    """The URL without credentials: userinfo (up to the LAST @ before the host, since a
-    password may hold an @) and any password=... query parameter."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "&".join(
-        f"{k}=***" if k.lower() in ("password", "username", "user") else f"{k}={v}"
-        for k, v in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 _redact = redact  # the name older callers use
@@ -504,7 +493,7 @@ _JOB_SIZE_RE = re.compile(r"-n([0-9]{1,9})$")
 
 def job_id_for(run: str, samples: int) -> str:
     """A new job id; it carries the job's sample count, which the scripts read."""
-    return f"hsq-{run}-{secrets.token_hex(8)}-n{samples}"
+    return RunKeys(run).job_id(secrets.token_hex(8), samples)
 
 
 def job_size(job_id: str) -> int | None:
@@ -730,7 +719,7 @@ class RunStore:
         res = p.execute()
         out_path = None
         with contextlib.suppress(ValueError, TypeError):
-            out_path = json.loads(out) if out else None
+            out_path = jsonsafe.loads(out) if out else None
         return Snapshot(
             index=int(index),
             done=int(done),
@@ -944,7 +933,7 @@ class RunStore:
             entry: Any = None
             if len(v) <= MAX_DEAD_ENTRY:
                 with contextlib.suppress(ValueError):
-                    entry = json.loads(v)
+                    entry = jsonsafe.loads(v)
             if not isinstance(entry, dict) or not isinstance(entry.get("reason"), str):
                 entry = {"reason": "?", "message": "unreadable dead-letter entry"}
             out[_s(k)] = entry
@@ -982,7 +971,7 @@ class RunStore:
         for chunk in chunks:
             if clear_failures:
                 ids += [sid for sid, _ in chunk]
-            job_id = job_id_for(self.run, len(chunk))
+            job_id = self.keys.job_id(secrets.token_hex(8), len(chunk))
             datas.append(
                 Queue.prepare_data(
                     JOB_FUNC,
@@ -1297,18 +1286,26 @@ class RunStore:
         k = self.keys
         n = int(self.client.delete(k.config))
         # wip lists by SCAN too: a worker that never registered (or was reaped) holds jobs.
-        wips = {_s(key) for key in self.client.scan_iter(match=k.wip("*"), count=1000)}
+        wips = set(self._scan_names(k.wip("*")))
         wips |= {k.wip(w) for w in self.worker_ids()}
         jobs = [j for ids in self.outstanding_job_ids().values() for j in ids]
         for wip in wips:
             jobs += [_s(j) for j in self.client.lrange(wip, 0, -1)]
         keys = [*k.all_static(), *wips]
-        keys += [_s(key) for key in self.client.scan_iter(match=k.worker("*"), count=1000)]
+        keys += self._scan_names(k.worker("*"))
         keys += [rq_job_key(j) for j in set(jobs)]
         for i in range(0, len(keys), 1000):
             n += int(self.client.delete(*keys[i : i + 1000]))
         self.client.srem(RUNS, self.run)
         return n
+
+    def _scan_names(self, pattern: str) -> list[str]:
+        """Key names matching `pattern` by SCAN; [] for a per-run ACL user, which may not
+        SCAN (it would list every run's key names): the registered workers are used alone."""
+        try:
+            return [_s(key) for key in self.client.scan_iter(match=pattern, count=1000)]
+        except redis.exceptions.NoPermissionError:
+            return []
 
 
 def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:

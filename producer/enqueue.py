@@ -11,6 +11,10 @@ instead of scanning in parallel and queueing every sample twice.
 
 `recover_run` (`hsq recover`) is the same pass after a Redis loss: before enqueueing, every
 output file already under <out>/<run>/ is checked against its dataset line and re-marked done.
+The run's model and layers are never taken from one file (issue 23 item 3): they are the
+run's recorded pins, or given (`--model-id`/`--layers`), or what the run's servers announce
+in their readiness markers, or else what most valid files hold; files of another model or
+layers are reported as stale and their samples enqueued again, never marked done.
 
 A plain enqueue streams (`_enqueue_streaming`): the dataset is scanned in batches
 (producer/fastscan.py) and each batch is decided, enqueued and indexed before the next is
@@ -23,12 +27,11 @@ enqueue interrupted) every job is read, as before.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections import Counter
 from collections.abc import Container, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -36,6 +39,7 @@ import structlog
 from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
+from hsq.outputs import ManifestEntry
 from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
 from hsq.store import AnyRef, RunStore, chunked
@@ -56,6 +60,10 @@ class EnqueueReport:
     pruned: int = 0
     recovered: int = 0
     rejected_files: dict[str, str] = field(default_factory=dict)
+    stale: int = 0
+    """Rejected files of another model or layers than the run's (also in rejected_files)."""
+    identity: str = ""
+    """How recover decided the run's model and layers, in words."""
     problems: list[str] = field(default_factory=list)
 
     def lines_out(self) -> list[str]:
@@ -73,10 +81,12 @@ class EnqueueReport:
         ]
 
     def recover_lines(self) -> list[str]:
-        return [
+        lines = [
             f"recovered       {self.recovered} valid output files re-marked done",
             f"rejected files  {len(self.rejected_files)} (their samples are enqueued again)",
+            f"stale files     {self.stale} of another model or layers (enqueued again)",
         ]
+        return lines + ([f"identity        {self.identity}"] if self.identity else [])
 
 
 def enqueue_run(
@@ -87,9 +97,11 @@ def enqueue_run(
     progress: bool = True,
     recover: bool = False,
     rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
+    hint: IdentityHint | None = None,
 ) -> EnqueueReport:
     """`rejected`: (key, error, id) of rows refused before the dataset was written (chat
-    rows `hsq tokenize` could not use); they go to the dead letter as invalid lines do."""
+    rows `hsq tokenize` could not use); they go to the dead letter as invalid lines do.
+    `hint`: with `recover`, the model and layers given or announced by the run's servers."""
     cfg.validate()
     holder = f"{socket.gethostname()}:{os.getpid()}"
     with store.enqueue_lock(holder):
@@ -98,13 +110,23 @@ def enqueue_run(
                 store, cfg, strict=strict, progress=progress, rejected=rejected
             )
         return _enqueue_locked(
-            store, cfg, strict=strict, progress=progress, recover=recover, rejected=rejected
+            store,
+            cfg,
+            strict=strict,
+            progress=progress,
+            recover=recover,
+            rejected=rejected,
+            hint=hint,
         )
 
 
-def recover_run(store: RunStore, cfg: RunConfig, *, progress: bool = True) -> EnqueueReport:
-    """Rebuild a run's Redis state from its output directory (after a Redis loss)."""
-    return enqueue_run(store, cfg, progress=progress, recover=True)
+def recover_run(
+    store: RunStore, cfg: RunConfig, *, progress: bool = True, hint: IdentityHint | None = None
+) -> EnqueueReport:
+    """Rebuild a run's Redis state from its output directory (after a Redis loss). The run's
+    model and layers: its recorded pins, else the hint (given, then announced by its
+    servers), else the files' majority."""
+    return enqueue_run(store, cfg, progress=progress, recover=True, hint=hint)
 
 
 def _enqueue_locked(
@@ -115,6 +137,7 @@ def _enqueue_locked(
     progress: bool,
     recover: bool,
     rejected: Sequence[tuple[str, DatasetError, str | None]] = (),
+    hint: IdentityHint | None = None,
 ) -> EnqueueReport:
     existing = store.load_config()
     if existing is not None:
@@ -136,6 +159,11 @@ def _enqueue_locked(
     if not valid:
         raise DatasetError("the dataset holds no valid sample", "empty_dataset")
 
+    plan: RecoveryPlan | None = None
+    if recover:  # read-only until the identity is decided: a refusal changes nothing
+        plan = _plan_recovery(store, existing or cfg, valid, report, progress, hint)
+        if existing is None and plan.identity is not None:
+            cfg = replace(cfg, model_id=plan.identity[0], layer_ids=plan.identity[1])
     if existing is None:
         existing, _ = store.create_config(cfg)
     store.begin_enqueue()
@@ -146,9 +174,19 @@ def _enqueue_locked(
     for key, err, sid in bad:
         store.to_dead(key, err.reason, f"{err} (id {sid!r})" if sid else str(err), 0, None)
     report.pruned = _prune(store, {sid for sid, _ in valid}, {key for key, _, _ in bad})
-    if recover:
-        _recover_outputs(store, existing, valid, report, progress)
+    if plan is not None:
+        _apply_recovery(store, plan, report)
 
+    _enqueue_rest(store, valid, report, cfg.chunk_size)
+    store.end_enqueue()
+    _log_report(cfg, report)
+    return report
+
+
+def _enqueue_rest(
+    store: RunStore, valid: list[tuple[str, IndexEntry]], report: EnqueueReport, chunk_size: int
+) -> None:
+    """Enqueue every valid sample that is neither done, queued or held, nor dead."""
     dead_ids = set(store.iter_hash_keys(store.keys.dead))
     outstanding = store.outstanding_samples()
     todo: list[tuple[str, IndexEntry]] = []
@@ -164,12 +202,9 @@ def _enqueue_locked(
                 report.dead += 1
             else:
                 todo.append((sid, entry))
-    chunks = list(chunked(todo, cfg.chunk_size))
+    chunks = list(chunked(todo, chunk_size))
     report.enqueued = store.enqueue(chunks)
     report.chunks = len(chunks)
-    store.end_enqueue()
-    _log_report(cfg, report)
-    return report
 
 
 def _log_report(cfg: RunConfig, report: EnqueueReport) -> None:
@@ -343,23 +378,49 @@ def _prune(
     return n + store.delete_fields(k.dead, gone_dead)
 
 
-def _recover_outputs(
+Identity = tuple[str, list[int]]
+"""A run's model id and effective layer ids."""
+
+
+@dataclass(frozen=True)
+class IdentityHint:
+    """What recover is told about the run's identity besides the files."""
+
+    model_id: str | None = None
+    """Given (--model-id)."""
+    layer_ids: list[int] | None = None
+    """Given (--layers)."""
+    announced: Identity | None = None
+    """What the run's servers announce in their readiness markers (--server-dump-dir)."""
+
+
+@dataclass
+class RecoveryPlan:
+    identity: Identity | None
+    """None: no valid file and nothing given; the first fully valid dump pins it."""
+    adopt: list[tuple[str, ManifestEntry]]
+
+
+def _plan_recovery(
     store: RunStore,
     cfg: RunConfig,
     valid: list[tuple[str, IndexEntry]],
     report: EnqueueReport,
     progress: bool,
-) -> None:
-    from hsq.adopt import adopt_output
+    hint: IdentityHint | None,
+) -> RecoveryPlan:
+    """Check every file under OUT/RUN/ (read-only), decide the run's identity, and list the
+    files to mark done: valid ones of that identity. The others are in report.rejected_files."""
+    from hsq.adopt import adopt_output, file_identity
 
     out_root = Path(cfg.out) / cfg.run
     dataset = Path(cfg.dataset)
     ids = [sid for sid, _ in valid]
-    already = set()
+    already: set[str] = set()
     for i in range(0, len(ids), 5000):
         already |= store.done_among(ids[i : i + 5000])
-    pinned: tuple[str, list[int]] | None = None
-    with logs.progress(len(valid), "file", "recovering", enabled=progress) as bar:
+    found: list[tuple[str, ManifestEntry, Identity]] = []
+    with logs.progress(len(valid), "file", "checking", enabled=progress) as bar:
         for sid, entry in valid:
             bar.update()
             if sid in already:
@@ -369,42 +430,88 @@ def _recover_outputs(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype, cfg.prenorm)
+            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
             if manifest is None:
                 if why != "missing":
                     report.rejected_files[sid] = why
                 continue
-            if pinned is None:
-                pinned = _pin_from_file(store, out_root / manifest.path)
-            if pinned != _identity(out_root / manifest.path):
-                report.rejected_files[sid] = f"model or layers differ from the run's {pinned}"
+            ident = file_identity(out_root / manifest.path)
+            if ident is None:
+                report.rejected_files[sid] = "model_id or layer_ids missing from the header"
                 continue
-            if store.mark_done(sid, manifest):
-                report.recovered += 1
+            found.append((sid, manifest, ident))
+    counts = Counter(_key(i) for _, _, i in found)
+    identity, how = decide_identity(cfg, hint or IdentityHint(), counts)
+    report.identity = how
+    adopt = []
+    for sid, manifest, ident in found:
+        if ident == identity:
+            adopt.append((sid, manifest))
+        else:
+            report.stale += 1
+            report.rejected_files[sid] = f"stale: model {ident[0]} layers {ident[1]}, " + (
+                f"the run's is model {identity[0]} layers {identity[1]}"
+                if identity is not None
+                else "not what was given"
+            )
     for sid, why in list(report.rejected_files.items())[:20]:
         log.warning("recover_rejected_file", sample=sid, why=why)
+    return RecoveryPlan(identity, adopt)
 
 
-def _identity(path: Path) -> tuple[str, list[int]] | None:
-    from hsq.outputs import read_header
-
-    meta = read_header(path).metadata
-    try:
-        layers = json.loads(meta.get("layer_ids", "null"))
-    except ValueError:
-        return None
-    model = meta.get("model_id")
-    if not isinstance(model, str) or not isinstance(layers, list):
-        return None
-    return model, layers
+def _key(ident: Identity) -> tuple[str, tuple[int, ...]]:
+    return ident[0], tuple(ident[1])
 
 
-def _pin_from_file(store: RunStore, path: Path) -> tuple[str, list[int]] | None:
-    """The run's model and layers: the config's, or pinned from the first valid file."""
-    ident = _identity(path)
-    if ident is None:
-        return None
-    return store.pin_model(*ident)
+def decide_identity(
+    cfg: RunConfig, hint: IdentityHint, counts: Counter[tuple[str, tuple[int, ...]]]
+) -> tuple[Identity | None, str]:
+    """The run's model and layers and how they were decided: recorded in the run, else
+    given, else announced by its servers, else the files' majority (a tie is refused);
+    each part separately, so a model given alone picks among the files of that model."""
+    model, layers, source = cfg.model_id, cfg.layer_ids, "recorded in the run"
+    if model is None or layers is None:
+        source = "given"
+        model = model if model is not None else hint.model_id
+        layers = layers if layers is not None else hint.layer_ids
+    if (model is None or layers is None) and hint.announced is not None:
+        source = "announced by the run's servers"
+        model = model if model is not None else hint.announced[0]
+        layers = layers if layers is not None else hint.announced[1]
+    total = sum(counts.values())
+    if model is not None and layers is not None:
+        n = counts.get((model, tuple(layers)), 0)
+        return (model, list(layers)), f"{model} layers {layers} ({source}; {n} of {total} files)"
+    fits = Counter(
+        {
+            k: n
+            for k, n in counts.items()
+            if (model is None or k[0] == model) and (layers is None or list(k[1]) == layers)
+        }
+    )
+    ranked = fits.most_common()
+    if not ranked:  # nothing to adopt: the run's first fully valid dump pins it, as usual
+        return None, f"not decided: no valid file of what was given among {total} files"
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        tied = "; ".join(f"{n} files of model {m} layers {list(ls)}" for (m, ls), n in ranked)
+        raise ConfigError(
+            f"the run's files disagree with no majority ({tied}): pass --model-id and "
+            "--layers, or --server-dump-dir of one of its servers; nothing was changed"
+        )
+    (m, ls), n = ranked[0]
+    return (m, list(ls)), f"{m} layers {list(ls)} (majority: {n} of {total} files)"
+
+
+def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) -> None:
+    if plan.identity is None:
+        return
+    model, layers = plan.identity
+    recorded = store.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
+    if recorded != (model, layers):
+        raise ConfigError(f"the run pinned {recorded} meanwhile; nothing was marked done")
+    for sid, manifest in plan.adopt:
+        if store.mark_done(sid, manifest):
+            report.recovered += 1
 
 
 Bad = list[tuple[str, DatasetError, str | None]]

@@ -3,18 +3,26 @@
 Every core tokenizes (a process pool, each process with its own tokenizer); the output
 keeps the input's order, so the same file and tokenizer give the same bytes. Rows that
 cannot be used are written to a rejects file with their reason, and `hsq enqueue` puts
-them in the run's dead letter. The output is written to a temp name and renamed, so a
-killed run leaves no half file under the final name.
+them in the run's dead letter: one row never stops the file (a line that is not JSON, is
+nested too deeply, or makes the tokenizer or template raise anything is rejected). The
+output is written to a temp name and renamed, so a killed run leaves no half file under
+the final name.
+
+Memory is bounded whatever the file: lines are read at most MAX_LINE bytes at a time (a
+longer one is skipped in pieces, never held), a batch holds at most BATCH rows and
+BATCH_BYTES, at most four batches per process are in flight, and each row tokenizes only
+the head of its text that its token limit needs (hsq.chat).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import multiprocessing as mp
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +31,14 @@ import structlog
 
 from hsq import logs
 from hsq.chat import ChatOptions, ChatTokenizer, Markers, infer_markers, load_tokenizer
+from hsq.dataset import bounded_lines, load_row
 from hsq.errors import DatasetError
 
 log = structlog.get_logger("hsq.tokenize")
 
 MAX_LINE = 64 * 2**20
 BATCH = 256
+BATCH_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -114,60 +124,129 @@ def _init(settings: TokenizeSettings) -> None:
 
 def _best_id(row: Any) -> str | None:
     rid = row.get("id") if isinstance(row, dict) else None
-    return str(rid)[:200] if isinstance(rid, (str, int)) else None
+    return str(rid)[:200] if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
 
 
-Result = tuple[str, int, bool] | Reject
-"""(output line, tokens, truncated) or the reason the row was rejected."""
+@dataclass(frozen=True)
+class Row:
+    """A tokenized row: its output line and what the report and the id check need."""
+
+    line_no: int
+    line: str
+    id: str
+    tokens: int
+    truncated: bool
+    id_given: str | None
+    """The id as the row wrote it (`1` or `'1'`); None when derived from the content."""
 
 
-def tokenize_line(chat: ChatTokenizer, line_no: int, body: bytes) -> Result:
+Result = Row | Reject
+
+
+def tokenize_line(chat: ChatTokenizer, line_no: int, body: bytes | None) -> Result:
+    """One row; every failure is a Reject with a reason, never an exception (a row that
+    makes the tokenizer or its template raise anything must not stop the file)."""
     row: Any = None
     try:
-        if len(body) > MAX_LINE:
-            raise DatasetError(f"line longer than {MAX_LINE} bytes", "bad_row")
-        row = json.loads(body)
+        if body is None:
+            raise DatasetError(f"line longer than {MAX_LINE} bytes", "too_long")
+        row = load_row(body)
         t = chat(row)
-        return t.to_json(), len(t.input_ids), t.truncated
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return Reject(line_no, None, "malformed_json", f"not valid JSON: {exc}")
+        given = row.get("id") if isinstance(row, dict) else None
+        id_given = (
+            None if given is None else (repr(given) if isinstance(given, str) else str(given))
+        )
+        return Row(line_no, t.to_json(), t.id, len(t.input_ids), t.truncated, id_given)
     except DatasetError as exc:
         return Reject(line_no, _best_id(row), exc.reason, str(exc))
+    except Exception as exc:  # a tokenizer or template bug on one row: reject it, go on
+        log.warning("tokenize_row_failed", line=line_no, error=f"{type(exc).__name__}: {exc}")
+        msg = f"tokenizing failed: {type(exc).__name__}: {str(exc)[:500]}"
+        return Reject(line_no, _best_id(row), "tokenize_error", msg)
 
 
-def _work(batch: list[tuple[int, bytes]]) -> list[Result]:
+def _work(batch: list[tuple[int, bytes | None]]) -> list[Result]:
     assert _worker is not None, "pool initializer did not run"
     return [tokenize_line(_worker, n, body) for n, body in batch]
 
 
-def _batches(path: Path) -> Iterator[list[tuple[int, bytes]]]:
-    batch: list[tuple[int, bytes]] = []
+def _batches(path: Path) -> Iterator[tuple[list[tuple[int, bytes | None]], int]]:
+    """(rows, their bytes in the file), at most BATCH rows and about BATCH_BYTES each; a
+    line over MAX_LINE comes as None, never read whole."""
+    batch: list[tuple[int, bytes | None]] = []
+    size = held = 0
     with open(path, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            body = line.strip()
-            if body:
+        for line_no, (line, n) in enumerate(bounded_lines(f, MAX_LINE), start=1):
+            size += n
+            body = None if line is None else line.strip()
+            if body is None or body:
                 batch.append((line_no, body))
-            if len(batch) >= BATCH:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+                held += len(body or b"")
+            if len(batch) >= BATCH or held >= BATCH_BYTES:
+                yield batch, size
+                batch, size, held = [], 0, 0
+    if batch or size:
+        yield batch, size
+
+
+def _ordered_window(
+    pool: Any, items: Iterator[tuple[list[tuple[int, bytes | None]], int]], window: int
+) -> Iterator[tuple[list[Result], int]]:
+    """pool.imap in order, but at most `window` batches submitted and not yet consumed
+    (imap reads its whole input ahead: a big file would sit in memory)."""
+    pending: collections.deque[tuple[Any, int]] = collections.deque()
+    for batch, size in items:
+        pending.append((pool.apply_async(_work, (batch,)), size))
+        if len(pending) >= window:
+            res, n = pending.popleft()
+            yield res.get(), n
+    while pending:
+        res, n = pending.popleft()
+        yield res.get(), n
 
 
 @contextlib.contextmanager
-def _mapper(jobs: int, settings: TokenizeSettings, chat: ChatTokenizer) -> Iterator[Any]:
-    """An ordered map over batches: in this process for one job, else a process pool."""
+def _mapper(
+    jobs: int, settings: TokenizeSettings, chat: ChatTokenizer
+) -> Iterator[Callable[[Iterator[tuple[list[tuple[int, bytes | None]], int]]], Any]]:
+    """An ordered, bounded map over batches: in this process for one job, else a pool."""
     global _worker
     if jobs == 1:
         _worker = chat
         try:
-            yield map
+            yield lambda items: ((_work(b), n) for b, n in items)
         finally:
             _worker = None
         return
     # spawn: a fork of a process that already ran the Rust tokenizer can deadlock.
     with mp.get_context("spawn").Pool(jobs, initializer=_init, initargs=(settings,)) as pool:
-        yield pool.imap
+        yield lambda items: _ordered_window(pool, items, 4 * jobs)
+
+
+@dataclass
+class _Ids:
+    """Ids seen so far: the later of two rows with one id is rejected naming the first."""
+
+    seen: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+
+    def check(self, line: int, row: Row) -> Reject | None:
+        first = self.seen.get(row.id)
+        if first is None:
+            self.seen[row.id] = (line, row.id_given)
+            return None
+        other_line, other_given = first
+
+        def how(given: str | None) -> str:
+            return f"id {given}" if given is not None else "an id derived from its content"
+
+        return Reject(
+            line,
+            row.id,
+            "duplicate_id",
+            f"duplicate id {row.id!r}: this row has {how(row.id_given)} and line {other_line} "
+            f"has {how(other_given)}, the same id (ids are compared as text); line "
+            f"{other_line} is kept",
+        )
 
 
 def tokenize_file(
@@ -182,6 +261,7 @@ def tokenize_file(
     jobs = settings.jobs or min(os.cpu_count() or 1, src.stat().st_size // 2**20 + 1)
     report = TokenizeReport()
     rejects: list[Reject] = []
+    ids = _Ids()
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     rtmp = rejects_path(dst).with_name(f".{rejects_path(dst).name}.{os.getpid()}.tmp")
     try:
@@ -191,27 +271,21 @@ def tokenize_file(
             open(rtmp, "w") as rout,
             logs.progress(src.stat().st_size, "B", "tokenizing", enabled=progress) as bar,
         ):
-            batches = _batches(src)
-            sizes: list[int] = []
-
-            def feed() -> Iterator[list[tuple[int, bytes]]]:
-                for b in batches:
-                    sizes.append(sum(len(x) + 1 for _, x in b))
-                    yield b
-
-            for i, results in enumerate(mapper(_work, feed())):
+            for results, size in mapper(_batches(src)):
                 for res in results:
                     report.rows += 1
+                    if isinstance(res, Row):
+                        res = ids.check(res.line_no, res) or res
                     if isinstance(res, Reject):
                         rejects.append(res)
                         rout.write(res.to_json() + "\n")
                         report.rejected[res.reason] += 1
                     else:
-                        out.write(res[0] + "\n")
+                        out.write(res.line + "\n")
                         report.written += 1
-                        report.tokens += res[1]
-                        report.truncated += res[2]
-                bar.update(sizes[i])
+                        report.tokens += res.tokens
+                        report.truncated += res.truncated
+                bar.update(size)
             out.flush()
             os.fsync(out.fileno())
             rout.flush()

@@ -46,8 +46,11 @@ def test_compose_is_readable_by_compose_1_29_and_safe_by_default() -> None:
         image = svc.get("image", "")
         assert not image.endswith(":latest") or "build" in svc, f"{name}: unpinned {image}"
         assert "ports" not in svc, f"{name}: ports belong in docker-compose.override.yml"
-    redis_cmd = services["redis"]["command"]
-    assert redis_cmd[redis_cmd.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    # Redis requires its password, read from the environment into a config file (issue 23
+    # item 18: never on a command line).
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "requirepass" in redis_cmd and "$$REDIS_PASSWORD" in redis_cmd
+    assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
     for ports in (s["ports"] for s in compose("docker-compose.override.yml")["services"].values()):
         assert all(p.startswith("${HSQ_PUBLISH_HOST:-127.0.0.1}:") for p in ports), ports
 
@@ -113,7 +116,92 @@ def test_worker_node_starts_sglang_through_the_launcher_and_binds_metrics_explic
     assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
     assert "redis-url" in code and "WAIT_S" in code
     head = (SLURM / "head.sbatch").read_text()
-    assert 'exporter --redis "$HSQ_REDIS_URL" --metrics-host' in head
+    assert 'HSQ_REDIS_URL=$HSQ_REDIS_URL "$HSQ_VENV/bin/hsq" exporter --metrics-host' in head
+
+
+# --------------------------------------------------------------------------- secrets (item 18)
+# Every local user reads any process's command line (`ps`, /proc/PID/cmdline), so a recipe,
+# compose file or documented example that puts a password in one gives it away.
+RECIPES = [
+    *sorted(p for p in (ROOT / "deploy").rglob("*") if p.is_file() and p.suffix != ".pyc"),
+    *sorted(ROOT.glob("docker-compose*.yml")),
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "scripts").glob("*")),
+    ROOT / "README.md",
+    ROOT / "Makefile",
+    ROOT / "Dockerfile",
+    ROOT / "Dockerfile.sglang",
+    ROOT / "hsq/app/cli.py",  # the --help examples
+]
+_URL_WITH_AUTH = re.compile(r"rediss?://[^\s/@`'\"]*:[^\s@`'\"]*@")
+_ARG_RULES = [
+    # --redis VALUE (not --redis-ca/-cert/-key/-url-file) whose value is a variable or holds auth
+    (re.compile(r"--redis(?![-\w])[\"']?(?:\s*,\s*[\"']|=|\s+)[\"']?[$][^\s]*"), "--redis $VAR"),
+    (re.compile(r"--redis(?![-\w])[\"']?(?:\s*,\s*[\"']|=|\s+)[\"']?[^\s\"']*@"), "--redis URL@"),
+    (re.compile(r"--requirepass"), "redis-server --requirepass"),
+    (re.compile(r"redis-cli\b.*\s-a\s"), "redis-cli -a"),
+    (re.compile(r"redis-cli\b.*\s-u\s+\S*@"), "redis-cli -u URL@"),
+    (re.compile(r"redis-cli\b.*\bAUTH\b|redis-cli\b.*SETUSER.*>"), "redis-cli AUTH/ACL password"),
+    (re.compile(r"--pass(word)?[= ]+\S"), "--password VALUE"),
+]
+# A URL with a password may be assigned to a variable (shell, compose `environment:`) or
+# quoted in prose, never passed as an argument.
+_ASSIGNED = re.compile(r"(?:[A-Z_][A-Z0-9_]*\s*[=:]\s*[\"']?|`)$")
+
+
+def password_on_command_line(text: str) -> list[str]:
+    found = []
+    for no, line in enumerate(text.splitlines(), start=1):
+        for rule, what in _ARG_RULES:
+            if rule.search(line):
+                found.append(f"{no}: {what}: {line.strip()}")
+        for m in _URL_WITH_AUTH.finditer(line):
+            if not _ASSIGNED.search(line[: m.start()]):
+                found.append(f"{no}: URL with a password as an argument: {line.strip()}")
+    return found
+
+
+def test_no_recipe_or_example_puts_a_password_on_a_command_line() -> None:
+    problems = []
+    for path in RECIPES:
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        problems += [f"{path.relative_to(ROOT)}:{p}" for p in password_on_command_line(text)]
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '"$HSQ_VENV/bin/hsq" exporter --redis "$HSQ_REDIS_URL" --metrics-host "$BIND"',
+        "hsq enqueue data.jsonl --run r --out /o --redis redis://:PW@head:6379/0",
+        'command: ["hsq", "exporter", "--redis", "${REDIS_URL}"]',
+        "hsq status --redis=$REDIS_URL",
+        'redis-server --port 6379 --requirepass "$PW"',
+        'redis-cli -a "$REDIS_PASSWORD" ping',
+        "redis-cli -u redis://:pw@head:6379 ping",
+        "python -m bench.x redis://:pw@head:6379/0",
+    ],
+)
+def test_the_secret_check_catches_each_form(line: str) -> None:
+    assert password_on_command_line(line), line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "export HSQ_REDIS_URL=redis://:PW@head:6379/0",
+        "  REDIS_URL: redis://:${REDIS_PASSWORD:?set REDIS_PASSWORD}@redis:6379/0",
+        'HSQ_REDIS_URL="redis://:$ENC@$HEAD:$REDIS_PORT/0"',
+        "connect as `rediss://hsq:<PASSWORD>@head:6380/0`",
+        "hsq status --redis redis://127.0.0.1:6379/0 --redis-url-file /run/secrets/r",
+        'REDISCLI_AUTH="$REDIS_PASSWORD" redis-cli ping',
+    ],
+)
+def test_the_secret_check_allows_the_environment_and_files(line: str) -> None:
+    assert password_on_command_line(line) == [], line
 
 
 # --- images install the built wheel (issue 25) ----------------------------------------------

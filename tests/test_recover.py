@@ -119,3 +119,111 @@ def test_recover_rejects_a_file_that_does_not_match_its_dataset_line(
               "--no-progress", check=True)  # fmt: skip
     assert "recovered       0" in rec.stdout and "rejected files  4" in rec.stdout, rec.stdout
     assert store(redis_url, "rj").queue_lengths()["main"] == 1  # all 4 in one chunk
+
+
+def _split_dataset(full: Path, first: Path, rest: Path) -> None:
+    lines = full.read_text().splitlines(keepends=True)
+    first.write_text(lines[0])
+    rest.write_text("".join(lines[1:]))
+
+
+def test_recover_decides_the_runs_identity_by_majority_or_announcement_never_by_one_file(
+    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+) -> None:
+    """Issue 23 item 3: one stale file of an earlier model under the same run name came
+    first in dataset order; recover pinned its model, marked it done, rejected the 11 good
+    files, and the real server's worker then refused to start. Now the identity is what the
+    run's servers announce (--server-dump-dir) or what most files hold; the others are stale:
+    reported and enqueued, never marked done."""
+    other = server_factory("--layers", "1,2", name="recother").wait_ready()
+    full, first, rest = tmp_path / "full.jsonl", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
+    write_synthetic(full, 12, seed=9, min_len=4, max_len=16)
+    _split_dataset(full, first, rest)
+    out = tmp_path / "out"
+    enqueue(first, "idn", out, redis_url)  # s000000, from a server with other layers
+    finish_burst(tmp_path, "idn", other, redis_url, "stale")
+    connect(redis_url).flushall()
+    enqueue(rest, "idn", out, redis_url)  # the 11 others, from the run's real server
+    finish_burst(tmp_path, "idn", server, redis_url, "good")
+    connect(redis_url).flushall()
+    assert len(list((out / "idn").rglob("*.safetensors"))) == 12
+
+    def recover(*extra: str) -> str:
+        return hsq("recover", str(full), "--run", "idn", "--out", str(out), "--redis", redis_url,
+                   "--no-progress", *extra, check=True).stdout  # fmt: skip
+
+    st = store(redis_url, "idn")
+    said = recover("--server-dump-dir", str(other.dump_dir))  # that server announces 1,2
+    assert "recovered       1 " in said and "stale files     11" in said, said
+    assert st.require_config().layer_ids == [1, 2] and st.done_among(["s000000"])
+    connect(redis_url).flushall()
+
+    said = recover()
+    assert "recovered       11 " in said and "stale files     1 " in said, said
+    assert "majority: 11 of 12" in said, said
+    assert not st.done_among(["s000000"])  # stale: enqueued again, not done
+    finish_burst(tmp_path, "idn", server, redis_url, "after")  # the run's server accepts it
+    assert st.count(st.keys.done) == 12
+    deep = hsq("verify", "--run", "idn", "--redis", redis_url, "--deep", "--no-progress")
+    assert deep.returncode == 0 and "ok 12" in deep.stdout, deep.stdout
+
+
+def test_recover_refuses_a_tie_and_takes_an_explicit_identity(
+    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+) -> None:
+    other = server_factory("--layers", "1,2", name="rectie").wait_ready()
+    full, first, rest = tmp_path / "full.jsonl", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
+    write_synthetic(full, 2, seed=8, min_len=4, max_len=16)
+    _split_dataset(full, first, rest)
+    out = tmp_path / "out"
+    for part, srv in ((first, other), (rest, server)):
+        enqueue(part, "tie", out, redis_url)
+        finish_burst(tmp_path, "tie", srv, redis_url, srv.dump_dir.parent.name)
+        connect(redis_url).flushall()
+    base = ["recover", str(full), "--run", "tie", "--out", str(out), "--redis", redis_url,
+            "--no-progress"]  # fmt: skip
+    tie = hsq(*base)
+    assert tie.returncode == 2 and "no majority" in tie.stderr, tie.stderr
+    assert hsq("status", "--run", "tie", "--redis", redis_url).returncode == 2  # nothing made
+    said = hsq(*base, "--layers", "1,2", check=True).stdout
+    assert "recovered       1 " in said and "stale files     1 " in said, said
+
+
+def test_recover_never_adopts_a_symlink_or_a_symlinked_shard(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    """Issue 23 item 4: a symlink to a valid copy outside OUT was marked done; verify then
+    refused it forever. Now it is rejected (lstat, never followed) and its sample enqueued;
+    the worker replaces the link with a file, and the copy outside is never touched."""
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 6, seed=12, min_len=4, max_len=16)
+    out = tmp_path / "out"
+    enqueue(ds, "lnk", out, redis_url)
+    finish_burst(tmp_path, "lnk", server, redis_url, "lnk")
+    connect(redis_url).flushall()
+    root = out / "lnk"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = root / output_relpath("s000001")
+    copy = outside / linked.name
+    linked.rename(copy)
+    linked.symlink_to(copy)
+    shard = (root / output_relpath("s000004")).parent
+    assert shard != linked.parent
+    moved = outside / "shard"
+    shard.rename(moved)
+    shard.symlink_to(moved)
+    in_shard = [p.stem for p in moved.iterdir()]
+    rec = hsq("recover", str(ds), "--run", "lnk", "--out", str(out), "--redis", redis_url,
+              "--no-progress", check=True)  # fmt: skip
+    assert f"recovered       {6 - 1 - len(in_shard)} " in rec.stdout, rec.stdout
+    assert "s000001: a symlink" in rec.stderr and "shard directory" in rec.stderr, rec.stderr
+    st = store(redis_url, "lnk")
+    assert not st.done_among(["s000001", *in_shard])
+    before = copy.read_bytes()
+    shard.unlink()  # the operator removes the symlinked shard; the worker redoes its files
+    finish_burst(tmp_path, "lnk", server, redis_url, "lnk2")
+    assert st.count(st.keys.done) == 6 and not linked.is_symlink()
+    assert copy.read_bytes() == before
+    deep = hsq("verify", "--run", "lnk", "--redis", redis_url, "--deep", "--no-progress")
+    assert deep.returncode == 0 and "ok 6" in deep.stdout, deep.stdout

@@ -8,12 +8,12 @@ killing it forever); 4xx/5xx answers are the sample's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from hsq import jsonsafe
 from hsq.errors import ServerRejectedError, ServerUnavailableError
 
 # A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
@@ -72,7 +72,7 @@ class ServerClient:
             text = data[:500].decode(errors="replace")
             raise ServerRejectedError(f"{self.base_url} answered {status}: {text}", status)
         try:
-            answer = json.loads(data)
+            answer = jsonsafe.loads(data)
             info = answer["meta_info"]
             return PrefillAnswer(
                 int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), answer

@@ -68,10 +68,18 @@ class WorkerSettings:
     dump_dir_force: bool = setting(
         False, help="use a dump dir that looks shared (sticky, or owned by another user)"
     )
+    audit_fraction: float = setting(
+        0.0,
+        help="re-extract this fraction of done samples alone and compare with the stored "
+        "states (finds a server that mixes up requests; mismatches: dead letter "
+        "`audit_mismatch`)",
+    )
 
     def validate(self) -> None:
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
+        if not 0.0 <= self.audit_fraction <= 1.0:
+            raise ConfigError("--audit-fraction must be within [0, 1]")
         if not 1 <= self.inflight <= 256:
             raise ConfigError("--inflight must be within [1, 256]")
         if self.max_inflight_tokens is not None and self.max_inflight_tokens < 1:

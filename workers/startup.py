@@ -65,6 +65,16 @@ def check_dump_dir(path: Path, force: bool) -> bool:
     return False
 
 
+def fresh_staging(dump_dir: Path) -> Path:
+    """An empty <dump_dir>/.hsq-staging. Whatever holds the name is removed without being
+    followed: a link or a file there made mkdir fail with "[Errno 17] File exists" (issue
+    23 item 15), and a link must never lead the worker's writes elsewhere."""
+    staging = dump_dir / STAGING
+    remove_entry(staging)
+    staging.mkdir(mode=0o700)
+    return staging
+
+
 def take_dump_dir(s: WorkerSettings, worker_id: str) -> tuple[DumpDirLock, Path, int]:
     """Check the dump dir, create it if missing (0700), take its lock, make the staging dir
     and clear leftovers: (lock, staging dir, dumps cleared). At start, and again when the
@@ -78,9 +88,7 @@ def take_dump_dir(s: WorkerSettings, worker_id: str) -> tuple[DumpDirLock, Path,
         lock = DumpDirLock(d)
         lock.acquire(worker_id)
         try:
-            staging = d / STAGING
-            remove_entry(staging)  # a leftover; a link or a file there is unlinked, not followed
-            staging.mkdir(mode=0o700)
+            staging = fresh_staging(d)
             cleared = clear_dump_dir(d)  # leftovers of an earlier worker or server: never ours
         except BaseException:
             lock.release()

@@ -30,7 +30,9 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
+from hsq.runconfig import RunConfig
 from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
+from hsq.workers.audit import WorkerAudit
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
@@ -86,6 +88,7 @@ class Worker:
         self._pauses = 0
         self._fatal: HookInactiveError | None = None
         self._changed: str | None = None
+        self._refused: str | None = None
         self._hold_until = 0.0
         self._server_errors = 0
         self.lease = Lease(HEARTBEAT_TTL_S)
@@ -109,6 +112,9 @@ class Worker:
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight
+        )
+        self.audit = WorkerAudit(
+            settings.audit_fraction, self.send, self.store, self.metrics, self.id
         )
 
     @property
@@ -178,7 +184,7 @@ class Worker:
             self.lock.release()
             self.client.close()
             log.info("worker_stopped", worker=self.id, peak_rss_mb=_peak_rss_mb(), **self.counts)
-        return 0
+        return 2 if self._refused else 0
 
     def _step(self) -> bool:
         """One turn of the main loop; True when a --burst worker is finished."""
@@ -197,6 +203,12 @@ class Worker:
             return False
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
+            return False
+        if self.audit.pending:  # --audit-fraction: alone on the server (workers/audit.py)
+            if self.sending == 0:
+                self.audit.run_one()
+            else:
+                self._wait_event(0.05)
             return False
         if self.sending < self.settings.inflight:
             done = self._fill()
@@ -301,6 +313,7 @@ class Worker:
             self.counts["tokens"] += item.tokens
             self._server_errors = 0
             self._settled(item)
+            self.audit.offer(item, self.view)
         elif ev.kind is EventKind.FAILED:
             assert ev.exc is not None
             self._route_failure(item, ev.exc)
@@ -485,6 +498,7 @@ class Worker:
         )
         self.state = "backing_off"
         self._settle()
+        self.audit.clear()  # audits of the old run's files: nothing to compare any more
         n = 0
         while not self._stop.is_set():
             try:
@@ -498,6 +512,9 @@ class Worker:
                 log.error("run_reload_failed", run=self.settings.run, error=str(exc), attempt=n)
             self._stop.wait(backoff(n, base=1.0, cap=self.settings.backoff_max_s))
         else:
+            return
+        if tampered := config_tampered(self.view.cfg, cfg):
+            self._refuse(tampered)
             return
         self.view = RunView.of(cfg, self.settings.run)
         self.view.out_root.mkdir(parents=True, exist_ok=True)
@@ -530,6 +547,7 @@ class Worker:
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
             **self.counts,
+            **self.audit.counts,
         }
 
     def _heartbeat_loop(self) -> None:
@@ -557,8 +575,18 @@ class Worker:
         old = self.view.cfg
         if cfg is None:
             self._changed = self._changed or "the run's config is gone from Redis"
+        elif tampered := config_tampered(old, cfg):
+            self._refuse(tampered)
         elif (cfg.created, cfg.out, cfg.dataset) != (old.created, old.out, old.dataset):
             self._changed = self._changed or "the run's config was re-created"
+
+    def _refuse(self, why: str) -> None:
+        """Stop without writing anything more: the run's config changed where only a new
+        run (a new generation) may change it. Exit code 2; in-flight work is handed back."""
+        if self._refused is None:
+            log.error("run_config_changed_refused", run=self.settings.run, why=why)
+            self._refused = why
+        self.request_stop()
 
     def _shutdown_store(self) -> None:
         try:
@@ -569,6 +597,26 @@ class Worker:
         except STORE_TROUBLE as exc:
             # Our heartbeat expires and another worker's reaper takes our jobs back.
             log.error("unregister_failed", error=str(exc))
+
+
+def config_tampered(old: RunConfig, new: RunConfig) -> str | None:
+    """Why `new` cannot be the same run as `old`: its output dir, dataset or creation time
+    changed but its generation did not. Only a re-created run (a new generation: purge and
+    enqueue) may change them; anything else is someone rewriting the config under running
+    workers (issue 23 item 19: a worker then wrote to the writer's path)."""
+    if old.generation is None or new.generation != old.generation:
+        return None  # a re-created run; None: no generation to judge by (never from RunStore)
+    changed = [
+        f"{name} {getattr(old, name)!r} -> {getattr(new, name)!r}"
+        for name in ("out", "dataset", "created")
+        if getattr(old, name) != getattr(new, name)
+    ]
+    if not changed:
+        return None
+    return (
+        "the run's config changed without a new generation (" + "; ".join(changed) + "): "
+        "refusing to write anywhere else; re-create the run (hsq purge, hsq enqueue) to move it"
+    )
 
 
 def _peak_rss_mb() -> float:

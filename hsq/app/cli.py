@@ -108,6 +108,24 @@ def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> 
         os.environ[TLS_ENV[str(param.name)]] = value
 
 
+def _remember_url_file(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+    if value is not None:
+        ctx.meta["hsq_redis_url_file"] = value
+
+
+def _redis_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """--redis, or the URL read from --redis-url-file (a Docker secret, a mode-600 file):
+    a password on a command line is visible to every local user in `ps` and /proc."""
+    path = ctx.meta.get("hsq_redis_url_file")
+    if path is None:
+        return value
+    if ctx.get_parameter_source("redis_url") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("give --redis or --redis-url-file, not both")
+    from hsq.redisurl import read_url_file
+
+    return read_url_file(path)
+
+
 def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
     tls = [
         ("--redis-ca", "ssl_ca_certs", "HSQ_REDIS_CA", "CA bundle that signed the Redis server"),
@@ -125,6 +143,17 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Path(exists=True, dir_okay=False),
             help=f"rediss:// only: {text}; env {env} or URL query `{name}=`",
         )(f)
+    f = click.option(
+        "--redis-url-file",
+        envvar="HSQ_REDIS_URL_FILE",
+        show_envvar=True,
+        default=None,
+        is_eager=True,  # read before --redis, whose callback uses it
+        expose_value=False,
+        callback=_remember_url_file,
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="read the Redis URL from this file (its first line; e.g. a Docker secret)",
+    )(f)
     return click.option(
         "--redis",
         "redis_url",
@@ -132,7 +161,10 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
         show_envvar=True,
         default="redis://127.0.0.1:6379/0",
         show_default=True,
-        help="Redis URL, auth included (redis://[USER]:PASSWORD@host:port/db, rediss:// for TLS)",
+        callback=_redis_url,
+        help="Redis URL with its auth, `redis://[USER]:PASSWORD@host:port/db` (rediss:// for "
+        "TLS). Give a password through the environment or --redis-url-file, never as a "
+        "flag: every local user sees a command line",
     )(f)
 
 
@@ -165,6 +197,16 @@ def _chat_options(f: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="text closing an assistant turn [default: read off the template]",
         ),
+        click.option(
+            "--control-tokens",
+            type=click.Choice(["allow", "escape", "reject"]),
+            default="allow",
+            show_default=True,
+            help="the tokenizer's special tokens and the template's markers inside content "
+            "(a user message faking an assistant turn): allow (as SpecForge: rendered as "
+            "control tokens, the faked turn is trained on), escape (tokenized as text) or "
+            "reject the row",
+        ),
         click.option("--jobs", type=int, default=None, help="processes [default: every core]"),
     ]
     for opt in reversed(opts):
@@ -188,18 +230,19 @@ def _tokenize_settings(tokenizer: Path, kw: dict[str, Any]) -> Any:
             truncate=not kw["no_truncate"],
             last_turn_only=kw["last_turn_only"],
             system_prompt=kw["system_prompt"],
+            control_tokens=kw["control_tokens"],
         ),
         jobs=kw["jobs"],
     )
 
 
 def _looks_like_chat(path: Path) -> bool:
-    import json
+    from hsq import jsonsafe
 
     with open(path, "rb") as f:
         first = f.readline(1 << 20)
     try:
-        row = json.loads(first)
+        row = jsonsafe.loads(first)
     except ValueError:
         return False
     return isinstance(row, dict) and ("conversations" in row or "messages" in row)
@@ -274,7 +317,8 @@ def enqueue(
 
     \b
     Example:
-      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+      export HSQ_REDIS_URL=redis://:PASSWORD@head:6379/0   # or --redis-url-file FILE
+      hsq enqueue data.jsonl --run kimi-v1 --out /shared/hs
       hsq enqueue chats.jsonl --tokenizer /models/qwen3-8b --run q3 --out /shared/hs
     Running it again enqueues nothing; after a partial run it enqueues only the rest.
     With --tokenizer, DATASET holds chat rows (see `hsq tokenize`); rows that cannot be
@@ -330,7 +374,15 @@ def enqueue(
     "output root the run wrote to (files are in OUT/RUN/) [default: the run's, if known]"
 )
 @_redis_option
-@settings_options(RunConfig, only=("chunk_size", "store_dtype", "prenorm"))
+@settings_options(RunConfig, only=("chunk_size", "store_dtype", "prenorm", "layer_ids", "model_id"))
+@click.option(
+    "--server-dump-dir",
+    "server_dump_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="dump dir of one of the run's servers (repeatable): its readiness marker says the "
+    "model and layers the run uses",
+)
 @click.option("--no-progress", is_flag=True)
 def recover(
     dataset: Path | None,
@@ -340,6 +392,9 @@ def recover(
     chunk_size: int,
     store_dtype: str,
     prenorm: bool,
+    layer_ids: list[int] | None,
+    model_id: str | None,
+    server_dump_dirs: tuple[Path, ...],
     no_progress: bool,
 ) -> None:
     """Rebuild a run's Redis state from its output files (after a Redis loss).
@@ -347,22 +402,33 @@ def recover(
     Every file under OUT/RUN/ is checked against its DATASET line (header, every tensor,
     token ids, finite values); valid ones are marked done with their checksum, the rest of
     the dataset is enqueued. Safe to run on a live run: it only adds what is missing.
+    The run's model and layers are its recorded ones, else --model-id/--layers, else what
+    the readiness markers in --server-dump-dir say, else what most files hold (a tie is
+    refused); files of another model or layers are stale: reported and enqueued again.
+    Symlinks are never adopted.
 
     \b
-    Example (Redis was wiped):
-      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --redis redis://:pw@head:6379/0
+    Example (Redis was wiped; HSQ_REDIS_URL set):
+      hsq recover data.jsonl --run kimi-v1 --out /shared/hs --server-dump-dir /dev/shm/hsq0
     """
-    from hsq.producer.enqueue import recover_run
+    from hsq.producer.enqueue import IdentityHint, recover_run
     from hsq.store import RunStore, connect
 
     store = RunStore(connect(redis_url), run)
     known = store.load_config()
+    hint = IdentityHint(model_id, layer_ids, _announced(server_dump_dirs))
     if known is not None:
         given = [
             f"{name}: recorded {rec}, given {arg}"
             for name, rec, arg in (("dataset", known.dataset, dataset), ("out", known.out, out))
             if arg is not None and Path(rec) != arg.resolve()
         ]
+        given += [
+            f"{name}: recorded {rec!r}, given {arg!r}"
+            for name, rec, arg in (("model_id", known.model_id, model_id),
+                                   ("layer_ids", known.layer_ids, layer_ids))
+            if arg is not None and rec is not None and rec != arg
+        ]  # fmt: skip
         if given:
             raise ConfigError(f"run {run!r} exists with other settings: " + "; ".join(given))
         cfg = known
@@ -372,7 +438,7 @@ def recover(
         from hsq.adopt import detect_prenorm, detect_store_dtype
 
         root = out.resolve()
-        if not _given("store_dtype"):  # the files say what the run stored
+        if not _given("store_dtype"):  # what most files say the run stored
             store_dtype = detect_store_dtype(root / run) or store_dtype
         if not _given("prenorm"):
             prenorm = bool(detect_prenorm(root / run))
@@ -384,11 +450,31 @@ def recover(
             store_dtype=store_dtype,
             prenorm=prenorm,
         )
-    report = recover_run(store, cfg, progress=not no_progress)
+    report = recover_run(store, cfg, progress=not no_progress, hint=hint)
     for line in report.lines_out() + report.recover_lines():
         click.echo(line)
     for sid, why in list(report.rejected_files.items())[:10]:
         click.echo(f"  rejected file of {sid}: {why}", err=True)
+
+
+def _announced(dump_dirs: tuple[Path, ...]) -> tuple[str, list[int]] | None:
+    """The model and layers the readiness markers in these dump dirs announce (they must
+    agree); None without dirs."""
+    from hsq.protocol import read_ready
+
+    seen: dict[tuple[str, tuple[int, ...]], Path] = {}
+    for d in dump_dirs:
+        marker = read_ready(d)
+        if marker is None:
+            raise ConfigError(f"--server-dump-dir {d} holds no readiness marker (hsq-ready.json)")
+        seen.setdefault((marker.model.model_id, tuple(marker.layer_ids)), d)
+    if len(seen) > 1:
+        said = "; ".join(f"{d}: {m} layers {list(ls)}" for (m, ls), d in seen.items())
+        raise ConfigError(f"the servers announce different models or layers: {said}")
+    if not seen:
+        return None
+    (model, layers), _ = seen.popitem()
+    return model, list(layers)
 
 
 @cli.command("worker")
@@ -621,6 +707,84 @@ def verify(
         sys.exit(EXIT_PROBLEMS)
 
 
+@cli.command("audit")
+@_run_option
+@_redis_option
+@click.option(
+    "--sample-fraction",
+    "fraction",
+    type=float,
+    required=True,
+    help="fraction of the done samples to re-extract, chosen at random (0 < F <= 1)",
+)
+@click.option("--server", required=True, help="inference server URL the audit may use alone")
+@click.option(
+    "--dump-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="that server's dump dir; the audit takes it as a worker does (refused while a "
+    "worker holds it)",
+)
+@click.option("--requeue", "do_requeue", is_flag=True, help="un-done and requeue mismatches")
+@click.option("--seed", type=int, default=None, help="which samples [default: random, printed]")
+@click.option("--dump-timeout", default=60.0, show_default=True, type=float)
+@click.option("--dump-dir-force", is_flag=True, help="use a dump dir that looks shared")
+@_mounted_out_option
+def audit(
+    run: str,
+    redis_url: str,
+    fraction: float,
+    server: str,
+    dump_dir: Path,
+    do_requeue: bool,
+    seed: int | None,
+    dump_timeout: float,
+    dump_dir_force: bool,
+    out: Path | None,
+    no_progress: bool,
+) -> None:
+    """Re-extract a random subset of done samples alone and compare with the stored states.
+
+    No check on a dump's metadata can tell that a batching server put one request's rid,
+    fingerprint and token count on another request's states: they are saved as valid and
+    `verify --deep` passes. The audit sends each chosen sample alone (one request at a
+    time, so alone in its batch) to --server, through --dump-dir (which it owns while it
+    runs), and compares with the stored file within the reference tolerance (per token:
+    cosine >= 0.999, max |diff| <= 1% of the norm). Exit 1 on any mismatch or a sample it
+    could not audit. Workers can audit continuously too: `hsq worker --audit-fraction F`.
+
+    \b
+    Example (a spare server; HSQ_REDIS_URL set):
+      hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:30009 \\
+          --dump-dir /dev/shm/hsq-audit --requeue
+    """
+    from hsq.app.audit import run_audit
+
+    st = _store(redis_url, run)
+    root = (out or Path(st.require_config().out)) / run
+    with _file_progress(0, "auditing", no_progress) as bar:
+        report = run_audit(
+            st,
+            server=server,
+            dump_dir=dump_dir,
+            fraction=fraction,
+            out_root=root,
+            seed=seed,
+            do_requeue=do_requeue,
+            dump_timeout_s=dump_timeout,
+            dump_dir_force=dump_dir_force,
+            on_progress=bar.update,
+        )
+    for line in report.lines_out():
+        click.echo(line)
+    for sid, why in list(report.mismatched.items())[:50]:
+        click.echo(f"  mismatch  {sid}: {why}")
+    for sid, why in list(report.failed.items())[:20]:
+        click.echo(f"  failed    {sid}: {why}")
+    if report.mismatched or report.failed:
+        sys.exit(EXIT_PROBLEMS)
+
+
 @cli.command("export")
 @_run_option
 @_redis_option
@@ -705,7 +869,7 @@ def runs(redis_url: str) -> None:
 
     \b
     Example:
-      hsq runs --redis redis://:pw@head:6379/0
+      hsq runs --redis-url-file /run/secrets/redis_url
     """
     from hsq.app.ops import run_figures
     from hsq.store import RunStore, connect, list_runs
@@ -717,6 +881,30 @@ def runs(redis_url: str) -> None:
     for name in names:
         fig = run_figures(RunStore(client, name))
         click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")
+
+
+@cli.command("acl")
+@click.option("--run", required=True, help="run name")
+@click.option("--user", default=None, help="ACL user name [default: hsq-RUN]")
+def acl(run: str, user: str | None) -> None:
+    """Print a Redis ACL user that can work on one run only.
+
+    It can enqueue, run workers, status/requeue/verify/recover/audit/purge that run, and
+    cannot read, change or list another run's keys (docs/operations.md). Put the line in
+    Redis's ACL file with a real password in place of <PASSWORD>, then `ACL LOAD`; never
+    pass a password to redis-cli as an argument.
+
+    \b
+    Example:
+      hsq acl --run kimi-v1 >> /etc/redis/users.acl   # then edit <PASSWORD>
+    """
+    from hsq.keys import RunKeys
+
+    try:
+        keys = RunKeys(run)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    click.echo(keys.acl_user(user))
 
 
 @cli.command("purge")
@@ -759,7 +947,7 @@ def exporter(redis_url: str, port: int, host: str) -> None:
 
     \b
     Example:
-      hsq exporter --redis redis://:pw@head:6379/0 --port 9640 --metrics-host 0.0.0.0
+      hsq exporter --redis-url-file /run/secrets/redis_url --port 9640 --metrics-host 0.0.0.0
     """
     from hsq.app.exporter import run_exporter
 

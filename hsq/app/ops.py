@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import DatasetError
 from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
@@ -301,7 +302,7 @@ def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestE
     this id and resolving under out_root. Raises ValueError otherwise."""
     if len(raw) > MAX_MANIFEST_ENTRY:
         raise ValueError("manifest entry too large")
-    obj = json.loads(raw)
+    obj = jsonsafe.loads(raw)
     if not isinstance(obj, dict):
         raise ValueError("manifest entry is not an object")
     types = {"path": str, "num_tokens": int, "bytes": int, "checksum": str, "worker": str}

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 import httpx
 
@@ -202,8 +203,13 @@ class RedisServer(ManagedProcess):
             "yes",
         ]
         if password:
-            argv += ["--requirepass", password]
-        auth = f":{password}@" if password else ""
+            # In a mode-600 config file, never on the command line (`ps` shows argv to all).
+            conf = workdir / "auth.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{_conf_quote(password)}"\n')
+            argv.insert(1, str(conf))  # redis-server CONF [--options]
+        auth = f":{quote(password, safe='')}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         super().__init__(argv, workdir / "redis.log")
 
@@ -225,6 +231,11 @@ class RedisServer(ManagedProcess):
         raise HsqError(f"redis-server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
 
+def _conf_quote(text: str) -> str:
+    """A redis.conf double-quoted string's body."""
+    return "".join(c if c.isalnum() else f"\\x{ord(c):02x}" for c in text)
+
+
 def worker_process(
     run: str,
     server_url: str,
@@ -234,24 +245,17 @@ def worker_process(
     *extra: str,
     prefix: Sequence[str] = (),
 ) -> ManagedProcess:
-    """`hsq worker` for one server; `prefix` runs it elsewhere (e.g. `ip netns exec NS`)."""
+    """`hsq worker` for one server; `prefix` runs it elsewhere (e.g. `ip netns exec NS`).
+    The Redis URL (a password) goes in the environment, never on the command line."""
     argv = hsq_command(
-        "worker",
-        "--run",
-        run,
-        "--server",
-        server_url,
-        "--dump-dir",
-        str(dump_dir),
-        "--redis",
-        redis_url,
-        *extra,
+        "worker", "--run", run, "--server", server_url, "--dump-dir", str(dump_dir), *extra
     )
-    return ManagedProcess([*prefix, *argv], log_path)
+    return ManagedProcess([*prefix, *argv], log_path, env={"HSQ_REDIS_URL": redis_url})
 
 
 def exporter_process(redis_url: str, port: int, log_path: Path) -> ManagedProcess:
     return ManagedProcess(
-        hsq_command("exporter", "--redis", redis_url, "--port", str(port), "--host", "127.0.0.1"),
+        hsq_command("exporter", "--port", str(port), "--host", "127.0.0.1"),
         log_path,
+        env={"HSQ_REDIS_URL": redis_url},
     )

@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from hsq import jsonsafe
 from hsq.errors import ConfigError
 from hsq.protocol import (
     DTYPES,
@@ -72,7 +73,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise RequestError(f"body larger than {MAX_BODY_BYTES} bytes")
         raw = self.rfile.read(length) if length else b""
         try:
-            return json.loads(raw or b"null")
+            return jsonsafe.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(f"body is not valid JSON: {exc}") from exc
 

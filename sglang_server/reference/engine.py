@@ -38,7 +38,7 @@ from hsq.protocol import (
 )
 from hsq.quant import quantize_on_device
 from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
-from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
+from hsq.sglang_server.reference.faults import FaultPlan, FaultRule, mix_sources
 from hsq.sglang_server.reference.model import Captured, HiddenStateModel, batch_shapes
 
 log = structlog.get_logger("hsq.reference.engine")
@@ -211,13 +211,21 @@ class Engine:
             host = self.writer.to_host(self.encode(captured))
             forward_s = time.perf_counter() - t0
             parts: list[DumpPart] = []
-            offset = 0
+            starts = [0]
             for p in batch:
+                starts.append(starts[-1] + len(p.ids))
+            sources = mix_sources(
+                [len(p.ids) for p in batch],
+                [p.rule is not None and p.rule.mode == "mix" for p in batch],
+            )
+            for i, p in enumerate(batch):
                 n = len(p.ids)
                 index = self._counter
-                rows = _rows(host.tensors, offset, offset + n)
+                src = sources[i]  # i, unless the mix fault hands it another request's states
+                if src != i:
+                    log.warning("fault_mix", rid=p.rid, states_of=batch[src].rid)
+                rows = _rows(host.tensors, starts[src], starts[src] + n)
                 own = self._parts(index, p.rid, p.fp, n, rows, p.rule, host)
-                offset += n
                 self._counter += len(own)
                 self._previous = (p.rid, p.fp)
                 parts.extend(own)

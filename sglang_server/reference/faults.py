@@ -12,6 +12,10 @@ Modes (per request):
   crash        the server process dies mid-request, leaving a partial req_<N>.tmp/
   slow         the request sleeps `seconds` before answering
   http_500     the server answers 500 without dumping
+  mix          in a batched forward (--max-batch-requests > 1), the request's dump gets the
+               states of another request of the same length in the batch (its own rid,
+               fingerprint and count on someone else's tensors: every metadata check
+               passes; only `hsq audit` finds it). Alone in its batch it is unaffected
 The counter offset of warm-ups is a start-up option (--counter-start, --warmup).
 
 A rule: MODE[:key=value,...] with keys `times` (apply to the next N matching requests;
@@ -38,6 +42,7 @@ MODES = (
     "crash",
     "slow",
     "http_500",
+    "mix",
 )
 
 
@@ -118,3 +123,20 @@ class FaultPlan:
                     rule.times -= 1
                 return FaultRule(**rule.to_dict())
             return None
+
+
+def mix_sources(lengths: list[int], mixing: list[bool]) -> list[int]:
+    """For each request of a batch, the request whose states its dump gets: its own, or
+    with the `mix` fault the next request of the same length in the batch (cyclically),
+    so B's dump holds A's states, C's B's, ..., and every check on metadata passes."""
+    sources = list(range(len(lengths)))
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for j, i in enumerate(members):
+            if mixing[i]:
+                sources[i] = members[(j + 1) % len(members)]
+    return sources

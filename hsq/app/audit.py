@@ -1,0 +1,223 @@
+"""`hsq audit`: re-extract a random subset of a run's done samples, one request at a time,
+and compare with the stored states (hsq/audit.py says why and within what bound).
+
+Where the audit's dumps go: a dump dir the audit owns for its duration, exactly as a
+worker owns one. It takes the dump dir's lock (workers/lock.py), so it refuses a dump dir a
+live worker holds and no worker can start on it meanwhile; it never touches a worker's dump
+dir while that worker runs. Give it a server of its own (a spare GPU, or a server whose
+worker is stopped); the server must run the run's model and layers (its readiness marker
+and every dump's meta are checked against the run's pins) and should get no other
+requests: "alone in its batch" holds because the audit sends one request at a time and
+nothing else sends to that server.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from hsq.app.ops import RequeueResult, requeue, trusted_entry
+from hsq.audit import Verdict, compare_states
+from hsq.dataset import IndexEntry, read_sample
+from hsq.errors import (
+    CachedTokensError,
+    ConfigError,
+    HsqError,
+    IncompleteDumpError,
+    MetaMismatchError,
+    MultipleDumpsError,
+    NoDumpError,
+    WrongLengthError,
+)
+from hsq.outputs import ManifestEntry, open_output, output_relpath
+from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, remove_dump, scan_by_rid
+from hsq.runconfig import RunConfig
+from hsq.store import RunStore
+from hsq.workers.client import ServerClient
+from hsq.workers.lock import DumpDirLock
+from hsq.workers.readiness import require_hook
+from hsq.workers.startup import check_dump_dir
+
+log = structlog.get_logger("hsq.audit")
+
+
+@dataclass
+class AuditReport:
+    done: int = 0
+    selected: int = 0
+    audited: int = 0
+    ok: int = 0
+    mismatched: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    requeued: int = 0
+    seed: int = 0
+    worst_cosine: float = 1.0
+    worst_abs_over_norm: float = 0.0
+
+    def lines_out(self) -> list[str]:
+        return [
+            f"done samples    {self.done}",
+            f"audited         {self.audited} of {self.selected} chosen (seed {self.seed})",
+            f"match           {self.ok} (worst row cosine {self.worst_cosine:.5f}, "
+            f"max |diff| {self.worst_abs_over_norm:.3%} of norm)",
+            f"mismatched      {len(self.mismatched)}",
+            f"not audited     {len(self.failed)}",
+            f"requeued        {self.requeued}",
+        ]
+
+
+@dataclass
+class _Target:
+    client: ServerClient
+    dump_dir: Path
+    timeout_s: float
+    cfg: RunConfig
+    """The run's pins: every audit dump must show the run's model, layers, dtype, size."""
+
+
+def run_audit(
+    store: RunStore,
+    *,
+    server: str,
+    dump_dir: Path,
+    fraction: float,
+    out_root: Path,
+    seed: int | None = None,
+    do_requeue: bool = False,
+    dump_timeout_s: float = 60.0,
+    request_timeout_s: float = 600.0,
+    dump_dir_force: bool = False,
+    on_progress: Callable[[int], None] | None = None,
+) -> AuditReport:
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError("--sample-fraction must be within (0, 1]")
+    cfg = store.require_config()
+    report = AuditReport(seed=secrets.randbits(32) if seed is None else seed)
+    done = dict(store.iter_done())
+    report.done = len(done)
+    rng = random.Random(report.seed)
+    chosen = rng.sample(sorted(done), min(len(done), math.ceil(fraction * len(done))))
+    report.selected = len(chosen)
+    if not chosen:
+        return report
+    if check_dump_dir(dump_dir, dump_dir_force):
+        dump_dir.mkdir(parents=True, mode=0o700)
+    lock = DumpDirLock(dump_dir)
+    lock.acquire(f"hsq-audit:{socket.gethostname()}:{os.getpid()}")  # refuses a worker's
+    client = ServerClient(server, request_timeout=request_timeout_s)
+    try:
+        require_hook(dump_dir, client.healthy, cfg, threading.Event())
+        clear_dump_dir(dump_dir)
+        target = _Target(client, dump_dir, dump_timeout_s, cfg)
+        index = store.get_index(chosen)
+        bad: dict[str, ManifestEntry] = {}
+        for sid in chosen:
+            if on_progress is not None:
+                on_progress(1)
+            try:
+                entry = trusted_entry(sid, done[sid], out_root)
+            except ValueError as exc:
+                report.failed[sid] = f"manifest entry not trusted: {exc}"
+                continue
+            if sid not in index:
+                report.failed[sid] = "not in the run's index"
+                continue
+            try:
+                verdict = _audit_one(target, sid, index[sid], out_root)
+            except MetaMismatchError as exc:
+                raise ConfigError(
+                    f"the audit server does not run the run's model and layers: {exc}"
+                ) from exc
+            except (HsqError, OSError) as exc:
+                report.failed[sid] = str(exc)
+                log.warning("audit_failed", sample=sid, error=str(exc))
+                continue
+            report.audited += 1
+            report.worst_cosine = min(report.worst_cosine, verdict.min_cosine)
+            report.worst_abs_over_norm = max(report.worst_abs_over_norm, verdict.max_abs_over_norm)
+            if verdict.ok:
+                report.ok += 1
+            else:
+                report.mismatched[sid] = verdict.detail
+                bad[sid] = entry
+                log.error("audit_mismatch", sample=sid, detail=verdict.detail)
+    finally:
+        client.close()
+        lock.release()
+    if do_requeue and bad:
+        report.requeued = _requeue(store, out_root, bad)
+    return report
+
+
+def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) -> Verdict:
+    sample = read_sample(Path(t.cfg.dataset), sid, index_entry)
+    n = len(sample.input_ids)
+    rid = f"hsq-audit-{sid}-{secrets.token_hex(4)}"
+    answer = t.client.prefill(sample.input_ids, rid)
+    if answer.prompt_tokens != n:
+        raise WrongLengthError(f"server counted {answer.prompt_tokens} prompt tokens, sent {n}")
+    if answer.cached_tokens != 0:
+        raise CachedTokensError(f"server reused {answer.cached_tokens} cached tokens")
+    path = _wait_for_rid(t.dump_dir, rid, t.timeout_s)
+    expected = Expected(
+        rid=rid,
+        input_fingerprint=fingerprint(sample.input_ids),
+        num_tokens=n,
+        layer_ids=t.cfg.layer_ids,
+        hidden_size=t.cfg.hidden_size,
+        dtype=t.cfg.dump_dtype,
+        model_id=t.cfg.model_id,
+    )
+    try:
+        dump = read_dump(path, expected)
+    finally:
+        remove_dump(path)
+    stored = open_output(out_root / output_relpath(sid))
+    return compare_states(stored, sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state)
+
+
+def _wait_for_rid(dump_dir: Path, rid: str, timeout_s: float) -> Path:
+    """The complete dump carrying `rid`; any other dump in the audit's own dump dir
+    (warm-ups, an operator's request) is removed, as a worker does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = scan_by_rid(dump_dir)
+        for other, found in s.complete.items():
+            if other != rid:
+                for f in found:
+                    remove_dump(f.path)
+        for path, _why in s.unreadable:
+            remove_dump(path)
+        mine = s.complete.get(rid, [])
+        if len(mine) > 1:
+            for f in mine:
+                remove_dump(f.path)
+            raise MultipleDumpsError(f"{len(mine)} dumps carry the audit's rid {rid}")
+        if mine:
+            return mine[0].path
+        if s.final_incomplete.get(rid):
+            raise IncompleteDumpError(f"the dump of {rid} was renamed without `done`")
+        if time.monotonic() >= deadline:
+            raise NoDumpError(f"no dump carried {rid} within {timeout_s:.0f}s")
+        time.sleep(0.005)
+
+
+def _requeue(store: RunStore, out_root: Path, bad: dict[str, ManifestEntry]) -> int:
+    """Un-done the mismatched samples, remove their files, enqueue them afresh (as `verify
+    --requeue` does for corrupt files)."""
+    for sid, entry in bad.items():
+        if store.undo_done(sid, entry):
+            (out_root / output_relpath(sid)).unlink(missing_ok=True)
+    res = RequeueResult()
+    requeue(store, list(bad), res, dry_run=False)
+    return res.enqueued

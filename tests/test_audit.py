@@ -1,0 +1,214 @@
+"""`hsq audit` and `hsq worker --audit-fraction` (issue 23 item 20), with real reference
+servers: one batching with the `mix` fault (a dump gets another request's states of the
+same length: every metadata check passes, verify --deep too), one batching cleanly.
+
+A batch of K requests is lined up without timing: the server is paused, the worker sends
+K requests, the test waits until the server holds K pending, then resumes it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hsq.harness.procs import ManagedProcess, ReferenceServer
+from hsq.harness.synthetic import write_synthetic
+from hsq.sglang_server.reference.faults import FaultRule, mix_sources
+from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+
+Factory = Callable[..., ReferenceServer]
+N = 12
+K = 4
+
+
+@pytest.fixture(scope="module")
+def mixing(server_factory: Factory) -> ReferenceServer:
+    return server_factory(
+        "--max-batch-requests", str(K), "--fault", "mix", name="mixsrv"
+    ).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def clean(server_factory: Factory) -> ReferenceServer:
+    return server_factory("--max-batch-requests", str(K), name="cleansrv").wait_ready()
+
+
+def info(server: ReferenceServer) -> dict[str, int]:
+    data: dict[str, int] = httpx.get(server.url + "/server_info", timeout=10).json()
+    return data
+
+
+def extract_batched(
+    tmp: Path, run: str, server: ReferenceServer, redis_url: str, *extra: str
+) -> ManagedProcess:
+    """A --burst worker with K in flight whose first K requests form one batch."""
+    httpx.post(server.url + "/admin/pause", timeout=10).raise_for_status()
+    try:
+        w = start_worker(tmp, run, server, redis_url, "--burst", "--inflight", str(K), *extra,
+                         name=f"{run}-w")  # fmt: skip
+        wait_until(lambda: info(server)["pending_requests"] >= K, timeout=120, interval=0.05)
+    finally:
+        httpx.post(server.url + "/admin/resume", timeout=10).raise_for_status()
+    assert w.proc.wait(300) == 0, w.log_tail()
+    return w
+
+
+RID = re.compile(r"hsq-(?P<sid>[A-Za-z0-9._-]+)-a\d+-[0-9a-f]{8}")
+
+
+def mixed_samples(server: ReferenceServer, run: str) -> set[str]:
+    """Samples of `run` whose dump got another request's states (the server's own log)."""
+    found = set()
+    for e in log_events(server.log_path, "fault_mix"):
+        m = RID.fullmatch(str(e["rid"]))
+        if m and m["sid"].startswith(run):
+            found.add(m["sid"])
+    return found
+
+
+def dataset(tmp: Path, run: str, seed: int) -> Path:
+    ds = tmp / f"{run}.jsonl"
+    # One length for every sample: mixed states then fit every check the worker makes.
+    write_synthetic(ds, N, seed=seed, min_len=16, max_len=16)
+    ids = [f"{run}{i:03d}" for i in range(N)]
+    rows = [json.loads(x) for x in ds.read_text().splitlines()]
+    ds.write_text(
+        "".join(json.dumps({**r, "id": i}) + "\n" for r, i in zip(rows, ids, strict=True))
+    )
+    return ds
+
+
+def audit(run: str, server: ReferenceServer, redis_url: str, *extra: str) -> tuple[int, str]:
+    res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
+              "--server", server.url, "--dump-dir", str(server.dump_dir), "--no-progress",
+              *extra, timeout=300)  # fmt: skip
+    return res.returncode, res.stdout + res.stderr
+
+
+def mismatches(text: str) -> set[str]:
+    return {ln.split()[1].rstrip(":") for ln in text.splitlines() if ln.startswith("  mismatch")}
+
+
+def test_mix_sources_rotates_states_among_requests_of_one_length() -> None:
+    assert mix_sources([4, 4, 4, 4], [True] * 4) == [1, 2, 3, 0]
+    assert mix_sources([4, 5, 4, 6], [True] * 4) == [2, 1, 0, 3]  # 5 and 6 alone: their own
+    assert mix_sources([4, 4], [False, True]) == [0, 0]
+    assert mix_sources([7], [True]) == [0]
+    assert FaultRule.parse("mix").mode == "mix"
+
+
+def test_audit_finds_a_mixing_server_and_requeue_repairs_the_run(
+    tmp_path: Path, mixing: ReferenceServer, clean: ReferenceServer, redis_url: str
+) -> None:
+    run = "mixr"
+    enqueue(dataset(tmp_path, run, seed=31), run, tmp_path / "out", redis_url, "--chunk-size", "4")
+    extract_batched(tmp_path, run, mixing, redis_url)
+    st = store(redis_url, run)
+    assert st.count(st.keys.done) == N
+    deep = hsq("verify", "--run", run, "--redis", redis_url, "--deep", "--no-progress")
+    assert deep.returncode == 0, deep.stdout  # every check on metadata and bytes passes
+    mixed = mixed_samples(mixing, run)
+    assert len(mixed) >= K, mixed  # the lined-up batch of K, at least
+
+    code, text = audit(run, clean, redis_url)
+    assert code == 1, text
+    assert mismatches(text) == mixed, text
+    assert st.count(st.keys.done) == N  # without --requeue nothing changes
+
+    code, text = audit(run, clean, redis_url, "--requeue")
+    assert code == 1 and mismatches(text) == mixed and f"requeued        {len(mixed)}" in text
+    assert st.count(st.keys.done) == N - len(mixed)
+    w = start_worker(tmp_path, run, clean, redis_url, "--burst", name="redo")
+    assert w.proc.wait(300) == 0, w.log_tail()
+    code, text = audit(run, clean, redis_url)
+    assert code == 0 and "mismatched      0" in text, text
+
+
+def test_no_false_alarm_on_states_a_batching_server_computed_correctly(
+    tmp_path: Path, mixing: ReferenceServer, clean: ReferenceServer, redis_url: str
+) -> None:
+    """Batched states differ from single ones in the last bits: within the tolerance.
+    Audited through the mixing server too: alone in its batch, it is correct."""
+    run = "cln"
+    before = info(clean)
+    enqueue(dataset(tmp_path, run, seed=32), run, tmp_path / "out", redis_url, "--chunk-size", "4")
+    extract_batched(tmp_path, run, clean, redis_url)
+    after = info(clean)
+    served = after["requests_served"] - before["requests_served"]
+    assert after["batches_run"] - before["batches_run"] < served  # some forwards were batched
+    for server in (clean, mixing):
+        code, text = audit(run, server, redis_url)
+        assert code == 0, text
+        assert f"audited         {N} of {N}" in text and "mismatched      0" in text, text
+
+
+def test_audit_refuses_a_dump_dir_a_live_worker_holds(
+    tmp_path: Path, clean: ReferenceServer, redis_url: str
+) -> None:
+    run = "own"
+    enqueue(dataset(tmp_path, run, seed=33), run, tmp_path / "out", redis_url)
+    w = start_worker(tmp_path, run, clean, redis_url, name="holder")
+    try:
+        st = store(redis_url, run)
+        wait_until(lambda: st.count(st.keys.done) == N, timeout=120)
+        code, text = audit(run, clean, redis_url)
+        assert code == 2 and "owned by another live worker" in text, text
+    finally:
+        w.stop()
+
+
+def test_a_worker_auditing_continuously_dead_letters_exactly_the_mixed_samples(
+    tmp_path: Path, mixing: ReferenceServer, clean: ReferenceServer, redis_url: str
+) -> None:
+    run = "wau"
+    enqueue(dataset(tmp_path, run, seed=34), run, tmp_path / "out", redis_url, "--chunk-size", "4")
+    w = extract_batched(tmp_path, run, mixing, redis_url, "--audit-fraction", "1")
+    mixed = mixed_samples(mixing, run)
+    assert len(mixed) >= K, mixed
+    st = store(redis_url, run)
+    dead = st.dead_entries()
+    assert set(dead) == mixed and {e["reason"] for e in dead.values()} == {"audit_mismatch"}
+    assert st.count(st.keys.done) == N - len(mixed)
+    assert len(log_events(w.log_path, "audit_ok")) == N - len(mixed)
+    code, text = audit(run, clean, redis_url)  # what stays done is right
+    assert code == 0 and f"audited         {N - len(mixed)}" in text, text
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3"])
+def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str) -> None:
+    """The bound in numbers: batched-forward noise (1e-3 relative, far above CPU fp32's)
+    passes in both storage formats; another token's states fail."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hsq import quant
+    from hsq.audit import compare_states
+
+    gen = torch.Generator().manual_seed(0)
+    aux = torch.randn(16, 3 * 64, generator=gen)
+    last = torch.randn(16, 64, generator=gen)
+
+    def stored(a: torch.Tensor, b: torch.Tensor) -> SimpleNamespace:
+        if fmt == quant.FP8:
+            a = quant.dequantize(*quant.quantize(a, 3))
+            b = quant.dequantize(*quant.quantize(b, 1))
+        return SimpleNamespace(
+            input_ids=torch.arange(16),
+            metadata={quant.META_KEY: fmt},
+            aux_hidden_states=a.to(torch.bfloat16),
+            last_hidden_state=b.to(torch.bfloat16),
+        )
+
+    ids = list(range(16))
+    kept = stored(aux, last)
+    noisy = (aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
+    assert compare_states(kept, ids, *noisy).ok
+    swapped = (aux.roll(1, dims=0), last)  # token i holds token i-1's states
+    verdict = compare_states(kept, ids, *swapped)
+    assert not verdict.ok and "aux_hidden_states" in verdict.detail
+    assert not compare_states(kept, [*ids[:-1], 99], aux, last).ok

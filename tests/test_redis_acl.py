@@ -1,0 +1,180 @@
+"""Per-run isolation in Redis (issue 23 item 19), with a real redis-server and the ACL users
+`hsq acl --run R` prints: one run's credentials do the whole run and cannot read, rewrite,
+delete or list another run's keys. And a worker refuses an `out` that changed under it
+without a new run generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port
+from hsq.harness.synthetic import write_synthetic
+from hsq.keys import RunKeys, rq_job_key, rq_queue_key
+from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+
+Factory = Callable[..., ReferenceServer]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
+    """A redis-server whose ACL file holds `hsq acl` users for runs a and b, and an admin."""
+    d = tmp_path_factory.mktemp("acl")
+    users = [hsq("acl", "--run", r, check=True).stdout.strip() for r in ("a", "b")]
+    lines = [u.replace("><PASSWORD>", f">pw-{u.split()[1]}") for u in users]
+    (d / "users.acl").write_text("user default on >admin ~* &* +@all\n" + "\n".join(lines) + "\n")
+    port = free_port()
+    (d / "redis.conf").write_text(
+        f'port {port}\nbind 127.0.0.1\ndir {d}\nsave ""\nappendonly no\naclfile {d}/users.acl\n'
+    )
+    srv = ManagedProcess(["redis-server", str(d / "redis.conf")], d / "redis.log")
+    admin = redis.Redis(port=port, password="admin")
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            admin.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline or not srv.alive():
+                srv.stop()
+                pytest.fail(f"redis-server did not start:\n{srv.log_tail()}")
+            time.sleep(0.1)
+    yield port, d
+    srv.stop()
+
+
+def url(port: int, run: str | None) -> str:
+    auth = f"hsq-{run}:pw-hsq-{run}" if run else ":admin"
+    return f"redis://{auth}@127.0.0.1:{port}/0"
+
+
+def test_the_doc_shows_the_acl_user_hsq_acl_prints() -> None:
+    text = (ROOT / "docs/operations.md").read_text()
+    assert RunKeys("R").acl_user() in text
+
+
+def test_one_runs_user_does_the_whole_run_and_nothing_to_another_run(
+    tmp_path: Path, acl_redis: tuple[int, Path], server_factory: Factory
+) -> None:
+    port, _ = acl_redis
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 8, seed=21, min_len=4, max_len=16)
+    out = tmp_path / "out"
+    env = {**os.environ, "HSQ_REDIS_URL": url(port, "a")}
+
+    def as_a(*args: str) -> str:
+        return hsq(*args, env=env, check=True).stdout
+
+    # Run b (its own user) and run a-b (admin), whose key names start like run a's.
+    enqueue(ds, "b", out, url(port, "b"), "--chunk-size", "4")
+    enqueue(ds, "a-b", out, url(port, None), "--chunk-size", "4")
+    # The whole of run a as user hsq-a.
+    as_a("enqueue", str(ds), "--run", "a", "--out", str(out), "--no-progress")
+    server = server_factory(name="aclsrv").wait_ready()
+    w = start_worker(tmp_path, "a", server, url(port, "a"), "--burst")
+    assert w.proc.wait(180) == 0, w.log_tail()
+    assert json.loads(as_a("status", "--run", "a", "--json"))["done"] == 8
+    as_a("verify", "--run", "a", "--deep", "--no-progress")
+    as_a("requeue", "--run", "a", "--failed")
+    as_a("recover", "--run", "a", "--no-progress")
+
+    a = redis.Redis.from_url(url(port, "a"))
+    admin = redis.Redis.from_url(url(port, None), decode_responses=True)
+    kb, kab = RunKeys("b"), RunKeys("a-b")
+    b_job = str(admin.lrange(rq_queue_key(kb.main_queue), 0, 0)[0])
+    ab_job = str(admin.lrange(rq_queue_key(kab.main_queue), 0, 0)[0])
+    b_out = admin.hget(kb.config, "out")
+    denied: list[Callable[[], object]] = [
+        lambda: a.hset(kb.config, "out", json.dumps("/tmp/attacker")),  # the issue's attack
+        lambda: a.delete(kb.done),
+        lambda: a.hgetall(kb.config),
+        lambda: a.hgetall(kb.index),
+        lambda: a.lrange(rq_queue_key(kb.main_queue), 0, -1),
+        lambda: a.lpush(rq_queue_key(kb.retry_queue), "x"),
+        lambda: a.hgetall(rq_job_key(b_job)),
+        lambda: a.hgetall(rq_job_key(ab_job)),  # `hsq-a-b-...` starts like run a's jobs
+        lambda: a.lrange(rq_queue_key(kab.main_queue), 0, -1),
+        lambda: a.hgetall(kab.config),
+        lambda: a.scan(0),  # would list every key name
+        lambda: a.keys("*"),
+        lambda: a.smembers("hsq:runs"),
+        lambda: a.smembers("rq:queues"),
+        lambda: a.flushall(),
+        lambda: a.config_get("*"),
+        lambda: a.eval("return 1", 0),
+    ]
+    for i, attempt in enumerate(denied):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+        assert admin.hget(kb.config, "out") == b_out, i
+    assert admin.hlen(kb.index) == 8 and admin.exists(kb.config)
+    res = hsq("status", "--run", "b", env=env)
+    assert res.returncode == 3 and "permission" in res.stderr, res.stderr
+    as_a("purge", "--run", "a", "--yes")
+    assert not [k for k in admin.scan_iter("hsq:run:a:*")]
+    assert admin.exists(kb.config) and admin.exists(kab.config)
+
+
+def test_run_names_that_would_share_a_queue_are_refused() -> None:
+    with pytest.raises(ValueError, match="retry queue"):
+        RunKeys("a-retry")
+    assert hsq("acl", "--run", "a-retry").returncode == 2
+
+
+def test_acl_key_patterns_match_each_run_and_no_other() -> None:
+    import fnmatch
+
+    runs = ["a", "a-b", "ab", "a_b", "b-a", "a-bcdefghijklmnopq"]
+    keys = {r: RunKeys(r) for r in runs}
+    token = "0123456789abcdef"
+    for r, k in keys.items():
+        mine = [
+            k.config,
+            k.done,
+            k.wip("w.1"),
+            rq_queue_key(k.main_queue),
+            rq_queue_key(k.retry_queue),
+            rq_job_key(k.job_id(token, 16)),
+        ]
+        for other, ok in keys.items():
+            # Redis globs: `[..]` classes and `*`, which fnmatch reads the same way.
+            hits = [
+                x for x in mine if any(fnmatch.fnmatchcase(x, p) for p in ok.acl_key_patterns())
+            ]
+            assert hits == (mine if other == r else []), (r, other, hits)
+
+
+def test_a_worker_refuses_an_out_changed_under_it_without_a_new_generation(
+    tmp_path: Path, server_factory: Factory, redis_url: str
+) -> None:
+    """With the run's credentials one could rewrite its `out`; the worker then wrote to the
+    new path. Now it stops (exit 2), hands its work back, and writes nothing there."""
+    server = server_factory(name="tampersrv").wait_ready()
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 40, seed=22, min_len=4, max_len=16)
+    out, attacker = tmp_path / "out", tmp_path / "attacker"
+    enqueue(ds, "tamper", out, redis_url, "--chunk-size", "2")
+    rules = [{"mode": "slow", "seconds": 0.1, "prob": 1.0}]
+    httpx.post(server.url + "/admin/faults", json={"rules": rules}).raise_for_status()
+    st = store(redis_url, "tamper")
+    w = start_worker(tmp_path, "tamper", server, redis_url, "--reap-interval", "0.3")
+    try:
+        wait_until(lambda: st.count(st.keys.done) >= 2, timeout=120)
+        redis.Redis.from_url(redis_url).hset(st.keys.config, "out", json.dumps(str(attacker)))
+        assert w.proc.wait(60) == 2, w.log_tail()
+    finally:
+        w.stop()
+        httpx.delete(server.url + "/admin/faults").raise_for_status()
+    assert not attacker.exists()
+    assert log_events(w.log_path, "run_config_changed_refused")
+    done = st.count(st.keys.done)
+    assert done == len(list((out / "tamper").rglob("*.safetensors"))) and done < 40
+    assert st.queue_lengths()["main"] > 0  # the rest is handed back, not lost

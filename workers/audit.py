@@ -1,0 +1,123 @@
+"""The worker's continuous audit (`hsq worker --audit-fraction F`).
+
+A batching server can put one request's rid, fingerprint and count on another request's
+states; no check on the dump's metadata sees it (docs/dump-protocol.md, What the protocol
+guarantees). With --audit-fraction F, each sample this worker marks done is, with
+probability F, sent again alone: the worker stops sending, waits until nothing of its own
+is in flight on its server (one worker per server: nothing else is), sends the sample with
+a fresh rid through its own dispatcher and dump dir (ownership unchanged: the audit's dump
+is matched by rid like any other), and compares the states with the file it wrote, within
+the reference tolerance (hsq/audit.py).
+
+A mismatch takes the sample out of the done hash, removes its file and dead-letters it as
+`audit_mismatch` (`hsq requeue --reason audit_mismatch` after fixing the server): the
+stored states belong to another input. An audit that cannot run (server down, no dump)
+changes nothing and is only logged. Costs: one extra prefill per audited sample, and the
+server idles while the worker drains to send it alone.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections import deque
+from typing import Protocol
+
+import structlog
+
+from hsq.audit import compare_states
+from hsq.errors import AuditMismatchError, OutputError
+from hsq.outputs import ManifestEntry, open_output, output_relpath
+from hsq.protocol import read_dump
+from hsq.workers.chunks import WorkItem
+from hsq.workers.extract import SendStage
+from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.runview import RunView
+
+log = structlog.get_logger("hsq.worker.audit")
+
+
+class AuditStore(Protocol):
+    def get_manifest(self, sample_id: str) -> ManifestEntry | None: ...
+
+    def undo_done(self, sample_id: str, entry: ManifestEntry) -> bool: ...
+
+    def to_dead(
+        self, sample_id: str, reason: str, message: str, attempts: int, worker: str | None
+    ) -> None: ...
+
+
+class WorkerAudit:
+    def __init__(
+        self,
+        fraction: float,
+        send: SendStage,
+        store: AuditStore,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        seed: int | None = None,
+    ) -> None:
+        self.fraction = fraction
+        self.send = send
+        self.store = store
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self._rng = random.Random(seed)
+        self._queue: deque[tuple[WorkItem, RunView]] = deque()
+        self.counts = {"audited": 0, "audit_mismatches": 0, "audit_failures": 0}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queue)
+
+    def offer(self, item: WorkItem, view: RunView) -> None:
+        """A sample was marked done: audit it with probability `fraction`."""
+        if self.fraction > 0 and self._rng.random() < self.fraction:
+            self._queue.append((item, view))
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    def run_one(self) -> None:
+        """Audit the next sample; the caller has nothing in flight on the server."""
+        item, view = self._queue.popleft()
+        sid = item.sample_id
+        try:
+            staged = self.send.extract(item, view)  # a fresh rid, checked against the run
+        except Exception as exc:  # an audit that cannot run changes nothing, stops nothing
+            self.counts["audit_failures"] += 1
+            log.warning("audit_failed", sample=sid, error=str(exc))
+            return
+        try:
+            dump = read_dump(staged.staged, view.expected(staged.meta.rid, staged.sample))
+            stored = open_output(view.out_root / output_relpath(sid))
+            verdict = compare_states(
+                stored, staged.sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state
+            )
+        except Exception as exc:  # e.g. the file gone meanwhile (redone, verify --requeue)
+            self.counts["audit_failures"] += 1
+            log.warning("audit_failed", sample=sid, error=str(exc))
+            return
+        finally:
+            shutil.rmtree(staged.staged, ignore_errors=True)
+        self.counts["audited"] += 1
+        if verdict.ok:
+            log.info("audit_ok", sample=sid, detail=verdict.detail)
+            return
+        self.counts["audit_mismatches"] += 1
+        self._reject(item, view, verdict.detail)
+
+    def _reject(self, item: WorkItem, view: RunView, detail: str) -> None:
+        sid = item.sample_id
+        reason = AuditMismatchError.reason
+        message = f"stored states are not this sample's (audited alone): {detail}"
+        log.error("audit_mismatch", sample=sid, detail=detail)
+        entry = self.store.get_manifest(sid)
+        if entry is None or not self.store.undo_done(sid, entry):
+            return  # no longer done (redone or requeued meanwhile): nothing of ours to undo
+        try:
+            (view.out_root / output_relpath(sid)).unlink(missing_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot remove {sid}'s mismatched output: {exc}") from exc
+        self.store.to_dead(sid, reason, message, item.attempt + 1, self.worker_id)
+        self.metrics.failed(reason, True)
