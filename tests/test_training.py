@@ -503,6 +503,10 @@ def test_a_float32_run_is_exported_as_bfloat16(walk: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------- speculators
+# Only speculators' loader is run, not its trainer: speculators 0.9.0's Trainer picks its
+# device as `torch.accelerator.current_accelerator()` or else "cuda" (train/trainer.py), so on
+# a CPU it moves the model to CUDA and fails; unlike SpecForge there is no one-kernel swap
+# that makes it run, and its CLI also needs the verifier's HF config and flex attention.
 try:
     from speculators.train.data import ArrowDataset
 except ImportError as exc:
@@ -554,3 +558,26 @@ def test_speculators_own_loader_reads_the_export(walk: dict[str, Any]) -> None:
     assert torch.load(dest / "token_freq.pt", weights_only=True) == counts
     again = hsq(*speculators("walk-prenorm", walk["url"], dest), "--out", str(out), "--no-progress")
     assert "written   0 files" in again.stdout and "skipped   11" in again.stdout
+
+
+@needs_speculators
+def test_a_failed_sample_leaves_no_gap_between_rows_and_files(walk: dict[str, Any]) -> None:
+    victim = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[3]
+
+    def poison(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = with_prenorm(sid, t)
+        if sid == victim:
+            t["last_hidden_state_prenorm"][0, 0] = float("inf")
+        return t
+
+    out = derived_run(walk, "walk-gap", poison)
+    dest = walk["base"] / "spec-gap"
+    res = hsq(*speculators("walk-gap", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert res.returncode == 1 and "last_hidden_state_prenorm holds NaN or Inf" in res.stderr
+    ds = ArrowDataset(max_len=2048, datapath=dest, on_missing="raise")
+    assert len(ds) == 10 and victim not in ds.data["id"]
+    for i in range(len(ds)):
+        assert isinstance(ds[i], dict)  # token ids of hs_i equal row i's: no SampleUnavailable
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(10)
+    )

@@ -25,7 +25,6 @@ import re
 import secrets
 import shutil
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -158,15 +157,14 @@ def export_speculators(
         rel = hs_relpath(i)
         try:
             if ledger.is_current(rel, sid, entry.checksum):
-                ids = _ids_and_mask(root, entry)
-                return i, sid, rel, entry.checksum, None, ids, None
+                return i, sid, rel, entry.checksum, None, entry, None
             out = read_verified(root, sid, entry, store_dtype)
             if expect_layers is not None and out.layer_ids != expect_layers:
                 raise OutputError(f"layers {out.layer_ids}, not {expect_layers}")
             tensors = speculators_tensors(out, prenorm_state(root / entry.path, out))
             ensure_dir(dest, HS_DIR)
             nbytes = _save(dest / rel, tensors)
-            return i, sid, rel, entry.checksum, nbytes, (out.input_ids, out.loss_mask), None
+            return i, sid, rel, entry.checksum, nbytes, entry, None
         except (OutputError, OSError) as exc:
             return i, sid, rel, None, None, None, str(exc)
 
@@ -174,7 +172,7 @@ def export_speculators(
     done = False
     try:
         with ThreadPoolExecutor(max(1, jobs)) as pool:
-            for i, sid, rel, source, nbytes, ids, error in window_map(
+            for i, sid, rel, source, nbytes, entry, error in window_map(
                 pool, one, enumerate(entries), 4 * jobs
             ):
                 report.samples += 1
@@ -189,10 +187,10 @@ def export_speculators(
                         report.written += 1
                         report.bytes += nbytes
                         ledger.record(rel, sid, source)
-                    rows[i] = (sid, rel, source, ids)
+                    rows[i] = (sid, rel, source, entry)
                 if on_progress is not None:
                     on_progress(1)
-        n_rows = _write_rows(Dataset, rows, dest, ledger)
+        n_rows = _write_rows(Dataset, rows, root, dest, ledger)
         names = walk_files(dest, lambda n: _HS_NAME.fullmatch(n) is not None)
         sweep_stale(report, dest, names, ledger, prune)
         done = True
@@ -213,34 +211,56 @@ def export_speculators(
 
 
 def _write_rows(
-    dataset_cls: Any, rows: dict[int, tuple[str, str, str, Any]], dest: Path, ledger: Ledger
+    dataset_cls: Any,
+    rows: dict[int, tuple[str, str, str, ManifestEntry]],
+    root: Path,
+    dest: Path,
+    ledger: Ledger,
 ) -> int:
     """The Arrow dataset and token_freq.pt for the exported rows. Rows are contiguous: a
     failed sample's slot is closed up by renaming the files after it down (the trainer
-    pairs row i with hs_i)."""
-    table: dict[str, list[Any]] = {"id": [], "input_ids": [], "loss_mask": [], "seq_len": []}
-    counts: Counter[int] = Counter()
-    for k, i in enumerate(sorted(rows)):
-        sid, rel, source, (ids, mask) = rows[i]
+    pairs row i with hs_i). Token ids are gathered into one int64 buffer (8 bytes a token),
+    never into Python lists."""
+    import numpy as np
+    import pyarrow as pa
+
+    from hsq.outputs import open_output
+
+    order = sorted(rows)
+    lengths = np.array([rows[i][3].num_tokens for i in order], dtype=np.int64)
+    offsets = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids_buf = np.empty(int(offsets[-1]), dtype=np.int64)
+    mask_buf = np.empty(int(offsets[-1]), dtype=np.int64)
+    for k, i in enumerate(order):
+        sid, rel, source, entry = rows[i]
         if rel != hs_relpath(k):
             os.rename(dest / rel, dest / hs_relpath(k))
             ledger.seen.discard(rel)
             ledger.record(hs_relpath(k), sid, source)
-        table["id"].append(sid)
-        table["input_ids"].append(ids.tolist())
-        table["loss_mask"].append(mask.tolist())
-        table["seq_len"].append(int(ids.shape[0]))
-        counts.update(ids[mask.bool()].tolist())
+        out = open_output(root / entry.path)  # mapped: only the two int64 tensors are read
+        if out.num_tokens != entry.num_tokens:
+            raise OutputError(
+                f"{sid}: {out.num_tokens} tokens, the manifest says {entry.num_tokens}"
+            )
+        ids_buf[offsets[k] : offsets[k + 1]] = out.input_ids.numpy()
+        mask_buf[offsets[k] : offsets[k + 1]] = out.loss_mask.numpy()
+    lists = pa.LargeListArray if offsets[-1] >= 2**31 else pa.ListArray
+    off = pa.array(offsets, type=pa.int64() if lists is pa.LargeListArray else pa.int32())
+    table = pa.table(
+        {
+            "id": pa.array([rows[i][0] for i in order], type=pa.string()),
+            "input_ids": lists.from_arrays(off, pa.array(ids_buf)),
+            "loss_mask": lists.from_arrays(off, pa.array(mask_buf)),
+            "seq_len": pa.array(lengths),
+        }
+    )
     _write_dataset(dataset_cls, table, dest)
-    _write_token_freq(dict(counts), dest / TOKEN_FREQ)
-    return len(rows)
-
-
-def _ids_and_mask(root: Path, entry: ManifestEntry) -> tuple[Any, Any]:
-    from hsq.outputs import open_output
-
-    out = open_output(root / entry.path)
-    return out.input_ids.clone(), out.loss_mask.clone()
+    masked = ids_buf[mask_buf.astype(bool)]
+    values, counts = np.unique(masked, return_counts=True)
+    freq = {int(v): int(c) for v, c in zip(values, counts, strict=True)}
+    _write_token_freq(freq, dest / TOKEN_FREQ)
+    return len(order)
 
 
 def _save(path: Path, tensors: dict[str, Any]) -> int:
@@ -256,11 +276,13 @@ def _save(path: Path, tensors: dict[str, Any]) -> int:
     return save_file(path, fill)
 
 
-def _write_dataset(dataset_cls: Any, table: dict[str, list[Any]], dest: Path) -> None:
+def _write_dataset(dataset_cls: Any, table: Any, dest: Path) -> None:
     """save_to_disk into a dot-named directory, then rename its files into DEST (state.json
     last), so a killed export never leaves a torn Arrow file under the names the trainer
     loads."""
-    ds = dataset_cls.from_dict(table)
+    from datasets.table import InMemoryTable
+
+    ds = dataset_cls(InMemoryTable(table))
     ds.set_format(type="torch")
     tmp = dest / f".hsq-arrow-{secrets.token_hex(4)}.tmp"
     try:
