@@ -354,7 +354,9 @@ def test_manifest_entries_from_redis_are_not_trusted_as_paths(
 Transform = Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def derived_run(walk: dict[str, Any], run: str, transform: Transform) -> Path:
+def derived_run(
+    walk: dict[str, Any], run: str, transform: Transform, store_dtype: str = "bf16"
+) -> Path:
     """`run`: walk's samples, each output rewritten through `transform`; returns OUT."""
     from safetensors.torch import save_file
 
@@ -362,7 +364,7 @@ def derived_run(walk: dict[str, Any], run: str, transform: Transform) -> Path:
 
     out: Path = walk["base"] / f"out-{run}"
     hsq("enqueue", str(walk["tokens"]), "--run", run, "--out", str(out), "--redis", walk["url"],
-        "--no-progress", check=True)  # fmt: skip
+        "--store-dtype", store_dtype, "--no-progress", check=True)  # fmt: skip
     st = store(walk["url"], run)
     for sid, entry in store(walk["url"], RUN).iter_manifest():
         assert entry is not None
@@ -375,10 +377,10 @@ def derived_run(walk: dict[str, Any], run: str, transform: Transform) -> Path:
         }
         path = out / run / entry.path
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(transform(sid, tensors), str(path), metadata={**ours.metadata, "run": run})
-        done = ManifestEntry(
-            entry.path, entry.num_tokens, path.stat().st_size, file_checksum(path), "test", 0.0, 1
-        )
+        meta = {**ours.metadata, "run": run, "store_dtype": store_dtype}
+        save_file(transform(sid, tensors), str(path), metadata=meta)
+        size, crc = path.stat().st_size, file_checksum(path)
+        done = ManifestEntry(entry.path, entry.num_tokens, size, crc, "test", 0.0, 1, store_dtype)
         st.client.hset(st.keys.done, sid, done.to_json())
     return out
 
@@ -581,3 +583,43 @@ def test_a_failed_sample_leaves_no_gap_between_rows_and_files(walk: dict[str, An
     assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == sorted(
         f"hs_{i}.safetensors" for i in range(10)
     )
+
+
+@needs_speculators
+@needs_specforge
+def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, Any]) -> None:
+    """fp8 outputs (states and the pre-norm state per-token scaled) reach both trainers as
+    bf16 within fp8's error."""
+    from hsq import quant
+
+    def fp8(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = with_prenorm(sid, t)
+        out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"]}
+        for name, groups in (
+            ("aux_hidden_states", 3),
+            ("last_hidden_state", 1),
+            ("last_hidden_state_prenorm", 1),
+        ):
+            out[name], out[quant.scale_name(name)] = quant.quantize(t[name], groups)
+        return out
+
+    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3")
+    spec, sf = walk["base"] / "spec-fp8", walk["base"] / "sf-fp8"
+    res = hsq(*speculators("walk-fp8", walk["url"], spec), "--out", str(out), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    hsq(*specforge("walk-fp8", walk["url"], sf), "--out", str(out), "--no-progress", check=True)
+    ds = ArrowDataset(max_len=2048, datapath=spec, on_missing="raise")
+    st = store(walk["url"], RUN)
+    for i, sid in enumerate(sorted(ds.data["id"])):
+        item = ds[i]
+        assert isinstance(item, dict)
+        entry = st.get_manifest(sid)
+        assert entry is not None
+        last = open_output(walk["out"] / entry.path).last_hidden_state.float()
+        for got, want in (
+            (item["verifier_last_hidden_states"], last * 3 + 1),
+            (load_feature_file(str(ckpt_path(sf, sid)))["hidden_state"][0], last),
+        ):
+            assert got.dtype == torch.bfloat16
+            err = (got.float() - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+            assert float(err.max()) < 0.06
