@@ -61,11 +61,22 @@ fi
 # constraints.txt: the versions CI tested (scripts/constraints.sh).
 say "installing hidden-state-queue (editable) with dev tools"
 "${pip[@]}" install -q -c "$constraints" -c constraints.txt -e '.[dev]'
+# SpecForge's trainer runs for real in tests/test_specforge_train.py: it imports accelerate,
+# datasets and triton (its loss module imports triton at import time, even on a CPU where
+# hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss). vLLM
+# speculators' loader (tests/test_training.py) imports datasets, openai and hs_connectors.
+# Resolved installs first, so pip does not list specforge's unmet pins as errors after it.
+say "installing SpecForge's trainer imports and speculators==0.9.0's loader (pinned)"
+"${pip[@]}" install -q -c "$constraints" datasets==5.1.0 openai==3.51.0
 # SpecForge's own parser and reader check hsq's tokenize and export (tests/test_chat.py,
 # tests/test_training.py). --no-deps: its pins (torch 2.11, sglang, ...) are not needed by
 # the modules the tests import (torch, transformers, pydantic only).
 say "installing specforge==0.2.0 --no-deps (tests compare against its parser and reader)"
 "${pip[@]}" install -q --no-deps specforge==0.2.0
+# --no-deps: their pins (torch, transformers, vllm) are not needed by the modules tested.
+"${pip[@]}" install -q --no-deps accelerate==1.15.0 speculators==0.9.0 hs-connectors==0.9.0
+# A GPU host's venv sees the triton its CUDA torch was built with: never replace that one.
+.venv/bin/python -c 'import triton' 2>/dev/null || "${pip[@]}" install -q --no-deps triton==3.9.0
 say "fetching pinned SGLang wheels (read as source by tests/test_sglang_conformance.py)"
 ./scripts/fetch_sglang_sources.sh
 say "done: torch $torch_version, $(.venv/bin/hsq --version)"

@@ -318,7 +318,7 @@ def test_export_reports_a_damaged_output_and_exits_1(walk: dict[str, Any]) -> No
     dest = walk["base"] / "from-damaged"
     res = hsq(*specforge(RUN, walk["url"], dest), "--out", str(copy), "--no-progress")
     assert res.returncode == 1 and "failed    1" in res.stdout
-    assert "not a readable output" in res.stderr
+    assert "corrupt output: size 100 != manifest" in res.stderr
     assert len(list(dest.rglob("*.ckpt"))) == 10
 
 
@@ -344,3 +344,282 @@ def test_manifest_entries_from_redis_are_not_trusted_as_paths(
 ) -> None:
     with pytest.raises(OutputError):
         checked_entry(sid, entry)
+
+
+# ------------------------------------------------------------------ re-export and corruption
+# Runs derived from the walk run by rewriting its outputs (another "model": states changed,
+# NaN states, an extra pre-norm tensor, float32), registered done in Redis with their real
+# checksums: what a worker would have written, without another extraction.
+
+Transform = Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def derived_run(
+    walk: dict[str, Any], run: str, transform: Transform, store_dtype: str = "bf16"
+) -> Path:
+    """`run`: walk's samples, each output rewritten through `transform`; returns OUT."""
+    from safetensors.torch import save_file
+
+    from hsq.outputs import file_checksum
+
+    out: Path = walk["base"] / f"out-{run}"
+    hsq("enqueue", str(walk["tokens"]), "--run", run, "--out", str(out), "--redis", walk["url"],
+        "--store-dtype", store_dtype, "--no-progress", check=True)  # fmt: skip
+    st = store(walk["url"], run)
+    for sid, entry in store(walk["url"], RUN).iter_manifest():
+        assert entry is not None
+        ours = open_output(walk["out"] / entry.path)
+        tensors = {
+            "input_ids": ours.input_ids.clone(),
+            "loss_mask": ours.loss_mask.clone(),
+            "aux_hidden_states": ours.aux_hidden_states.clone(),
+            "last_hidden_state": ours.last_hidden_state.clone(),
+        }
+        path = out / run / entry.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {**ours.metadata, "run": run, "store_dtype": store_dtype}
+        save_file(transform(sid, tensors), str(path), metadata=meta)
+        size, crc = path.stat().st_size, file_checksum(path)
+        done = ManifestEntry(entry.path, entry.num_tokens, size, crc, "test", 0.0, 1, store_dtype)
+        st.client.hset(st.keys.done, sid, done.to_json())
+    return out
+
+
+def ckpts(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {p.stem: torch.load(p, weights_only=True) for p in dest.rglob("*.ckpt")}
+
+
+def test_reexport_after_the_run_was_redone_rewrites_every_stale_file(walk: dict[str, Any]) -> None:
+    """Issue 23 item 1: "already valid" is "this run's current output", not "loads"."""
+    dest = walk["base"] / "redo-dest"
+    hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
+    doubled = derived_run(
+        walk, "walk-redo", lambda _sid, t: {**t, "last_hidden_state": t["last_hidden_state"] * 2}
+    )
+    again = hsq(*specforge("walk-redo", walk["url"], dest), "--out", str(doubled), "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert "written   11 files" in again.stdout
+    for sid, entry in store(walk["url"], "walk-redo").iter_manifest():
+        assert entry is not None
+        got = torch.load(ckpt_path(dest, sid), weights_only=True)["hidden_state"]
+        want = open_output(doubled / "walk-redo" / entry.path).last_hidden_state
+        assert torch.equal(got, want.unsqueeze(0))
+
+
+def test_reexport_replaces_a_nan_file_and_a_symlink_to_a_foreign_file(
+    walk: dict[str, Any],
+) -> None:
+    dest = walk["base"] / "tamper-dest"
+    hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
+    sids = sorted(ckpts(dest))
+    nan_sid, link_sid = sids[0], sids[1]
+    nan_file = ckpt_path(dest, nan_sid)
+    poisoned = torch.load(nan_file, weights_only=True)
+    poisoned["aux_hidden_state"] = torch.full_like(poisoned["aux_hidden_state"], float("nan"))
+    torch.save(poisoned, nan_file)
+    foreign = walk["base"] / "foreign.ckpt"  # right keys and length, another sample's states
+    shape = torch.load(ckpt_path(dest, link_sid), weights_only=True)
+    torch.save({k: torch.zeros_like(v) for k, v in shape.items()}, foreign)
+    link = ckpt_path(dest, link_sid)
+    link.unlink()
+    link.symlink_to(foreign)
+    res = hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
+    assert "written   2 files" in res.stdout and "skipped   9" in res.stdout
+    assert not link.is_symlink() and torch.load(foreign, weights_only=True)["input_ids"].eq(0).all()
+    got = ckpts(dest)
+    for sid in (nan_sid, link_sid):
+        assert torch.isfinite(got[sid]["aux_hidden_state"].float()).all()
+        assert got[sid]["aux_hidden_state"].abs().sum() > 0
+
+
+def test_export_refuses_corrupt_outputs_and_fails_them(walk: dict[str, Any]) -> None:
+    """Issue 23 item 2: an output `verify --deep` calls corrupt is never exported."""
+    victims = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[:2]
+
+    def poison(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if sid == victims[0]:
+            t["aux_hidden_states"][0, 0] = float("nan")  # recorded with its checksum
+        return t
+
+    out = derived_run(walk, "walk-nan", poison)
+    entry = store(walk["url"], "walk-nan").get_manifest(victims[1])
+    assert entry is not None
+    flipped = bytearray((out / "walk-nan" / entry.path).read_bytes())
+    flipped[-1] ^= 0x01  # a flipped bit in the states: the checksum no longer matches
+    (out / "walk-nan" / entry.path).write_bytes(bytes(flipped))
+    dest = walk["base"] / "nan-dest"
+    res = hsq(*specforge("walk-nan", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert res.returncode == 1 and "failed    2" in res.stdout
+    assert "aux_hidden_states holds NaN or Inf" in res.stderr
+    assert "checksum mismatch" in res.stderr
+    assert sorted(ckpts(dest)) == sorted(
+        set(s for s, _ in store(walk["url"], RUN).iter_manifest()) - set(victims)
+    )
+
+
+def test_a_symlinked_shard_directory_is_never_written_through(walk: dict[str, Any]) -> None:
+    dest, outside = walk["base"] / "link-dest", walk["base"] / "outside"
+    outside.mkdir()
+    sid = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[0]
+    shard = ckpt_path(dest, sid).parent
+    shard.parent.mkdir(parents=True)
+    shard.symlink_to(outside, target_is_directory=True)
+    res = hsq(*specforge(RUN, walk["url"], dest), "--no-progress")
+    assert res.returncode == 1 and "is a symlink; hsq export never writes through one" in res.stderr
+    assert not any(outside.iterdir())
+    assert shard.is_symlink()
+
+
+def test_stale_files_of_samples_no_longer_done_are_listed_then_pruned(
+    walk: dict[str, Any],
+) -> None:
+    dest = walk["base"] / "stale-dest"
+    hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
+    extra = dest / "zz" / "gone.ckpt"
+    extra.parent.mkdir()
+    shutil.copy(next(dest.rglob("*.ckpt")), extra)
+    res = hsq(*specforge(RUN, walk["url"], dest), "--no-progress")
+    assert res.returncode == 1 and "stale     1 left" in res.stdout and "zz/gone.ckpt" in res.stderr
+    pruned = hsq(*specforge(RUN, walk["url"], dest), "--prune", "--no-progress")
+    assert pruned.returncode == 0 and "1 removed" in pruned.stdout and not extra.exists()
+
+
+@needs_specforge
+def test_a_float32_run_is_exported_as_bfloat16(walk: dict[str, Any]) -> None:
+    """SpecForge's LM-head step is bf16 only: float32 states would crash it."""
+    out = derived_run(
+        walk,
+        "walk-f32",
+        lambda _sid, t: {
+            **t,
+            "aux_hidden_states": t["aux_hidden_states"].float(),
+            "last_hidden_state": t["last_hidden_state"].float(),
+        },
+    )
+    dest = walk["base"] / "f32-dest"
+    res = hsq(*specforge("walk-f32", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert res.returncode == 0 and "float32 states written as bfloat16" in res.stdout
+    for f in list_feature_files(str(dest)):
+        raw = load_feature_file(f)
+        assert raw["hidden_state"].dtype == raw["aux_hidden_state"].dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------- speculators
+# Only speculators' loader is run, not its trainer: speculators 0.9.0's Trainer picks its
+# device as `torch.accelerator.current_accelerator()` or else "cuda" (train/trainer.py), so on
+# a CPU it moves the model to CUDA and fails; unlike SpecForge there is no one-kernel swap
+# that makes it run, and its CLI also needs the verifier's HF config and flex attention.
+try:
+    from speculators.train.data import ArrowDataset
+except ImportError as exc:
+    SPECULATORS_MISSING = f"speculators==0.9.0 not importable ({exc}); run `make setup`"
+else:
+    SPECULATORS_MISSING = ""
+if SPECULATORS_MISSING and os.environ.get("CI"):
+    raise RuntimeError(SPECULATORS_MISSING)
+needs_speculators = pytest.mark.skipif(bool(SPECULATORS_MISSING), reason=SPECULATORS_MISSING)
+
+
+def with_prenorm(_sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # A stand-in for the pre-norm state (what the format carries is what is checked).
+    return {**t, "last_hidden_state_prenorm": t["last_hidden_state"] * 3 + 1}
+
+
+def speculators(run: str, url: str, dest: Path) -> list[str]:
+    return ["export", "--run", run, "--redis", url, "--format", "speculators", "--to", str(dest)]
+
+
+def test_speculators_export_refuses_a_run_without_the_prenorm_state(walk: dict[str, Any]) -> None:
+    res = hsq(*speculators(RUN, walk["url"], walk["base"] / "spec-refused"))
+    assert res.returncode == 2 and "no pre-norm final state" in res.stderr
+
+
+@needs_speculators
+def test_speculators_own_loader_reads_the_export(walk: dict[str, Any]) -> None:
+    out = derived_run(walk, "walk-prenorm", with_prenorm)
+    dest = walk["base"] / "spec"
+    res = hsq(*speculators("walk-prenorm", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert res.returncode == 0 and "written   11 files" in res.stdout, res.stderr
+    ds = ArrowDataset(max_len=2048, datapath=dest, on_missing="raise")
+    assert len(ds) == 11
+    ids = sorted(s for s, _ in store(walk["url"], "walk-prenorm").iter_manifest())
+    counts: dict[int, int] = {}
+    for i, sid in enumerate(ids):
+        item = ds[i]
+        assert isinstance(item, dict), item  # not SampleUnavailable
+        entry = store(walk["url"], "walk-prenorm").get_manifest(sid)
+        assert entry is not None
+        ours = open_output(out / "walk-prenorm" / entry.path)
+        assert torch.equal(item["input_ids"], ours.input_ids)
+        assert torch.equal(item["loss_mask"], ours.loss_mask)
+        assert torch.equal(item["hidden_states"], ours.aux_hidden_states)  # [T, 3H]
+        want = with_prenorm(sid, {"last_hidden_state": ours.last_hidden_state})
+        assert torch.equal(item["verifier_last_hidden_states"], want["last_hidden_state_prenorm"])
+        for t in ours.input_ids[ours.loss_mask.bool()].tolist():
+            counts[t] = counts.get(t, 0) + 1
+    assert torch.load(dest / "token_freq.pt", weights_only=True) == counts
+    again = hsq(*speculators("walk-prenorm", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert "written   0 files" in again.stdout and "skipped   11" in again.stdout
+
+
+@needs_speculators
+def test_a_failed_sample_leaves_no_gap_between_rows_and_files(walk: dict[str, Any]) -> None:
+    victim = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[3]
+
+    def poison(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = with_prenorm(sid, t)
+        if sid == victim:
+            t["last_hidden_state_prenorm"][0, 0] = float("inf")
+        return t
+
+    out = derived_run(walk, "walk-gap", poison)
+    dest = walk["base"] / "spec-gap"
+    res = hsq(*speculators("walk-gap", walk["url"], dest), "--out", str(out), "--no-progress")
+    assert res.returncode == 1 and "last_hidden_state_prenorm holds NaN or Inf" in res.stderr
+    ds = ArrowDataset(max_len=2048, datapath=dest, on_missing="raise")
+    assert len(ds) == 10 and victim not in ds.data["id"]
+    for i in range(len(ds)):
+        assert isinstance(ds[i], dict)  # token ids of hs_i equal row i's: no SampleUnavailable
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == sorted(
+        f"hs_{i}.safetensors" for i in range(10)
+    )
+
+
+@needs_speculators
+@needs_specforge
+def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, Any]) -> None:
+    """fp8 outputs (states and the pre-norm state per-token scaled) reach both trainers as
+    bf16 within fp8's error."""
+    from hsq import quant
+
+    def fp8(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t = with_prenorm(sid, t)
+        out = {"input_ids": t["input_ids"], "loss_mask": t["loss_mask"]}
+        for name, groups in (
+            ("aux_hidden_states", 3),
+            ("last_hidden_state", 1),
+            ("last_hidden_state_prenorm", 1),
+        ):
+            out[name], out[quant.scale_name(name)] = quant.quantize(t[name], groups)
+        return out
+
+    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3")
+    spec, sf = walk["base"] / "spec-fp8", walk["base"] / "sf-fp8"
+    res = hsq(*speculators("walk-fp8", walk["url"], spec), "--out", str(out), "--no-progress")
+    assert res.returncode == 0, res.stderr
+    hsq(*specforge("walk-fp8", walk["url"], sf), "--out", str(out), "--no-progress", check=True)
+    ds = ArrowDataset(max_len=2048, datapath=spec, on_missing="raise")
+    st = store(walk["url"], RUN)
+    for i, sid in enumerate(sorted(ds.data["id"])):
+        item = ds[i]
+        assert isinstance(item, dict)
+        entry = st.get_manifest(sid)
+        assert entry is not None
+        last = open_output(walk["out"] / entry.path).last_hidden_state.float()
+        for got, want in (
+            (item["verifier_last_hidden_states"], last * 3 + 1),
+            (load_feature_file(str(ckpt_path(sf, sid)))["hidden_state"][0], last),
+        ):
+            assert got.dtype == torch.bfloat16
+            err = (got.float() - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-6)
+            assert float(err.max()) < 0.06

@@ -791,17 +791,18 @@ def audit(
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["specforge", "manifest"]),
+    type=click.Choice(["specforge", "speculators", "manifest"]),
     required=True,
-    help="specforge: <shard>/<id>.ckpt files for SpecForge's offline trainer; manifest: "
-    "OUT/RUN/manifest.jsonl for hsq.data",
+    help="specforge: <shard>/<id>.ckpt files for SpecForge's offline trainer; speculators: "
+    "the Arrow dataset and hidden_states/hs_<i>.safetensors vLLM speculators reads (runs with "
+    "the pre-norm state); manifest: OUT/RUN/manifest.jsonl for hsq.data",
 )
 @click.option(
     "--to",
     "dest",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="destination directory (--format specforge)",
+    help="destination directory (specforge, speculators)",
 )
 @click.option("--jobs", default=4, show_default=True, type=int, help="files written at once")
 @click.option("--partial", is_flag=True, help="export a run that is not complete yet")
@@ -809,6 +810,32 @@ def audit(
     "--expect-layers",
     default=None,
     help="refuse unless the run captured these layer ids (HF hidden_states indices)",
+)
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="remove files under the export's names in --to that are not this run's current "
+    "output (without it they are listed and the export exits 1)",
+)
+@click.option(
+    "--target-model",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="specforge: the local HF checkpoint the run extracted from; writes "
+    "--to/draft_config.json with the run's layer ids in SGLang's numbering (eagle_config)",
+)
+@click.option(
+    "--target-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="specforge, with --target-model: write SpecForge's model.target_model_path here "
+    "(config.json, embedding and LM head, index file)",
+)
+@click.option(
+    "--draft-vocab-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="draft_config.json's draft vocabulary [default: min(32000, the target's)]",
 )
 @_mounted_out_option
 def export(
@@ -819,47 +846,103 @@ def export(
     jobs: int,
     partial: bool,
     expect_layers: str | None,
+    prune: bool,
+    target_model: Path | None,
+    target_dir: Path | None,
+    draft_vocab_size: int | None,
     out: Path | None,
     no_progress: bool,
 ) -> None:
     """Write a run's outputs in the layout a trainer reads.
 
-    Resumable: files already there and valid are skipped, so running it again writes
-    nothing. A killed export leaves only dot-named .tmp files, which no trainer reads.
+    Every output is checked first as `verify --deep` does (checksum, finite states); a
+    corrupt one fails with its reason and is not exported. Resumable: a file already
+    there is skipped only if it is this run's current output (the export's ledger records
+    each file's source checksum), so running it again writes nothing; anything else under
+    the export's names is rewritten. A killed export leaves only dot-named .tmp files.
 
     \b
     Example:
-      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8
-      specforge train --config cfg.yaml   # data.hidden_states_path: /shared/specforge/q3
+      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8 \\
+          --target-model /models/qwen3-8b --target-dir /shared/specforge/q3-target
+      specforge train --config cfg.yaml   # docs/training.md
     """
 
-    from hsq.app.export import export_manifest, export_specforge
+    from hsq.app.export import export_manifest, export_specforge, export_speculators
 
     st = _store(redis_url, run)
-    root = (out or Path(st.require_config().out)) / run
+    cfg = st.require_config()
+    root = (out or Path(cfg.out)) / run
     if fmt == "manifest":
         n = export_manifest(st, root, partial=partial)
         click.echo(f"wrote {root / 'manifest.jsonl'}: {n} samples")
         return
     if dest is None:
-        raise ConfigError("--format specforge needs --to DIR")
+        raise ConfigError(f"--format {fmt} needs --to DIR")
+    if (target_model or target_dir or draft_vocab_size) and fmt != "specforge":
+        raise ConfigError("--target-model, --target-dir and --draft-vocab-size are for specforge")
+    if target_dir is not None and target_model is None:
+        raise ConfigError("--target-dir needs --target-model CKPT (the checkpoint to read)")
     layers = _layers(expect_layers)
+    config = None
+    if target_model is not None:
+        from hsq.app.export.target import check_run_matches, load_config
+
+        config = load_config(target_model)
+        check_run_matches(config, cfg.hidden_size, cfg.layer_ids)
+    exporter = export_specforge if fmt == "specforge" else export_speculators
     with _file_progress(st.count(st.keys.done), "exporting", no_progress) as bar:
-        report = export_specforge(
+        report = exporter(
             st,
             root,
             dest,
             jobs=jobs,
             partial=partial,
             expect_layers=list(layers) if layers else None,
+            prune=prune,
             on_progress=bar.update,
+        )
+    if target_model is not None and config is not None:
+        _write_target(
+            report, config, target_model, target_dir, dest, cfg.layer_ids, draft_vocab_size
         )
     for line in report.lines_out():
         click.echo(line)
     for sid, err in list(report.failed.items())[:20]:
         click.echo(f"  failed  {sid}: {err}", err=True)
-    if report.failed:
+    for rel in report.stale[:20]:
+        click.echo(f"  stale   {rel}: not this run's current output (--prune removes it)", err=True)
+    if not report.ok:
         sys.exit(EXIT_PROBLEMS)
+
+
+def _write_target(
+    report: Any,
+    config: dict[str, Any],
+    checkpoint: Path,
+    target_dir: Path | None,
+    dest: Path,
+    layers: list[int] | None,
+    draft_vocab_size: int | None,
+) -> None:
+    """draft_config.json beside the export, and the target dir if asked for."""
+    from hsq.app.export.target import write_draft_config, write_target_dir
+
+    if layers is None:
+        report.notes.append("draft_config.json not written: the run has no recorded layers")
+    else:
+        path, ids = write_draft_config(config, dest, layers, draft_vocab_size)
+        if ids is None:
+            report.notes.append(
+                f"wrote {path} WITHOUT eagle_config: no SGLang id list captures HF layers "
+                f"{layers} on this architecture; set eagle_aux_hidden_state_layer_ids yourself "
+                "(docs/sglang.md#layer-ids)"
+            )
+        else:
+            report.notes.append(f"wrote {path}: eagle_aux_hidden_state_layer_ids {ids}")
+    if target_dir is not None:
+        names = write_target_dir(checkpoint, target_dir)
+        report.notes.append(f"wrote {target_dir}: {', '.join(names)}")
 
 
 @cli.command("runs")
