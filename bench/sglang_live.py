@@ -299,6 +299,9 @@ class Reference:
         for i in self.ids:
             inner.layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True)
         inner.norm.register_forward_hook(lambda _m, _a, out: self.captured.__setitem__("last", out))
+        inner.norm.register_forward_pre_hook(
+            lambda _m, args: self.captured.__setitem__("prenorm", args[0])
+        )
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -307,45 +310,63 @@ class Reference:
 
         return hook
 
-    def states(self, input_ids: list[int]) -> tuple[Any, Any]:
+    def states(self, input_ids: list[int]) -> tuple[Any, Any, Any]:
+        """(aux [T, k*H], final post-norm [T, H], final pre-norm [T, H]) in float32."""
         torch = self.torch
         with torch.inference_mode():
             self.captured.clear()
             self.model.model(torch.tensor([input_ids], device=self.device))
             aux = torch.cat([self.captured[i][0] for i in self.ids], dim=-1)
-            return aux.float().cpu(), self.captured["last"][0].float().cpu()
+            last, pre = self.captured["last"][0], self.captured["prenorm"][0]
+            return aux.float().cpu(), last.float().cpu(), pre.float().cpu()
 
 
 def compare_outputs(out_dir: Path, dataset: dict[str, list[int]], ref: Reference) -> dict[str, Any]:
-    """Every output against the reference forward: ids exact, per-token closeness."""
+    """Every output against the reference forward: ids exact, per-token closeness of every
+    stored state (aux, final post-norm, and the pre-norm final state where stored). An fp8
+    output is held to the fresh states quantized the same way (hsq.audit's rule: cosine
+    >= 0.999, max |d| <= 10% of the row norm); bf16 to the reference server's rule."""
+    from hsq import quant
+    from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE, closeness
     from hsq.outputs import open_output
-    from hsq.sglang_server.reference.tolerance import MAX_ABS_OF_NORM, MIN_COSINE, closeness
 
     worst_cos, worst_err, bad, tokens, ids_wrong = 1.0, 0.0, [], 0, []
-    cos_all: list[float] = []
     files = sorted(out_dir.rglob("*.safetensors"))
+    fmt, with_prenorm = "", False
     for f in files:
         o = open_output(f)
         want_ids = dataset[o.sample_id]
         if o.input_ids.tolist() != want_ids:
             ids_wrong.append(o.sample_id)
             continue
-        aux, last = ref.states(want_ids)
-        for got, want in ((o.aux_hidden_states, aux), (o.last_hidden_state, last)):
+        aux, last, pre = ref.states(want_ids)
+        fmt = quant.store_dtype_of(o.metadata)
+        pairs = [(o.aux_hidden_states, aux, len(ref.ids)), (o.last_hidden_state, last, 1)]
+        stored_pre = getattr(o, "last_hidden_state_prenorm", None)
+        if stored_pre is not None:
+            with_prenorm = True
+            pairs.append((stored_pre, pre, 1))
+        bound = FP8_MAX_ABS_OF_NORM if fmt == quant.FP8 else MAX_ABS_OF_NORM
+        for got, want, groups in pairs:
+            if fmt == quant.FP8:
+                q, scale = quant.quantize(want, groups)
+                want = quant.dequantize(q, scale)
             c = closeness(got, want)
             worst_cos, worst_err = min(worst_cos, c.min_cosine), max(worst_err, c.max_abs_over_norm)
-            cos_all.append(c.min_cosine)
-            if not c.ok:
+            if c.min_cosine < MIN_COSINE or c.max_abs_over_norm > bound:
                 bad.append((o.sample_id, round(c.min_cosine, 5), round(c.max_abs_over_norm, 5)))
         tokens += o.num_tokens
     return {
         "files": len(files),
         "tokens": tokens,
+        "store_dtype": fmt,
+        "prenorm_compared": with_prenorm,
         "ids_exact": not ids_wrong,
         "ids_wrong": ids_wrong[:10],
         "min_cosine": round(worst_cos, 6),
         "max_abs_over_norm": round(worst_err, 6),
-        "tolerance": f"cosine >= {MIN_COSINE}, max|d| <= {MAX_ABS_OF_NORM} * ||row||",
+        "tolerance": f"cosine >= {MIN_COSINE}, max|d| <= "
+        f"{FP8_MAX_ABS_OF_NORM if fmt == quant.FP8 else MAX_ABS_OF_NORM} * ||row||",
         "samples_outside_tolerance": len({b[0] for b in bad}),
         "outside_examples": bad[:10],
     }
@@ -602,6 +623,7 @@ def extract_run(
     *,
     kill_at: float | None,
     layers: str,
+    run_flags: Sequence[str] = (),
 ) -> dict[str, Any]:
     out_root = work / "out"
     r = hsq(
@@ -616,6 +638,7 @@ def extract_run(
         "--layers",
         layers,
         "--no-progress",
+        *run_flags,
     )
     if r.returncode != 0:
         raise RuntimeError(f"enqueue: {r.stdout}\n{r.stderr}")
@@ -674,9 +697,15 @@ def extract_run(
 
 
 def phase_extract(
-    a: argparse.Namespace, work: Path, redis: RedisServer, *, family: str
+    a: argparse.Namespace, work: Path, redis: RedisServer, *, family: str, variant: str = "bf16"
 ) -> dict[str, Any]:
+    """`variant` fp8-prenorm: the server quantizes its dumps (--dump-encoding fp8-e4m3) and
+    adds the pre-norm final state (--prenorm); the run stores fp8 with the pre-norm state."""
     dev = "cuda" if a.server == "sglang" else "cpu"
+    fp8 = variant == "fp8-prenorm"
+    server_flags = ["--dump-encoding", "fp8-e4m3", "--prenorm"] if fp8 else []
+    run_flags = ["--store-dtype", "fp8-e4m3", "--prenorm"] if fp8 else []
+    name = family if not fp8 else f"{family}-{variant}"
     # SGLang is given the ids as a drafter config names them (Llama: +1, docs/sglang.md);
     # the reference server takes HF hidden_states indices. The effective ids come from
     # the readiness marker either way.
@@ -691,7 +720,7 @@ def phase_extract(
         model = write_deepseek(work / "deepseek", seed=0, device=dev)
         layers = "2,3,5"
     vocab = 32000
-    dump = Path(a.dump_root) / f"hsq-live-{family}"
+    dump = Path(a.dump_root) / f"hsq-live-{name}"
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     dump.chmod(0o700)
@@ -709,9 +738,20 @@ def phase_extract(
         else ["--max-batch-requests", "4"]
     )
     server = Server(
-        a.server, model, dump, work / f"server-{family}.log", layers=layers, extra=extra, device=dev
+        a.server,
+        model,
+        dump,
+        work / f"server-{name}.log",
+        layers=layers,
+        extra=[*server_flags, *extra],
+        device=dev,
     )
-    res: dict[str, Any] = {"model": model.name, "layers": layers, "chunked_prefill_size": a.chunk}
+    res: dict[str, Any] = {
+        "model": model.name,
+        "variant": variant,
+        "layers": layers,
+        "chunked_prefill_size": a.chunk,
+    }
     try:
         res["start_s"] = round(server.start(), 1)
         marker = json.loads((dump / "hsq-ready.json").read_text())
@@ -726,11 +766,12 @@ def phase_extract(
             work,
             server,
             redis,
-            f"live-{family}",
+            f"live-{name}",
             data,
             ds_path,
-            kill_at=(1 / 3 if a.kill else None),
+            kill_at=(1 / 3 if a.kill and not fp8 else None),
             layers=effective,
+            run_flags=run_flags,
         )
         log_text = server.proc.text() if server.proc else ""
         res["server_log_errors"] = [
@@ -749,8 +790,8 @@ def phase_extract(
         [int(x) for x in effective.split(",")],
         "cuda" if torch.cuda.is_available() else "cpu",
     )
-    res["equality"] = compare_outputs(work / "out" / f"live-{family}", data, ref)
-    say(f"{family} equality: {json.dumps(res['equality'])}")
+    res["equality"] = compare_outputs(work / "out" / f"live-{name}", data, ref)
+    say(f"{name} equality: {json.dumps(res['equality'])}")
     del ref
     return res
 
@@ -985,6 +1026,8 @@ def main() -> int:
                     RESULTS[ph] = phase_extract(
                         a, work, redis, family="llama" if ph == "extract" else "deepseek"
                     )
+                elif ph == "fp8-prenorm":
+                    RESULTS[ph] = phase_extract(a, work, redis, family="llama", variant=ph)
                 elif ph == "capacity":
                     RESULTS[ph] = phase_capacity(a, work, redis)
                 else:

@@ -45,7 +45,7 @@ say "SGLang's small dependencies (versions seen working with sglang $SGLANG)"
 say "hsq's runtime dependencies the GPU image lacks"
 "${PD[@]}" -d "$OUT/wheels" \
   redis==8.1.0 hiredis==3.5.0 rq==2.12.0 croniter==7.0.0 python-dateutil==2.9.0.post0 \
-  structlog==26.1.0 click==8.3.1 psutil==7.2.2
+  structlog==26.1.0 click==8.3.1 psutil==7.2.2 xxhash==4.1.0
 "${PD[@]}" -d "$OUT/wheels/if-missing" \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 say "sglang $SGLANG, flashinfer-python $FLASHINFER, sglang-kernel $SGL_KERNEL (~650 MB)"
