@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# sglang_live.sh [bench/sglang_live.py ARGS]: on a GPU machine without a registry, install the
+# sglang_live.sh [bench/sglang_live.py ARGS | --exec CMD ...]: on a GPU machine without a registry, install the
 # bundle of scripts/sglang_wheelhouse.sh and this checkout, then run the live SGLang test.
 #
 #   WHEELHOUSE=.wheelhouse  the bundle (wheels/, sgl_kernel.tar.gz, redis/)
@@ -81,4 +81,6 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
 say "python $("$PY" -c 'import sys, torch, sglang; print(sys.version.split()[0], "torch", torch.__version__, "sglang", sglang.__version__)'), CUDA_HOME=${CUDA_HOME:-unset}"
+# `sglang_live.sh --exec CMD ARGS`: run another command in this environment (benchmarks).
+if [ "${1:-}" = --exec ]; then shift; exec "$@"; fi
 exec "$PY" bench/sglang_live.py "$@"
