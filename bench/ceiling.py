@@ -101,7 +101,8 @@ def run_case(
     profile: Path | None = None,
 ) -> dict[str, Any]:
     lo, hi = WORKLOADS[case.workload]
-    run = f"ceil-{case.shape}-{case.workload}-{case.store_dtype}-{secrets.token_hex(2)}"
+    shape = case.shape.replace(".", "")  # run names hold no dots (kimi-k2.5)
+    run = f"ceil-{shape}-{case.workload}-{case.store_dtype}-{secrets.token_hex(2)}"
     ds = work / f"{run}.jsonl"
     write_synthetic(ds, case.samples, seed=11, min_len=lo, max_len=hi, vocab=32000)
     client = connect(redis_url)

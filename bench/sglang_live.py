@@ -146,6 +146,15 @@ def wait_for(
     return time.monotonic() - t
 
 
+def low_port() -> int:
+    """A free port below 50000: SGLang 0.5.15 derives its gRPC port as port + 10000 and
+    refuses one above 65535 (seen live with a random port of 57905)."""
+    while True:
+        port = free_port()
+        if port < 50000:
+            return port
+
+
 def healthy(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -392,7 +401,7 @@ class Server:
     ):
         self.kind, self.model, self.dump_dir, self.log = kind, model, dump_dir, log
         self.layers, self.extra, self.device = layers, list(extra), device
-        self.port = free_port()
+        self.port = low_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Proc | None = None
         self.starts = 0
@@ -551,7 +560,7 @@ def phase_refusals(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "--dump-dir",
             str(dump),
             "--port",
-            str(free_port()),
+            str(low_port()),
             *extra,
             *SGLANG_FLAGS,
             timeout=300,
@@ -583,7 +592,7 @@ def phase_refusals(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "--model-path",
             str(model),
             "--port",
-            str(free_port()),
+            str(low_port()),
             "--mem-fraction-static",
             "0.1",
             *SGLANG_FLAGS,
@@ -880,7 +889,7 @@ def phase_capacity(a: argparse.Namespace, work: Path, redis: RedisServer) -> dic
             say(f"capacity {label} {w}: {toks / secs:,.0f} tok/s (K={k})")
 
     # 1. SGLang alone: the plugin is installed but inactive without SGLANG_HS_DUMP_DIR.
-    port = free_port()
+    port = low_port()
     plain = Proc(
         [
             sys.executable,
