@@ -1142,11 +1142,10 @@ class RunStore:
         }
         # Wip lists by SCAN too: a worker reaped while alive holds jobs until its next
         # heartbeat registers it again (O(keys): only the recount and repair paths).
+        # A per-run ACL user may not SCAN: then the registered workers are used alone.
         wids = set(self.worker_ids())
         prefix = self.keys.wip("")
-        wids |= {
-            _s(key)[len(prefix) :] for key in self.client.scan_iter(match=prefix + "*", count=1000)
-        }
+        wids |= {key[len(prefix) :] for key in self._scan_names(prefix + "*")}
         for wid in sorted(wids):
             places[f"wip:{wid}"] = self.keys.wip(wid)
         p = self.client.pipeline(transaction=True)

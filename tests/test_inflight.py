@@ -146,8 +146,14 @@ def test_late_dump_is_discarded_as_late(
     st = store(redis_url, "late2")
     try:
         wait_until(lambda: st.count(st.keys.done) == 12, 90)
-        wait_until(lambda: bool(log_events(w.log_path, "dump_discarded")), 30)
-        assert {e["why"] for e in log_events(w.log_path, "dump_discarded")} == {"late"}
+
+        def whys() -> set[object]:
+            return {e["why"] for e in log_events(w.log_path, "dump_discarded")}
+
+        wait_until(lambda: "late" in whys(), 30)
+        # The server is shared by this module's tests: a dump a previous test's worker
+        # gave up on can land here too, and is (rightly) an unknown rid to this worker.
+        assert whys() <= {"late", "unknown_rid"}
     finally:
         w.stop()
     assert st.count(st.keys.dead) == 0

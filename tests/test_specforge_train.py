@@ -47,7 +47,11 @@ else:
 if MISSING and os.environ.get("CI"):  # CI must run the trainer, not skip it
     raise RuntimeError(MISSING)
 
-pytestmark = [pytest.mark.skipif(bool(MISSING), reason=MISSING), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.trainer,
+    pytest.mark.skipif(bool(MISSING), reason=MISSING),
+    pytest.mark.timeout(900),
+]
 Factory = Callable[..., ReferenceServer]
 
 LAYERS = [1, 3, 6]
