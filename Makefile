@@ -10,8 +10,9 @@ PYTEST_ARGS ?=
 setup:
 	./scripts/setup.sh
 
+# Two processes, each taking whole test files (module-scoped servers stay in one process).
 test:
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The two end-to-end checks that take minutes each, kept out of `make test` so the suite
 # stays under ten minutes: the built wheel in a fresh venv, and SpecForge's own trainer

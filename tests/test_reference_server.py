@@ -402,7 +402,7 @@ def test_closeness_bound() -> None:
     bad = a.clone()
     bad[2, 3] += 0.5 * float(a[2].norm())
     c = closeness(bad, a)
-    assert not c.ok and c.max_abs_over_norm >= 0.5
+    assert not c.ok and c.max_abs_over_norm >= 0.499  # 0.5 in exact arithmetic
     assert closeness(torch.zeros(2, 4), torch.zeros(2, 4)).ok
 
 
