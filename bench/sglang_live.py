@@ -165,14 +165,28 @@ def healthy(url: str) -> bool:
 # ---------------------------------------------------------------------------- models
 
 
+def llama_config(**shape: Any) -> Any:
+    """A LlamaConfig with the settings every test model here shares, `shape` on top."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],  # a config saved alone has none; SGLang needs it
+        **shape,
+    )
+
+
 def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str) -> Path:
     """A random-weight Llama saved by transformers (bf16 safetensors, config.json)."""
     if (path / "config.json").exists():
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
+    cfg = llama_config(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
@@ -180,12 +194,8 @@ def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str)
         num_attention_heads=hidden // 128,
         num_key_value_heads=max(1, hidden // 256),
         head_dim=128,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -269,23 +279,16 @@ def write_deepseek(path: Path, *, seed: int, device: str) -> Path:
 
 def write_8b_config(path: Path) -> Path:
     """Llama-3-8B's shape, config only (served with --load-format dummy)."""
-    from transformers import LlamaConfig
-
-    LlamaConfig(
+    llama_config(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         bos_token_id=128000,
         eos_token_id=128001,
-        tie_word_embeddings=False,
         dtype="bfloat16",
-        architectures=["LlamaForCausalLM"],  # a config saved alone has none; SGLang needs it
     ).save_pretrained(path)
     return path
 

@@ -701,13 +701,7 @@ class RunStore:
 
     def snapshot(self) -> Snapshot:
         k = self.keys
-        p = self.client.pipeline(transaction=False)
-        p.hlen(k.index)
-        p.hlen(k.done)
-        p.hlen(k.dead)
-        p.llen(rq_queue_key(k.main_queue))
-        p.llen(rq_queue_key(k.retry_queue))
-        p.hgetall(k.stats)
+        p = self._queue_reads(self.client.pipeline(transaction=False))
         p.smembers(k.workers)
         p.hget(k.config, "out")
         index, done, dead, main, retry, stats, wids, out = p.execute()
@@ -733,16 +727,22 @@ class RunStore:
             out=out_path if isinstance(out_path, str) else None,
         )
 
-    def counts(self) -> Counts:
-        """The O(1) counters `hsq status` adds up, in one MULTI: one instant of the run."""
+    def _queue_reads(self, p: Any) -> Any:
+        """Queue the reads `snapshot` and `counts` share (their first six results): index,
+        done and dead sizes, the two queues' lengths, the stats hash."""
         k = self.keys
-        p = self.client.pipeline(transaction=True)
         p.hlen(k.index)
         p.hlen(k.done)
         p.hlen(k.dead)
         p.llen(rq_queue_key(k.main_queue))
         p.llen(rq_queue_key(k.retry_queue))
         p.hgetall(k.stats)
+        return p
+
+    def counts(self) -> Counts:
+        """The O(1) counters `hsq status` adds up, in one MULTI: one instant of the run."""
+        k = self.keys
+        p = self._queue_reads(self.client.pipeline(transaction=True))
         p.hgetall(k.dead_reasons)
         index, done, dead, main, retry, stats, reasons = p.execute()
         return Counts(

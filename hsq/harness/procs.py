@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 from urllib.parse import quote
 
 import httpx
@@ -97,8 +98,11 @@ def wait_http_ok(url: str, proc: ManagedProcess, timeout: float = 120.0) -> None
     raise HsqError(f"{url} not healthy after {timeout:.0f}s:\n{proc.log_tail()}")
 
 
-class ReferenceServer(ManagedProcess):
-    """`hsq serve-reference` as a child process on a free port."""
+class DumpServer(ManagedProcess):
+    """A server that writes dumps, as a child process on a free port; `module` is what
+    `python -m` runs (it takes --dump-dir and --port)."""
+
+    module: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -113,56 +117,25 @@ class ReferenceServer(ManagedProcess):
         self.dump_dir = dump_dir
         self.url = f"http://127.0.0.1:{self.port}"
         dump_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "hsq",
-            "serve-reference",
-            "--dump-dir",
-            str(dump_dir),
-            "--port",
-            str(self.port),
-            *args,
-        ]
-        super().__init__(argv, log_path, env)
+        argv = [sys.executable, "-m", *self.module, "--dump-dir", str(dump_dir)]
+        super().__init__([*argv, "--port", str(self.port), *args], log_path, env)
 
-    def wait_ready(self, timeout: float = 120.0) -> ReferenceServer:
+    def wait_ready(self, timeout: float = 120.0) -> Self:
         wait_http_ok(self.url + "/health", self, timeout)
         return self
 
 
-class NullServer(ManagedProcess):
+class ReferenceServer(DumpServer):
+    """`hsq serve-reference` as a child process on a free port."""
+
+    module = ("hsq", "serve-reference")
+
+
+class NullServer(DumpServer):
     """The null-model server (hsq.harness.nullserver) as a child process on a free port:
     valid dumps of a chosen shape at once, so a worker runs at its own ceiling."""
 
-    def __init__(
-        self,
-        dump_dir: Path,
-        log_path: Path,
-        *,
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.port = port or free_port()
-        self.dump_dir = dump_dir
-        self.url = f"http://127.0.0.1:{self.port}"
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "hsq.harness.nullserver",
-            "--dump-dir",
-            str(dump_dir),
-            "--port",
-            str(self.port),
-            *args,
-        ]
-        super().__init__(argv, log_path, env)
-
-    def wait_ready(self, timeout: float = 120.0) -> NullServer:
-        wait_http_ok(self.url + "/health", self, timeout)
-        return self
+    module = ("hsq.harness.nullserver",)
 
 
 class RedisServer(ManagedProcess):
