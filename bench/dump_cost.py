@@ -13,7 +13,7 @@ the modes differ only in what happens around the forward:
     fp8          `dump` with --dump-encoding fp8-e4m3 (quantized on the device)
     prenorm      `dump` with --prenorm (one more [T, H] tensor)
     hook         the forward plus the SGLang hook's DumpHook.capture and writer thread
-                 (sglang_server/sglang_hook), without SGLang: the hook's own cost
+                 (hsq/sglang_server/sglang_hook), without SGLang: the hook's own cost
     hook-staged  `hook` with SGLANG_HS_DEVICE_STAGING=1 (rows cloned on the GPU, so the
                  next forward does not wait for the copy to the host)
 

@@ -4,7 +4,7 @@ dataset line, every tensor, finite states) before marking the sample done.
 
 Nothing about the run is taken from one file (issue 23 item 3): the storage format is the
 one most files have, and the model and layers are decided over all files by the caller
-(producer/enqueue.py). A file is adopted only where the worker would have written it: a
+(hsq/producer/enqueue.py). A file is adopted only where the worker would have written it: a
 regular file, not a symlink, in a shard directory that is no symlink either (item 4).
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the wheel of every SGLang version the dump hook pins (the list lives in
-# sglang_server/sglang_hook/compat.py) into .cache/sglang/, for
+# hsq/sglang_server/sglang_hook/compat.py) into .cache/sglang/, for
 # tests/test_sglang_conformance.py, which reads their source as files. Nothing is
 # installed. The same wheel is picked on every host (CPython 3.11, manylinux x86_64).
 set -euo pipefail

@@ -2,15 +2,14 @@
 
     contracts  hsq/*.py                    import only contracts
     services   hsq.workers, hsq.producer,  import contracts and their own package
-               hsq.sglang_server (the
-               repository's workers/,
-               producer/, sglang_server/)
+               hsq.sglang_server
     harness    hsq/harness/                imports contracts, services and itself
     shell      hsq/app/, hsq/__main__.py,  may import everything
                hsq/cli.py (old entry point)
 
 A top-level `workers`, `producer` or `sglang_server` import is always wrong: those names are
-not installed (issue 25), only `hsq` is.
+not installed (issue 25), only `hsq` is. The repository's top-level workers/, producer/ and
+sglang_server/ are deployment units (README, env example) and hold no Python (issue 32).
 
 Imports inside functions count too: a lazy import is still a dependency.
 """
@@ -23,7 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hsq", "workers", "producer", "sglang_server")
+PACKAGES = ("hsq",)
+DEPLOYMENT_UNITS = ("workers", "producer", "sglang_server")
 SERVICES = ("hsq.workers", "hsq.producer", "hsq.sglang_server")
 
 
@@ -55,12 +55,10 @@ ALLOWED: dict[str, set[str]] = {
 
 
 def module_name(path: Path, root: Path) -> str:
-    """The installed name: workers/x.py is hsq.workers.x (hsq/workers links to it)."""
+    """The installed name: hsq/workers/x.py is hsq.workers.x."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    if parts[0] != "hsq":
-        parts.insert(0, "hsq")
     return ".".join(parts)
 
 
@@ -107,17 +105,17 @@ def test_imports_follow_the_layers() -> None:
         ("hsq/protocol.py", "from hsq.app.ops import run_status\n"),
         ("hsq/protocol.py", "def f() -> None:\n    import hsq.workers.worker\n"),
         ("hsq/stfile.py", "from hsq.harness import procs\n"),
-        ("workers/worker.py", "from hsq.producer.enqueue import enqueue\n"),
-        ("producer/enqueue.py", "from hsq.app import ops\n"),
-        ("sglang_server/app.py", "from hsq.workers import client\n"),
+        ("hsq/workers/worker.py", "from hsq.producer.enqueue import enqueue\n"),
+        ("hsq/producer/enqueue.py", "from hsq.app import ops\n"),
+        ("hsq/sglang_server/app.py", "from hsq.workers import client\n"),
         ("hsq/harness/procs.py", "from hsq.app.cli import main\n"),
-        ("workers/client.py", "from ..app import cli\n"),
+        ("hsq/workers/client.py", "from ..app import cli\n"),
         ("hsq/app/cli.py", "import workers.worker\n"),
         ("hsq/protocol.py", "from .workers import client\n"),
     ],
 )
 def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source: str) -> None:
-    for pkg in PACKAGES:
+    for pkg in ("hsq", "hsq/workers", "hsq/producer", "hsq/sglang_server"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
@@ -126,9 +124,7 @@ def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source:
 
 
 def test_the_shell_may_import_everything(tmp_path: Path) -> None:
-    for pkg in PACKAGES:
-        (tmp_path / pkg).mkdir()
-    (tmp_path / "hsq/app").mkdir()
+    (tmp_path / "hsq/app").mkdir(parents=True)
     (tmp_path / "hsq/app/cli.py").write_text(
         "import hsq.workers.worker\nimport hsq.producer.enqueue\nfrom hsq.harness import procs\n"
     )
@@ -157,6 +153,23 @@ def test_only_the_store_imports_redis_and_rq() -> None:
 
 
 def test_the_redis_check_sees_a_lazy_import(tmp_path: Path) -> None:
-    (tmp_path / "workers").mkdir()
-    (tmp_path / "workers/client.py").write_text("def f() -> None:\n    from rq import Queue\n")
+    (tmp_path / "hsq/workers").mkdir(parents=True)
+    (tmp_path / "hsq/workers/client.py").write_text("def f() -> None:\n    from rq import Queue\n")
     assert redis_importers(tmp_path) == {"hsq.workers.client"}
+
+
+def test_no_file_in_the_repository_is_a_link() -> None:
+    """Issue 32: links break a zip download, a core.symlinks=false clone and path-based tools."""
+    import subprocess
+
+    listed = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in listed if line.startswith("120000")]
+    assert links == []
+
+
+def test_the_deployment_units_hold_no_python() -> None:
+    """The code lives under hsq/; workers/, producer/, sglang_server/ only deploy it."""
+    code = [str(p.relative_to(ROOT)) for d in DEPLOYMENT_UNITS for p in (ROOT / d).rglob("*.py")]
+    assert code == []

@@ -38,10 +38,8 @@ pytestmark = [pytest.mark.package, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_NAME = "hidden-state-queue"
-# The repository's directories and where they install: workers/ is hsq/workers/ (a link in
-# the tree, real files in the sdist and the wheel).
-SOURCE_DIRS = {"hsq": "hsq", "workers": "hsq/workers", "producer": "hsq/producer",
-               "sglang_server": "hsq/sglang_server"}  # fmt: skip
+# What installs: the package as the tree has it (real directories, no links: issue 32).
+SOURCE_DIRS = {"hsq": "hsq"}
 GENERIC = ("workers", "producer", "sglang_server")
 
 
@@ -117,6 +115,36 @@ def test_the_wheel_installs_one_top_level_name_and_says_what_it_is(dist: Dist) -
     assert meta["Requires-Python"] == ">=3.11"
     assert f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}" in entry_points
     assert "hsq = hsq.app.cli:main" in entry_points
+
+
+def head_package_files() -> set[str]:
+    """The .py files under hsq/ in the committed tree (what an archive of HEAD holds)."""
+    listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", "hsq"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    return {p for p in listed if p.endswith(".py")} | {"hsq/py.typed"}
+
+
+def wheel_files(src: Path, out: Path) -> set[str]:
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+         "-w", str(out), str(src)], timeout=600)  # fmt: skip
+    (whl,) = out.glob("*.whl")
+    with zipfile.ZipFile(whl) as z:
+        return {n for n in z.namelist() if n.startswith("hsq/")}
+
+
+def test_a_wheel_from_a_zip_download_is_complete(tmp_path: Path) -> None:
+    """Issue 32: GitHub's "Download ZIP" is `git archive --format=zip`; links used to vanish."""
+    archive = tmp_path / "src.zip"
+    run(["git", "archive", "--format=zip", "-o", str(archive), "HEAD"], cwd=ROOT)
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(tmp_path / "src")
+    assert wheel_files(tmp_path / "src", tmp_path / "whl") == head_package_files()
+
+
+def test_a_wheel_from_a_clone_without_symlinks_is_complete(tmp_path: Path) -> None:
+    """Issue 32: Git for Windows' default, core.symlinks=false."""
+    run(["git", "-c", "core.symlinks=false", "clone", "-q", str(ROOT), str(tmp_path / "src")])
+    assert wheel_files(tmp_path / "src", tmp_path / "whl") == head_package_files()
 
 
 def test_the_python_floor_is_the_interpreter_ci_runs() -> None:

@@ -1,7 +1,7 @@
 """Every SGLang name the dump hook relies on exists in every pinned SGLang version.
 
 Reads the wheels that scripts/fetch_sglang_sources.sh puts in .cache/sglang/ as files
-and parses them with `ast` (sglang_server/sglang_hook/srccheck.py); SGLang is never
+and parses them with `ast` (hsq/sglang_server/sglang_hook/srccheck.py); SGLang is never
 imported or run. Without the cache the tests skip locally and fail in CI (env CI set),
 where `make setup` fetches it.
 """

@@ -222,11 +222,11 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
 
 
 def test_only_the_store_imports_redis_or_rq() -> None:
-    """Issue 16 item 1: nothing outside hsq/store.py imports redis or rq (workers/ is being
-    rewritten on its own branch; hsq/harness/procs.py is the test harness starting a server)."""
+    """Issue 16 item 1: nothing outside hsq/store.py imports redis or rq (hsq/harness/procs.py
+    is the test harness starting a server)."""
     allowed = {"hsq/store.py", "hsq/harness/procs.py"}
     offenders = []
-    for path in [*ROOT.glob("hsq/**/*.py"), *ROOT.glob("producer/**/*.py")]:
+    for path in ROOT.glob("hsq/**/*.py"):
         rel = str(path.relative_to(ROOT))
         if rel in allowed:
             continue

@@ -2,7 +2,7 @@
 and compare with the stored states (hsq/audit.py says why and within what bound).
 
 Where the audit's dumps go: a dump dir the audit owns for its duration, exactly as a
-worker owns one. It takes the dump dir's lock (workers/lock.py), so it refuses a dump dir a
+worker owns one. It takes the dump dir's lock (hsq/workers/lock.py), so it refuses a dump dir a
 live worker holds and no worker can start on it meanwhile; it never touches a worker's dump
 dir while that worker runs. Give it a server of its own (a spare GPU, or a server whose
 worker is stopped); the server must run the run's model and layers (its readiness marker

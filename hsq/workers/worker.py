@@ -1,12 +1,12 @@
 """The worker daemon: one per inference server, owning a private dump dir.
 
 Stages (each in its own module):
-  claim    (main thread)  chunk jobs from Redis into the ChunkBook (workers/chunks.py)
+  claim    (main thread)  chunk jobs from Redis into the ChunkBook (hsq/workers/chunks.py)
   send     (K threads)    read the sample, send it with a fresh rid, get the dump the
-                          dispatcher matched to that rid, check its meta (workers/extract.py)
-  persist  (N threads)    validate tensors, write durably, mark done (workers/persist.py)
+                          dispatcher matched to that rid, check its meta (hsq/workers/extract.py)
+  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py)
   ack      (main thread)  every stage reports Events on one queue; the failure policy
-                          (workers/policy.py) turns an exception into retry, dead letter or
+                          (hsq/workers/policy.py) turns an exception into retry, dead letter or
                           hand back; a chunk finishes when all its samples are settled
 
 A worker keeps up to K requests in flight (``--inflight``). Anything that is not the
@@ -204,7 +204,7 @@ class Worker:
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
-        if self.audit.pending:  # --audit-fraction: alone on the server (workers/audit.py)
+        if self.audit.pending:  # --audit-fraction: alone on the server (hsq/workers/audit.py)
             if self.sending == 0:
                 self.audit.run_one()
             else:

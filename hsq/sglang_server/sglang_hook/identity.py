@@ -13,7 +13,7 @@ from hsq.protocol import ModelIdentity
 
 def config_digest(config: Mapping[str, Any]) -> str:
     """sha256 of the HF config dict as sorted JSON: the digest the reference server uses
-    for a local checkpoint (sglang_server/reference/model.py), so both agree."""
+    for a local checkpoint (hsq/sglang_server/reference/model.py), so both agree."""
     blob = json.dumps(dict(config), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

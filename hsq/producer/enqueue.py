@@ -17,7 +17,7 @@ in their readiness markers, or else what most valid files hold; files of another
 layers are reported as stale and their samples enqueued again, never marked done.
 
 A plain enqueue streams (`_enqueue_streaming`): the dataset is scanned in batches
-(producer/fastscan.py) and each batch is decided, enqueued and indexed before the next is
+(hsq/producer/fastscan.py) and each batch is decided, enqueued and indexed before the next is
 read, with pipelined reads (one round trip of three HMGETs a batch); no list of every
 sample is held. Whether an id already in the index is queued comes from the run's counters
 (docs/queue.md): when they are exact and nothing is lost, an indexed id that is neither done
