@@ -121,7 +121,11 @@ def head_package_files() -> set[str]:
     """The .py files under hsq/ in the committed tree (what an archive of HEAD holds)."""
     listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", "hsq"], cwd=ROOT,
                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    return {p for p in listed if p.endswith(".py")} | {"hsq/py.typed"}
+    files = {p for p in listed if p.endswith(".py")} | {"hsq/py.typed"}
+    # The modules the old links hid: the services and the entry point SGLang loads.
+    hook = ENTRY_POINT_VALUE.split(":")[0].replace(".", "/") + ".py"
+    assert {hook, "hsq/workers/worker.py", "hsq/producer/enqueue.py"} <= files
+    return files
 
 
 def wheel_files(src: Path, out: Path) -> set[str]:
