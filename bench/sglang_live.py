@@ -336,10 +336,10 @@ class Reference:
 def compare_outputs(out_dir: Path, dataset: dict[str, list[int]], ref: Reference) -> dict[str, Any]:
     """Every output against the reference forward: ids exact, per-token closeness of every
     stored state (aux, final post-norm, and the pre-norm final state where stored). An fp8
-    output is held to the fresh states quantized the same way (hsq.audit's rule: cosine
+    output is held to the fresh states quantized the same way (hsq.closeness's rule: cosine
     >= 0.999, max |d| <= 10% of the row norm); bf16 to the reference server's rule."""
     from hsq import quant
-    from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE, closeness
+    from hsq.closeness import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE, closeness
     from hsq.outputs import open_output
 
     worst_cos, worst_err, bad, tokens, ids_wrong = 1.0, 0.0, [], 0, []

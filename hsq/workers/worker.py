@@ -32,7 +32,7 @@ import structlog
 from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
 from hsq.runconfig import RunConfig
 from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
-from hsq.workers.audit import WorkerAudit
+from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
@@ -204,7 +204,7 @@ class Worker:
         if time.monotonic() < self._hold_until:
             self._wait_event(min(0.05, self._hold_until - time.monotonic()))
             return False
-        if self.audit.pending:  # --audit-fraction: alone on the server (hsq/workers/audit.py)
+        if self.audit.pending:  # --audit-fraction: alone on the server (audit_fraction.py)
             if self.sending == 0:
                 self.audit.run_one()
             else:

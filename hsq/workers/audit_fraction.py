@@ -7,7 +7,7 @@ probability F, sent again alone: the worker stops sending, waits until nothing o
 is in flight on its server (one worker per server: nothing else is), sends the sample with
 a fresh rid through its own dispatcher and dump dir (ownership unchanged: the audit's dump
 is matched by rid like any other), and compares the states with the file it wrote, within
-the reference tolerance (hsq/audit.py).
+the reference tolerance (hsq/closeness.py).
 
 A mismatch takes the sample out of the done hash, removes its file and dead-letters it as
 `audit_mismatch` (`hsq requeue --reason audit_mismatch` after fixing the server): the
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import structlog
 
-from hsq.audit import compare_states
+from hsq.closeness import compare_states
 from hsq.errors import AuditMismatchError, OutputError
 from hsq.outputs import ManifestEntry, open_output, output_relpath
 from hsq.protocol import read_dump

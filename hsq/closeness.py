@@ -1,4 +1,6 @@
-"""Auditing stored hidden states against a fresh extraction of the same input, alone.
+"""The comparison rule of an audit: are stored hidden states those of a fresh extraction of
+the same input, alone? (`hsq audit`, hsq/app/audit.py; a worker's --audit-fraction,
+hsq/workers/audit_fraction.py; the reference server's batching bound.)
 
 No check on a dump's metadata can tell that a batching server put request B's rid,
 fingerprint and token count on request A's states of the same length: the worker saves them
