@@ -29,7 +29,14 @@ from typing import Any
 
 import structlog
 
-from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
+from hsq.errors import (
+    ConfigError,
+    HookInactiveError,
+    HsqError,
+    InternalError,
+    RunChangedError,
+    StoreError,
+)
 from hsq.runconfig import RunConfig
 from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
@@ -59,6 +66,12 @@ from hsq.workers.startup import Started, startup, take_dump_dir
 
 log = structlog.get_logger("hsq.worker")
 
+# Pauses that stop the worker once its work is handed back, and what it raises.
+_FATAL: dict[Pause, type[HsqError]] = {
+    Pause.HOOK_INACTIVE: HookInactiveError,
+    Pause.INTERNAL_ERROR: InternalError,
+}
+
 
 class Worker:
     def __init__(
@@ -86,7 +99,7 @@ class Worker:
         self.peak_inflight_tokens = 0
         self._pause: Pause | None = None
         self._pauses = 0
-        self._fatal: HookInactiveError | None = None
+        self._fatal: HsqError | None = None
         self._changed: str | None = None
         self._refused: str | None = None
         self._hold_until = 0.0
@@ -192,8 +205,10 @@ class Worker:
         if self._changed is not None:
             self._reload_run()
             return False
-        broken = self.dispatcher.broken
-        if broken is not None and self._pause is None:
+        failed, broken = self.dispatcher.failed, self.dispatcher.broken
+        if failed is not None and self._fatal is None:
+            self._set_pause(Pause.INTERNAL_ERROR, failed)  # noticed while idle
+        elif broken is not None and self._pause is None:
             self._set_pause(Pause.DUMP_DIR, broken)  # noticed while idle, or before a send
         if self._pause is not None:
             if self.sending:
@@ -372,8 +387,8 @@ class Worker:
     def _set_pause(self, pause: Pause, why: str) -> None:
         if pause is Pause.STORE_DOWN:
             log.error("redis_unavailable", error=why)
-        if pause is Pause.HOOK_INACTIVE and self._fatal is None:
-            self._fatal = HookInactiveError(why)  # raised once in-flight work has settled
+        if pause in _FATAL and self._fatal is None:
+            self._fatal = _FATAL[pause](why)  # raised once in-flight work has settled
         if self._pause is None or pause is Pause.STORE_DOWN:
             if self._pause is None:
                 log.warning("pausing", cause=pause.value, error=why)
@@ -425,7 +440,9 @@ class Worker:
         assert pause is not None
         self._settle()
         if self._fatal is not None:
-            raise self._fatal  # every chunk was handed back: exit 2, nothing touched
+            if isinstance(self._fatal, InternalError):
+                log.critical("internal_error_stopping", worker=self.id, error=str(self._fatal))
+            raise self._fatal  # every chunk was handed back: nothing was charged to a sample
         self._pauses += 1
         if pause is Pause.DUMP_DIR:
             self._retake_dump_dir()
