@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hsq.errors import AuditMismatchError
+
 if TYPE_CHECKING:
     import torch
 
@@ -72,6 +74,13 @@ class Verdict:
     """Why not, or the worst figures when it is ok."""
     min_cosine: float = 1.0
     max_abs_over_norm: float = 0.0
+
+    def raise_for_mismatch(self) -> None:
+        """AuditMismatchError (reason ``audit_mismatch``) unless the states passed."""
+        if not self.ok:
+            raise AuditMismatchError(
+                f"stored states are not this sample's (audited alone): {self.detail}"
+            )
 
 
 def compare_states(

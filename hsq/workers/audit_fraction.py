@@ -101,17 +101,17 @@ class WorkerAudit:
         finally:
             shutil.rmtree(staged.staged, ignore_errors=True)
         self.counts["audited"] += 1
-        if verdict.ok:
-            log.info("audit_ok", sample=sid, detail=verdict.detail)
+        try:
+            verdict.raise_for_mismatch()
+        except AuditMismatchError as exc:
+            self.counts["audit_mismatches"] += 1
+            log.error("audit_mismatch", sample=sid, detail=verdict.detail)
+            self._reject(item, view, exc)
             return
-        self.counts["audit_mismatches"] += 1
-        self._reject(item, view, verdict.detail)
+        log.info("audit_ok", sample=sid, detail=verdict.detail)
 
-    def _reject(self, item: WorkItem, view: RunView, detail: str) -> None:
+    def _reject(self, item: WorkItem, view: RunView, mismatch: AuditMismatchError) -> None:
         sid = item.sample_id
-        reason = AuditMismatchError.reason
-        message = f"stored states are not this sample's (audited alone): {detail}"
-        log.error("audit_mismatch", sample=sid, detail=detail)
         entry = self.store.get_manifest(sid)
         if entry is None or not self.store.undo_done(sid, entry):
             return  # no longer done (redone or requeued meanwhile): nothing of ours to undo
@@ -119,5 +119,6 @@ class WorkerAudit:
             (view.out_root / output_relpath(sid)).unlink(missing_ok=True)
         except OSError as exc:
             raise OutputError(f"cannot remove {sid}'s mismatched output: {exc}") from exc
-        self.store.to_dead(sid, reason, message, item.attempt + 1, self.worker_id)
+        reason = mismatch.reason
+        self.store.to_dead(sid, reason, str(mismatch), item.attempt + 1, self.worker_id)
         self.metrics.failed(reason, True)

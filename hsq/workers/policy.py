@@ -128,7 +128,7 @@ def classify(exc: BaseException) -> Failure:
             return Failure(Kind.PAUSE, exc.reason, msg, Pause.DATASET_UNAVAILABLE)
         return Failure(Kind.PERMANENT, exc.reason, msg)
     if isinstance(exc, MidRequestFailure):  # before ServerUnavailableError, its base
-        return Failure(Kind.SERVER_FAIL, "server_crash", msg, Pause.SERVER_DOWN, mid_request=True)
+        return Failure(Kind.SERVER_FAIL, exc.reason, msg, Pause.SERVER_DOWN, mid_request=True)
     if isinstance(exc, ServerRejectedError):
         if 400 <= exc.status_code < 500:
             return Failure(Kind.PERMANENT, "rejected", msg)
