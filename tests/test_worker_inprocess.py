@@ -624,7 +624,7 @@ def test_max_inflight_tokens_bounds_the_tokens_on_the_server(
     w = run_worker(tmp_path, store, Counting(tmp_path), inflight=8, max_inflight_tokens=budget)
     every_sample_marked_once(store, refs)
     assert peak[0] <= max(budget, longest)
-    assert w.peak_inflight_tokens <= max(budget, longest)
+    assert w.inflight.peak_tokens <= max(budget, longest)
 
 
 def test_a_chunk_handed_back_does_not_bring_back_its_retried_samples(

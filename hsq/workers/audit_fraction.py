@@ -31,7 +31,7 @@ from hsq.outputs import ManifestEntry, open_output, output_relpath
 from hsq.protocol import read_dump
 from hsq.workers.chunks import WorkItem
 from hsq.workers.extract import SendStage
-from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.notices import AuditRejected, Notices
 from hsq.workers.runview import RunView
 
 log = structlog.get_logger("hsq.worker.audit")
@@ -53,14 +53,14 @@ class WorkerAudit:
         fraction: float,
         send: SendStage,
         store: AuditStore,
-        metrics: WorkerMetrics,
+        notices: Notices,
         worker_id: str,
         seed: int | None = None,
     ) -> None:
         self.fraction = fraction
         self.send = send
         self.store = store
-        self.metrics = metrics
+        self._notices = notices
         self.worker_id = worker_id
         self._rng = random.Random(seed)
         self._queue: deque[tuple[WorkItem, RunView]] = deque()
@@ -121,4 +121,4 @@ class WorkerAudit:
             raise OutputError(f"cannot remove {sid}'s mismatched output: {exc}") from exc
         reason = mismatch.reason
         self.store.to_dead(sid, reason, str(mismatch), item.attempt + 1, self.worker_id)
-        self.metrics.failed(reason, True)
+        self._notices.emit(AuditRejected(sid, reason))
