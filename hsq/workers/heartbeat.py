@@ -11,7 +11,9 @@ from typing import Any
 
 import structlog
 
-from hsq.store import RunStore
+from hsq.outputs import ManifestEntry
+from hsq.store import WorkerStore
+from hsq.workers.claims import Claims
 from hsq.workers.persist import Lease
 from hsq.workers.policy import STORE_TROUBLE
 
@@ -21,7 +23,8 @@ log = structlog.get_logger("hsq.worker")
 class Heartbeat:
     def __init__(
         self,
-        store: RunStore,
+        store: WorkerStore[ManifestEntry],
+        claims: Claims,
         worker_id: str,
         interval_s: float,
         info: Callable[[], dict[str, Any]],
@@ -29,6 +32,7 @@ class Heartbeat:
         stop: threading.Event,
     ) -> None:
         self.store = store
+        self.claims = claims
         self.worker_id = worker_id
         self.interval_s = interval_s
         self.info = info
@@ -57,7 +61,7 @@ class Heartbeat:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         try:
-            n = self.store.release_wip(self.worker_id)  # normally 0: all finished or given back
+            n = self.claims.release_all()  # normally 0: all finished or given back
             if n:
                 log.warning("released_jobs_at_exit", jobs=n)
             self.store.unregister(self.worker_id)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import structlog
 
-from hsq.store import ChunkJob, RunStore
+from hsq.outputs import ManifestEntry
+from hsq.store import ChunkJob, WorkerStore
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
+from hsq.workers.claims import Claims
 from hsq.workers.notices import ChunkHandedBack, Notices, SampleDone, SampleFailed
 from hsq.workers.pauses import Pauses
 from hsq.workers.policy import Kind, Outcome, Pause, classify, decide
@@ -24,7 +26,8 @@ log = structlog.get_logger("hsq.worker")
 class Outcomes:
     def __init__(
         self,
-        store: RunStore,
+        store: WorkerStore[ManifestEntry],
+        claims: Claims,
         book: ChunkBook,
         worker_id: str,
         max_server_crashes: int,
@@ -33,6 +36,7 @@ class Outcomes:
         notices: Notices,
     ) -> None:
         self.store = store
+        self.claims = claims
         self.book = book
         self.worker_id = worker_id
         self.max_server_crashes = max_server_crashes
@@ -82,7 +86,7 @@ class Outcomes:
 
     def finish(self, job: ChunkJob) -> None:
         self.book.pop(job.job_id)
-        if not self.store.finish(self.worker_id, job):
+        if not self.claims.finish(job):
             log.warning("chunk_not_ours_anymore", job=job.job_id)
 
     def close_chunks(self, why: str, *, drop: bool) -> None:
@@ -94,20 +98,20 @@ class Outcomes:
             return
         for chunk in chunks:
             if chunk.complete and not chunk.hand_back:
-                self.store.finish(self.worker_id, chunk.job)
+                self.claims.finish(chunk.job)
             else:
                 self._hand_back(chunk, why)
 
     def _hand_back(self, chunk: OpenChunk, why: str) -> None:
         job = chunk.job
         if not chunk.routed:
-            self.store.give_back(self.worker_id, job)  # untouched, to the front of its queue
+            self.claims.give_back(job)  # untouched, to the front of its queue
         else:
             # Some samples already went to a retry job or the dead letter: queue the rest
             # as a new job, so none of them is done twice or both dead and done.
             rest = [ref for ref in job.samples if ref[0] not in chunk.routed]
             if rest:
                 self.store.enqueue([rest], attempt=job.attempt, reason=job.reason)
-            self.store.finish(self.worker_id, job)
+            self.claims.finish(job)
         self._notices.emit(ChunkHandedBack(job.job_id, len(job.samples) - len(chunk.routed)))
         log.info("job_handed_back", job=job.job_id, why=why, routed=len(chunk.routed))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import structlog
 
 from hsq.errors import HookInactiveError, HsqError, InternalError
+from hsq.workers.claims import Claims
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.notices import Notices, ServerHealth
 from hsq.workers.policy import STORE_DOWN, Pause, backoff
@@ -35,16 +35,11 @@ FATAL: dict[Pause, type[HsqError]] = {
 }
 
 
-class WipReleaser(Protocol):
-    def release_wip(self, worker_id: str) -> int: ...
-
-
 class Pauses:
     def __init__(
         self,
         settings: WorkerSettings,
-        worker_id: str,
-        store: WipReleaser,
+        claims: Claims,
         healthy: Callable[[], bool],
         dispatcher: Dispatcher,
         dump_dir: HeldDumpDir,
@@ -53,8 +48,7 @@ class Pauses:
         notices: Notices,
     ) -> None:
         self.settings = settings
-        self.worker_id = worker_id
-        self.store = store
+        self.claims = claims
         self.healthy = healthy
         self.dispatcher = dispatcher
         self.dump_dir = dump_dir
@@ -107,7 +101,7 @@ class Pauses:
         if self.fatal is not None:
             if isinstance(self.fatal, InternalError):
                 log.critical(
-                    "internal_error_stopping", worker=self.worker_id, error=str(self.fatal)
+                    "internal_error_stopping", worker=self.claims.worker_id, error=str(self.fatal)
                 )
             raise self.fatal  # every chunk was handed back: nothing was charged to a sample
         self._count += 1
@@ -164,7 +158,7 @@ class Pauses:
         n = 0
         while not self._stop.is_set():
             try:
-                released = self.store.release_wip(self.worker_id)
+                released = self.claims.release_all()
                 log.info("released_jobs_after_redis_error", jobs=released)
                 return
             except STORE_DOWN as exc:

@@ -36,9 +36,11 @@ from typing import Any
 import structlog
 
 from hsq.errors import RunChangedError, StoreError
-from hsq.store import HEARTBEAT_TTL_S, RunStore, new_worker_id
+from hsq.outputs import ManifestEntry
+from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
+from hsq.workers.claims import Claims
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
@@ -69,7 +71,8 @@ class Worker:
         s = self.settings = settings
         self.id = worker_id
         self.name = s.name or self.id.rsplit(".", 1)[0]
-        self.store: RunStore = started.store
+        self.store: WorkerStore[ManifestEntry] = started.store
+        self.claims = Claims(self.store, worker_id)
         self.view: RunView = started.view
         self.cleared = started.cleared
         self.client = client
@@ -108,13 +111,12 @@ class Worker:
         )
         self.audit = WorkerAudit(s.audit_fraction, self.send, self.store, self.notices, self.id)
         self.heartbeat = Heartbeat(
-            self.store, self.id, s.heartbeat_interval_s, self._info, lease, self._stop
+            self.store, self.claims, self.id, s.heartbeat_interval_s, self._info, lease, self._stop
         )
         self.watch = RunWatch(s.run, self.store, self._stop, self.request_stop, s.backoff_max_s)
         self.pauses = Pauses(
             s,
-            self.id,
-            self.store,
+            self.claims,
             client.healthy,
             self.dispatcher,
             self.dump_dir,
@@ -124,6 +126,7 @@ class Worker:
         )
         self.outcomes = Outcomes(
             self.store,
+            self.claims,
             self.book,
             self.id,
             s.max_server_crashes,
@@ -256,7 +259,7 @@ class Worker:
     def _claim(self, block: bool) -> bool:
         # With nothing in flight, blocks up to --claim-timeout on an empty queue. With work
         # in flight it does not wait: its events (and, at a burst's end, the exit) would.
-        job = self.store.claim(self.id, self.settings.claim_timeout_s if block else 0)
+        job = self.claims.claim(self.settings.claim_timeout_s if block else 0)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
