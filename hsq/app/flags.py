@@ -9,7 +9,6 @@ the same one in every command (`--run` is HSQ_RUN, `--redis` HSQ_REDIS_URL or RE
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -21,7 +20,8 @@ from hsq.logs import progress
 from hsq.settings import setting
 
 if TYPE_CHECKING:
-    from hsq.store import Client, RunStore
+    from hsq.runstore import RunStore
+    from hsq.store import Client
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = (
@@ -81,31 +81,28 @@ class RedisAccess:
     def resolve(self, url: None) -> str | None: ...
     def resolve(self, url: str | None) -> str | None:
         """The URL to connect to: `url` (--redis), or the one --redis-url-file holds (a
-        password on a command line is visible to every local user in `ps` and /proc).
-        Hands the TLS files to connect() on the way."""
+        password on a command line is visible to every local user in `ps` and /proc), with
+        the TLS files in it."""
         if self.redis_url_file is not None:
             if on_command_line("redis_url"):
                 raise click.UsageError("give --redis or --redis-url-file, not both")
             from hsq.redisurl import read_url_file
 
             url = read_url_file(self.redis_url_file)
-        hand_tls_to_connect(self)
-        return url
+        return None if url is None else tls_into_url(self, url)
 
 
-def hand_tls_to_connect(access: RedisAccess) -> None:
-    """The one place the CLI's TLS files reach hsq.store.connect(): it reads them from the
-    environment (TLS_ENV), here and in the processes this one starts (`hsq demo`'s worker)."""
-    from hsq.store import TLS_ENV
+def tls_into_url(access: RedisAccess, url: str) -> str:
+    """The one place the CLI's TLS files reach hsq.store.connect(): as values, folded into a
+    rediss:// URL's query (hsq.redisurl.RedisTls), so they travel with the URL, to the
+    processes this one starts too (`hsq demo`'s worker)."""
+    from hsq.redisurl import RedisTls
 
-    given = {
-        "ssl_ca_certs": access.redis_ca,
-        "ssl_certfile": access.redis_cert,
-        "ssl_keyfile": access.redis_key,
-    }
-    for name, path in given.items():
-        if path is not None:
-            os.environ[TLS_ENV[name]] = str(path)
+    def text(path: Path | None) -> str | None:
+        return None if path is None else str(path)
+
+    tls = RedisTls(text(access.redis_ca), text(access.redis_cert), text(access.redis_key))
+    return tls.into_url(url)
 
 
 @dataclass(frozen=True)
@@ -127,7 +124,7 @@ class RedisFlags:
     def run_store(self, run: str) -> RunStore:
         """The store of a run that exists: an unknown run is a usage error (exit 2), said in
         plain words."""
-        from hsq.store import RunStore
+        from hsq.runstore import RunStore
 
         st = RunStore(self.client(), run)
         st.require_config()

@@ -44,7 +44,8 @@ from hsq.producer.report import (
     refuse_conflicts,
 )
 from hsq.runconfig import RunConfig
-from hsq.store import AnyRef, RunStore, chunked
+from hsq.runstore import RunStore
+from hsq.store import AnyRef, chunked
 
 FOLLOW_RUN = ("store_dtype", "prenorm")
 """Settings a run keeps one of whose default is a value: left at that default, a second

@@ -30,9 +30,9 @@ from hsq.producer.report import (
     prune,
     refuse_conflicts,
 )
-from hsq.quant import BF16
-from hsq.runconfig import DEFAULT_CHUNK_SIZE, RunConfig
-from hsq.store import RunStore, chunked
+from hsq.runconfig import BF16, DEFAULT_CHUNK_SIZE, RunConfig
+from hsq.runstore import RunStore
+from hsq.store import chunked
 
 
 @dataclass(frozen=True)

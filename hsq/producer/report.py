@@ -13,7 +13,7 @@ import structlog
 
 from hsq.errors import ConfigError, DatasetError
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 
 log = structlog.get_logger("hsq.producer")
 

@@ -107,7 +107,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
     """
     from hsq.producer.enqueue import enqueue_run
     from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
     run = take(RunName, values).run
     flags = take(EnqueueFlags, values)

@@ -60,7 +60,7 @@ def recover(dataset: Path | None, **values: Any) -> None:
     """
     from hsq.producer.identity import IdentityHint, announced_identity
     from hsq.producer.recover import RecoverRequest, recover_run
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
     run = take(RunName, values).run
     flags = take(RecoverFlags, values)

@@ -43,7 +43,8 @@ def status(**values: Any) -> None:
     dead_by_reason, workers (docs/operations.md).
     """
     from hsq.app.ops import dumps_json, run_status, status_text
-    from hsq.store import RunStore, list_runs
+    from hsq.runstore import RunStore
+    from hsq.store import list_runs
 
     flags = take(StatusFlags, values)
     client = take(RedisFlags, values).client()
@@ -80,7 +81,8 @@ def runs(**values: Any) -> None:
       hsq runs --redis-url-file /run/secrets/redis_url
     """
     from hsq.app.ops import run_figures
-    from hsq.store import RunStore, list_runs
+    from hsq.runstore import RunStore
+    from hsq.store import list_runs
 
     client = take(RedisFlags, values).client()
     names = list_runs(client)

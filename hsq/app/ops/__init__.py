@@ -19,7 +19,7 @@ from hsq.app.ops.status import (
     status_text,
 )
 from hsq.app.ops.verify import VerifyResult, repair, trusted_entry, verify
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 
 __all__ = [
     "RequeueResult",

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from hsq.app.ops.status import partition
 from hsq.dataset import IndexEntry
-from hsq.store import RunStore, chunked
+from hsq.runstore import RunStore
+from hsq.store import chunked
 
 
 @dataclass

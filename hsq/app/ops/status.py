@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from hsq import jsonsafe
 from hsq.app.ops.requeue import RequeueResult, requeue
 from hsq.errors import DatasetError
 from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 
 MAX_MANIFEST_ENTRY = 64 * 1024
 
