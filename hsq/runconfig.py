@@ -9,8 +9,9 @@ from typing import Any
 
 from hsq import jsonsafe
 from hsq.errors import ConfigError
-from hsq.quant import BF16, STORE_DTYPES, check_store_dtype
+from hsq.quant import check_store_dtype
 from hsq.settings import int_list_or_none, setting
+from hsq.states import BF16, STORE_DTYPES
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16

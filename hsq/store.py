@@ -54,13 +54,12 @@ from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import (
     ConfigError,
-    DatasetError,
     RunChangedError,
     StoreError,
     StoreUnavailableError,
 )
 from hsq.keys import RUNS, RunKeys, rq_job_key, rq_queue_key
-from hsq.outputs import ManifestEntry, output_relpath
+from hsq.outputs.manifest import ManifestEntry, encode_manifest, manifest_json
 from hsq.redisurl import check_url, scrub
 from hsq.redisurl import redact as redact  # re-exported: callers and tests use hsq.store.redact
 from hsq.runconfig import RunConfig
@@ -1320,47 +1319,6 @@ def _parse_job(job: Job, queues: tuple[str, ...]) -> ChunkJob | None:
         return None
     origin = job.origin if job.origin in queues else queues[0]
     return ChunkJob(job.id, origin, samples, attempt, reason)
-
-
-# Done entries are stored compactly (half the Redis memory of the JSON): the path is always
-# output_relpath(id), so it is not stored; "crc32:" and the default dtype are implied.
-# Readers get the JSON back (manifest_json); an entry of an older hsq is JSON already.
-_COMPACT = "m1"
-
-
-def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
-    """A done entry as stored: `m1|tokens|bytes|checksum|worker|time|attempt|dtype`."""
-    if e.path != output_relpath(sample_id) or "|" in e.worker + e.checksum + e.store_dtype:
-        return e.to_json()  # not the usual shape: stored as it is
-    crc = e.checksum.removeprefix("crc32:")
-    if ":" in crc:
-        crc = e.checksum  # another kind of checksum, kept whole
-    dtype = "" if e.store_dtype == "bf16" else e.store_dtype
-    when = f"{e.time:.1f}"
-    return f"{_COMPACT}|{e.num_tokens}|{e.bytes}|{crc}|{e.worker}|{when}|{e.attempt}|{dtype}"
-
-
-def manifest_json(sample_id: str, raw: bytes | str) -> bytes:
-    """A stored done entry as the manifest JSON readers check (untrusted either way: what
-    does not decode is handed back as it is, and refused by whoever checks it)."""
-    data = raw.encode() if isinstance(raw, str) else raw
-    if not data.startswith(b"m1|"):
-        return data
-    try:
-        _, tokens, nbytes, crc, worker, when, attempt, dtype = data.decode().split("|")
-        entry = ManifestEntry(
-            path=output_relpath(sample_id),
-            num_tokens=int(tokens),
-            bytes=int(nbytes),
-            checksum=crc if ":" in crc else f"crc32:{crc}",
-            worker=worker,
-            time=float(when),
-            attempt=int(attempt),
-            store_dtype=dtype or "bf16",
-        )
-    except (ValueError, UnicodeDecodeError, DatasetError):
-        return data
-    return entry.to_json().encode()
 
 
 def _s(value: bytes | str) -> str:

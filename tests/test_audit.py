@@ -188,13 +188,14 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
 
     from hsq import quant
     from hsq.audit import compare_states
+    from hsq.states import FP8
 
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(16, 3 * 64, generator=gen)
     last = torch.randn(16, 64, generator=gen)
 
     def stored(a: torch.Tensor, b: torch.Tensor) -> SimpleNamespace:
-        if fmt == quant.FP8:
+        if fmt == FP8:
             a = quant.dequantize(*quant.quantize(a, 3))
             b = quant.dequantize(*quant.quantize(b, 1))
         return SimpleNamespace(

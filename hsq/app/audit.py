@@ -19,7 +19,6 @@ import random
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +28,18 @@ import structlog
 from hsq.app.ops import RequeueResult, requeue, trusted_entry
 from hsq.audit import Verdict, compare_states
 from hsq.dataset import IndexEntry, read_sample
+from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
+from hsq.dump.format import fingerprint
+from hsq.dump.read import Expected, read_dump
 from hsq.errors import (
     CachedTokensError,
     ConfigError,
     HsqError,
-    IncompleteDumpError,
     MetaMismatchError,
-    MultipleDumpsError,
-    NoDumpError,
     WrongLengthError,
 )
-from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, remove_dump, scan_by_rid
+from hsq.outputs.format import open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.store import RunStore
 from hsq.workers.client import ServerClient
@@ -168,7 +167,9 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
         raise WrongLengthError(f"server counted {answer.prompt_tokens} prompt tokens, sent {n}")
     if answer.cached_tokens != 0:
         raise CachedTokensError(f"server reused {answer.cached_tokens} cached tokens")
-    path = _wait_for_rid(t.dump_dir, rid, t.timeout_s)
+    # Any other dump in the audit's own dump dir (warm-ups, an operator's request) is
+    # removed, as a worker does.
+    path = wait_for_dump(t.dump_dir, t.timeout_s, rid=rid)
     expected = Expected(
         rid=rid,
         input_fingerprint=fingerprint(sample.input_ids),
@@ -184,32 +185,6 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
         remove_dump(path)
     stored = open_output(out_root / output_relpath(sid))
     return compare_states(stored, sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state)
-
-
-def _wait_for_rid(dump_dir: Path, rid: str, timeout_s: float) -> Path:
-    """The complete dump carrying `rid`; any other dump in the audit's own dump dir
-    (warm-ups, an operator's request) is removed, as a worker does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = scan_by_rid(dump_dir)
-        for other, found in s.complete.items():
-            if other != rid:
-                for f in found:
-                    remove_dump(f.path)
-        for path, _why in s.unreadable:
-            remove_dump(path)
-        mine = s.complete.get(rid, [])
-        if len(mine) > 1:
-            for f in mine:
-                remove_dump(f.path)
-            raise MultipleDumpsError(f"{len(mine)} dumps carry the audit's rid {rid}")
-        if mine:
-            return mine[0].path
-        if s.final_incomplete.get(rid):
-            raise IncompleteDumpError(f"the dump of {rid} was renamed without `done`")
-        if time.monotonic() >= deadline:
-            raise NoDumpError(f"no dump carried {rid} within {timeout_s:.0f}s")
-        time.sleep(0.005)
 
 
 def _requeue(store: RunStore, out_root: Path, bad: dict[str, ManifestEntry]) -> int:

@@ -21,6 +21,7 @@ from hsq.logs import configure, progress
 from hsq.runconfig import RunConfig
 from hsq.settings import int_tuple
 from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.states import ENCODINGS, PLAIN
 from hsq.workers.settings import WorkerSettings
 
 EXIT_OK = 0
@@ -460,7 +461,7 @@ def recover(
 def _announced(dump_dirs: tuple[Path, ...]) -> tuple[str, list[int]] | None:
     """The model and layers the readiness markers in these dump dirs announce (they must
     agree); None without dirs."""
-    from hsq.protocol import read_ready
+    from hsq.dump.ready import read_ready
 
     seen: dict[tuple[str, tuple[int, ...]], Path] = {}
     for d in dump_dirs:
@@ -1064,8 +1065,8 @@ def exporter(redis_url: str, port: int, host: str) -> None:
 )
 @click.option(
     "--dump-encoding",
-    type=click.Choice(["plain", "fp8-e4m3"]),
-    default="plain",
+    type=click.Choice(ENCODINGS),
+    default=PLAIN,
     show_default=True,
     help="fp8-e4m3: the GPU quantizes the states as fp8 outputs store them (for runs "
     "enqueued with --store-dtype fp8-e4m3)",

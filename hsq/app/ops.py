@@ -24,7 +24,9 @@ from typing import Any
 from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import DatasetError
-from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
+from hsq.outputs.check import check_output
+from hsq.outputs.format import SUFFIX, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.store import RunStore, chunked
 
 MAX_MANIFEST_ENTRY = 64 * 1024

@@ -39,7 +39,7 @@ import structlog
 from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
 from hsq.store import AnyRef, RunStore, chunked

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import structlog
 
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
 

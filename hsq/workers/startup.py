@@ -15,8 +15,9 @@ from pathlib import Path
 
 import structlog
 
+from hsq.dump.find import clear_dump_dir
 from hsq.errors import ConfigError, StoreError
-from hsq.protocol import clear_dump_dir, remove_entry
+from hsq.fsio import remove_entry
 from hsq.store import RunStore, connect
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView

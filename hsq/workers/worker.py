@@ -109,6 +109,7 @@ class Worker:
             threads=settings.persist_threads,
             on_done=self.rate.add,
             lease=self.lease,
+            direct_io=settings.direct_io,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight

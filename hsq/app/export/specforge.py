@@ -36,7 +36,8 @@ from hsq.app.export.common import (
     window_map,
 )
 from hsq.errors import OutputError
-from hsq.outputs import ManifestEntry, OutputSample, output_relpath
+from hsq.outputs.format import OutputSample, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 
 if TYPE_CHECKING:
     from hsq.store import RunStore
