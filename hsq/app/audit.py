@@ -29,8 +29,7 @@ from hsq.app.ops import RequeueResult, requeue, trusted_entry
 from hsq.audit import Verdict, compare_states
 from hsq.dataset import IndexEntry, read_sample
 from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
-from hsq.dump.format import fingerprint
-from hsq.dump.read import Expected, read_dump
+from hsq.dump.read import read_dump
 from hsq.errors import (
     CachedTokensError,
     ConfigError,
@@ -40,11 +39,11 @@ from hsq.errors import (
 )
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
-from hsq.runconfig import RunConfig
 from hsq.store import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.readiness import require_hook
+from hsq.workers.runview import RunView
 from hsq.workers.startup import check_dump_dir
 
 log = structlog.get_logger("hsq.audit")
@@ -80,8 +79,10 @@ class _Target:
     client: ServerClient
     dump_dir: Path
     timeout_s: float
-    cfg: RunConfig
-    """The run's pins: every audit dump must show the run's model, layers, dtype, size."""
+    view: RunView
+    """The run as its workers see it: every audit dump is checked exactly as a worker
+    checks one (the pins: model, layers, dtype, size; the run's store dtype and pre-norm
+    state), with the worker's own expectations."""
 
 
 def run_audit(
@@ -117,7 +118,7 @@ def run_audit(
     try:
         require_hook(dump_dir, client.healthy, cfg, threading.Event())
         clear_dump_dir(dump_dir)
-        target = _Target(client, dump_dir, dump_timeout_s, cfg)
+        target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
         index = store.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:
@@ -135,7 +136,8 @@ def run_audit(
                 verdict = _audit_one(target, sid, index[sid], out_root)
             except MetaMismatchError as exc:
                 raise ConfigError(
-                    f"the audit server does not run the run's model and layers: {exc}"
+                    f"the audit server's dumps do not fit the run (its model, layers, "
+                    f"store dtype or pre-norm state): {exc}"
                 ) from exc
             except (HsqError, OSError) as exc:
                 report.failed[sid] = str(exc)
@@ -159,7 +161,7 @@ def run_audit(
 
 
 def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) -> Verdict:
-    sample = read_sample(Path(t.cfg.dataset), sid, index_entry)
+    sample = read_sample(t.view.dataset, sid, index_entry)
     n = len(sample.input_ids)
     rid = f"hsq-audit-{sid}-{secrets.token_hex(4)}"
     answer = t.client.prefill(sample.input_ids, rid)
@@ -170,17 +172,8 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
     # Any other dump in the audit's own dump dir (warm-ups, an operator's request) is
     # removed, as a worker does.
     path = wait_for_dump(t.dump_dir, t.timeout_s, rid=rid)
-    expected = Expected(
-        rid=rid,
-        input_fingerprint=fingerprint(sample.input_ids),
-        num_tokens=n,
-        layer_ids=t.cfg.layer_ids,
-        hidden_size=t.cfg.hidden_size,
-        dtype=t.cfg.dump_dtype,
-        model_id=t.cfg.model_id,
-    )
     try:
-        dump = read_dump(path, expected)
+        dump = read_dump(path, t.view.expected(rid, sample))
     finally:
         remove_dump(path)
     stored = open_output(out_root / output_relpath(sid))
