@@ -45,9 +45,10 @@ from hsq.harness.procs import RedisServer, hsq_command
 from hsq.outputs.format import OUTPUT_FORMAT, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
+from hsq.runstore import RunStore
 from hsq.states import AUX_TENSOR, LAST_TENSOR
 from hsq.stfile.header import build_header
-from hsq.store import RunStore, connect
+from hsq.store import connect
 
 RUN = "scale"
 STEPS = ("gen", "enqueue", "reenqueue", "status", "requeue", "verify", "recover", "capacity")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hsq.errors import ConfigError, NonFiniteDumpError, OutputError
+from hsq.errors import NonFiniteDumpError, OutputError
 from hsq.states import (
     AUX_TENSOR,
     BF16,
@@ -41,12 +41,6 @@ SCALE_CODE = DTYPE_CODES["float32"]
 # are stored faithfully enough but their largest value need not land exactly on 448.
 _EXACT_MAX_MIN_SCALE = 1e-30
 CHUNK_TOKENS = 256
-
-
-def check_store_dtype(name: str) -> str:
-    if name not in STORE_DTYPES:
-        raise ConfigError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, not {name!r}")
-    return name
 
 
 def store_dtype_of(metadata: Mapping[str, str]) -> str:

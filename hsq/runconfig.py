@@ -9,12 +9,20 @@ from typing import Any
 
 from hsq import jsonsafe
 from hsq.errors import ConfigError
-from hsq.quant import check_store_dtype
 from hsq.settings import int_list_or_none, setting
 from hsq.states import BF16, STORE_DTYPES
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
+# How a run's outputs store hidden states (RunConfig.store_dtype; hsq/quant.py does the FP8
+# part). The names are hsq.states' (stdlib only), not hsq.quant's, so that the run config,
+# and the Redis gateway that reads it, import no file format (tests/test_layers.py).
+
+
+def check_store_dtype(name: str) -> str:
+    if name not in STORE_DTYPES:
+        raise ConfigError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, not {name!r}")
+    return name
 
 
 @dataclass(frozen=True)

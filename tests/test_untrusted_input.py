@@ -18,8 +18,8 @@ from hsq.dump.format import DONE_FILE, META_FILE, DumpMeta, ModelIdentity
 from hsq.dump.read import read_meta
 from hsq.errors import CorruptDumpError
 from hsq.harness.synthetic import write_synthetic
+from hsq.redisurl import redact
 from hsq.stfile.header import FormatError, read_header
-from hsq.store import redact
 from tests.helpers import enqueue, hsq, store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -39,7 +39,7 @@ from hsq.errors import (
 )
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.readiness import require_hook

@@ -27,7 +27,8 @@ from hsq.errors import DatasetError
 from hsq.outputs.check import check_output
 from hsq.outputs.format import SUFFIX, output_relpath
 from hsq.outputs.manifest import ManifestEntry
-from hsq.store import RunStore, chunked
+from hsq.runstore import RunStore
+from hsq.store import chunked
 
 MAX_MANIFEST_ENTRY = 64 * 1024
 

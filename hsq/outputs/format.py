@@ -26,6 +26,7 @@ from hsq import jsonsafe, quant
 from hsq.dataset import Sample, check_sample_id
 from hsq.dump.format import LAYER_CONVENTION
 from hsq.errors import OutputError
+from hsq.runconfig import check_store_dtype
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR, SCALE_SUFFIX
 from hsq.stfile.header import ITEMSIZE, Header, map_file, torch_dtype
 from hsq.stfile.header import read_header as read_fd_header
@@ -59,7 +60,7 @@ def output_metadata(sample: Sample, meta: DumpMeta, run: str, store_dtype: str) 
         "model_id": meta.model.model_id,
         "num_tokens": str(len(sample.input_ids)),
         "input_fingerprint": meta.input_fingerprint,
-        quant.META_KEY: quant.check_store_dtype(store_dtype),
+        quant.META_KEY: check_store_dtype(store_dtype),
     }
 
 

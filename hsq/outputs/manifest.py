@@ -4,7 +4,9 @@ An entry is JSON to every reader (`ManifestEntry.to_json`, `manifest export`), a
 compactly in Redis's done hash: half the memory of the JSON, since the path is always
 output_relpath(id) and "crc32:" and the default store dtype are implied. Readers get the
 JSON back (`manifest_json`); an entry of an older hsq is JSON already. The field names and
-the compact form are a wire format (Redis, exports): never change them.
+the compact form are a wire format (Redis, exports): never change them. The store holds
+entries through this codec (MANIFEST_CODEC, an hsq.store.DoneCodec) and knows no file
+format; hsq/runstore.py binds the two.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
     return f"{_COMPACT}|{e.num_tokens}|{e.bytes}|{crc}|{e.worker}|{when}|{e.attempt}|{dtype}"
 
 
-def manifest_json(sample_id: str, raw: bytes | str) -> bytes:
+def manifest_json(sample_id: str, raw: builtins.bytes | str) -> builtins.bytes:
     """A stored done entry as the manifest JSON readers check (untrusted either way: what
     does not decode is handed back as it is, and refused by whoever checks it)."""
     data = raw.encode() if isinstance(raw, str) else raw
@@ -74,3 +76,25 @@ def manifest_json(sample_id: str, raw: bytes | str) -> bytes:
     except (ValueError, UnicodeDecodeError, DatasetError):
         return data
     return entry.to_json().encode()
+
+
+class ManifestCodec:
+    """hsq.store.DoneCodec[ManifestEntry]: how the store keeps manifest entries."""
+
+    def encode(self, sample_id: str, entry: ManifestEntry) -> str:
+        return encode_manifest(sample_id, entry)
+
+    def totals(self, entry: ManifestEntry) -> tuple[int, int]:
+        return entry.num_tokens, entry.bytes
+
+    def decode(self, sample_id: str, raw: builtins.bytes) -> ManifestEntry | None:
+        try:
+            return ManifestEntry.from_json(manifest_json(sample_id, raw))
+        except (ValueError, TypeError):  # Redis is untrusted: a damaged entry is no entry
+            return None
+
+    def as_json(self, sample_id: str, raw: builtins.bytes) -> builtins.bytes:
+        return manifest_json(sample_id, raw)
+
+
+MANIFEST_CODEC = ManifestCodec()

@@ -18,7 +18,9 @@ import structlog
 from hsq.dump.find import clear_dump_dir
 from hsq.errors import ConfigError, StoreError
 from hsq.fsio import remove_entry
-from hsq.store import RunStore, connect
+from hsq.outputs.manifest import ManifestEntry
+from hsq.runstore import RunStore
+from hsq.store import WorkerStore, connect
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
 from hsq.workers.settings import WorkerSettings
@@ -29,7 +31,7 @@ STAGING = ".hsq-staging"
 
 @dataclass
 class Started:
-    store: RunStore
+    store: WorkerStore[ManifestEntry]
     view: RunView
     lock: DumpDirLock
     staging: Path

@@ -31,7 +31,7 @@ from hsq.outputs.format import OutputSample, open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 log = structlog.get_logger("hsq.app.export")
 

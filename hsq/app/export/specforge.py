@@ -40,7 +40,7 @@ from hsq.outputs.format import OutputSample, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 CKPT = ".ckpt"
 SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")

@@ -54,7 +54,7 @@ from hsq.outputs.manifest import ManifestEntry
 from hsq.states import PRENORM_TENSOR, scale_name
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 KIND = "speculators-v1"
 HS_DIR = "hidden_states"
