@@ -43,6 +43,7 @@ from typing import Any
 from hsq import jsonsafe
 from hsq.dataset import check_sample_id
 from hsq.errors import ConfigError, DatasetError
+from hsq.settings import setting
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 KEEP_ROLES = ("system", "tool")
@@ -61,12 +62,26 @@ _PROBE_USER, _PROBE_ASSISTANT = "hsq-probe-user-7f3a", "hsq-probe-assistant-9c1e
 
 @dataclass(frozen=True)
 class ChatOptions:
-    max_length: int | None = None
-    truncate: bool = True
-    last_turn_only: bool = False
-    system_prompt: str | None = None
-    control_tokens: str = "allow"
+    """How rows become tokens; each field a flag of `hsq tokenize` (hsq.settings)."""
+
+    max_length: int | None = setting(None, help="cut longer rows (recorded)")
+    truncate: bool = setting(
+        True, help="cut rows longer than --max-length (--no-truncate: dead-letter them instead)"
+    )
+    last_turn_only: bool = setting(False, help="loss on the last assistant turn only")
+    system_prompt: str | None = setting(None, help="system message for rows that have none")
+    control_tokens: str = setting(
+        "allow",
+        choices=CONTROL_TOKEN_MODES,
+        help="the tokenizer's special tokens and the template's markers inside content (a user "
+        "message faking an assistant turn): allow (as SpecForge: rendered as control tokens, "
+        "the faked turn is trained on), escape (tokenized as text) or reject the row",
+    )
     """allow (SpecForge's behaviour), escape or reject template control tokens in content."""
+
+    def validate(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise ConfigError("--max-length must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,18 @@ def infer_markers(tok: Any) -> Markers:
             "template: pass --assistant-header and --end-of-turn"
         )
     return Markers(header, eot)
+
+
+def looks_like_chat(path: Path) -> bool:
+    """Whether a JSONL file's first line is a chat row (what `hsq tokenize` reads), not
+    the token rows `hsq enqueue` takes: said when such a file is enqueued as it is."""
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        row = jsonsafe.loads(first)
+    except ValueError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
 
 
 def row_id(row: dict[str, Any]) -> str:

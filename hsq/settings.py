@@ -1,10 +1,16 @@
 """Settings fields that describe themselves: one default, one help text, one flag name.
 
 A settings dataclass (workers.settings.WorkerSettings, the reference server's
-ReferenceSettings, hsq.runconfig.RunConfig) declares each field with :func:`setting`; the
-CLI builds its options from these fields (hsq.app.options), so a default lives in one
-place. Every setting can be given as a flag or as an environment variable, ``HSQ_<FIELD>``
-unless the field names others.
+ReferenceSettings, hsq.runconfig.RunConfig, the tokenizer's TokenizeSettings and ChatOptions,
+the shell's own flag records in hsq/app/) declares each field with :func:`setting`; the CLI
+builds every one of its options from these fields (hsq.app.options), so a default lives in
+one place. Every setting can be given as a flag or as an environment variable,
+``HSQ_<FIELD>`` (plus any older names the field lists), the same rule in every command, so
+fields are named for what they mean (`audit_server`, not `server`, which is the worker's).
+The only exceptions are `flag_only` fields: per-invocation choices that delete, rewrite or
+requeue (`purge --yes`, `export --prune`, `requeue --failed`) or that change what a
+command's input is (`enqueue --tokenizer`), which a variable left in a shell must not make
+for the next command.
 No click here: contracts and services may import this module.
 """
 
@@ -34,6 +40,16 @@ class SettingDoc:
     """How --help shows a default computed later (None: the field's default)."""
     choices: tuple[str, ...] | None = None
     """The only values allowed (shown by --help)."""
+    aliases: tuple[str, ...] = ()
+    """More names of the flag (`-o`; `--host`, an older spelling of `--metrics-host`)."""
+    path: str | None = None
+    """For a path: "file" or "dir", what it must be where it exists (None: either)."""
+    exists: bool = False
+    """For a path: it must exist when the command starts."""
+    minimum: int | None = None
+    """For an int: the smallest value allowed."""
+    flag_only: bool = False
+    """No environment variable: a per-invocation choice (module docstring)."""
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
@@ -54,15 +70,30 @@ def setting(
     parse: Callable[[str], Any] | None = None,
     default_text: str | None = None,
     choices: tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+    path: str | None = None,
+    exists: bool = False,
+    minimum: int | None = None,
+    flag_only: bool = False,
 ) -> Any:
     """A dataclass field carrying its CLI description (no default: a required setting)."""
-    doc = SettingDoc(help, flag, env, hidden, parse, default_text, choices)
+    if path not in (None, "file", "dir"):
+        raise ValueError(f"path must be 'file', 'dir' or None, not {path!r}")
+    doc = SettingDoc(
+        help, flag, env, hidden, parse, default_text, choices, aliases, path, exists, minimum,
+        flag_only,
+    )  # fmt: skip
     return dataclasses.field(default=default, metadata={"setting": doc})
 
 
 def int_list_or_none(text: str) -> list[int] | None:
     """ "2,4,5" -> [2, 4, 5]; "" -> None (not given)."""
     return list(int_tuple(text)) or None
+
+
+def int_tuple_or_none(text: str) -> tuple[int, ...] | None:
+    """ "2,4,5" -> (2, 4, 5); "" -> None (not given)."""
+    return int_tuple(text) or None
 
 
 def setting_doc(f: dataclasses.Field[Any]) -> SettingDoc | None:
@@ -76,7 +107,10 @@ def base_name(field_name: str) -> str:
 
 
 def env_names(f: dataclasses.Field[Any]) -> tuple[str, ...]:
+    """The variables a setting is read from when its flag is not given (none: flag_only)."""
     doc = setting_doc(f)
+    if doc is not None and doc.flag_only:
+        return ()
     own = ENV_PREFIX + base_name(f.name).upper()
     if doc is None or not doc.env:
         return (own,)

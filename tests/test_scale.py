@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from hsq.app.ops import _partition, run_status, verify
+from hsq.app.ops import run_status, verify
+from hsq.app.ops.status import partition
 from hsq.dataset import IndexEntry, scan_dataset
 from hsq.errors import RunChangedError
 from hsq.keys import rq_queue_key
@@ -49,7 +50,7 @@ def new_run(redis_url: str, run: str, tmp_path: Path, n: int, chunk: int = 4) ->
 
 def exact(st: RunStore) -> dict[str, int]:
     """The partition by reading every id (what status did before counters)."""
-    index, outstanding, done, dead, _ = _partition(st)
+    index, outstanding, done, dead, _ = partition(st)
     places = {"main": 0, "retry": 0, "in_progress": 0}
     for sid in index - done - dead:
         place = outstanding.get(sid)

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from hsq.app import cli
+from hsq.app.commands.produce import RUN_SETTINGS
 from hsq.app.options import settings_options
 from hsq.errors import ConfigError
 from hsq.keys import HEARTBEAT_TTL_S
@@ -203,7 +204,7 @@ def parse_run(args: list[str], env: dict[str, str] | None = None) -> RunConfig:
     seen: list[RunConfig] = []
 
     @click.command()
-    @settings_options(RunConfig, only=cli._RUN_SETTINGS)
+    @settings_options(RunConfig, only=RUN_SETTINGS)
     def cmd(**values: Any) -> None:
         seen.append(RunConfig(run="r", dataset="/d", out="/o", created=0.0, **values))
 
@@ -238,7 +239,7 @@ def test_a_run_setting_from_a_flag_or_its_env_variable(
 def test_run_commands_show_their_settings_with_env_variables(command: str) -> None:
     res = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200)
     assert res.exit_code == 0, res.output
-    names = cli._RUN_SETTINGS if command == "enqueue" else ("chunk_size", "store_dtype")
+    names = RUN_SETTINGS if command == "enqueue" else ("chunk_size", "store_dtype")
     for f in dataclasses.fields(RunConfig):
         if f.name in names:
             doc = setting_doc(f)

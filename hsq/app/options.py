@@ -1,5 +1,12 @@
 """Click options built from a settings dataclass (hsq.settings): the flag, its type, its
-default, its help text and its environment variables all come from the field."""
+default, its help text and its environment variables all come from the field.
+
+`settings_options(Cls)` adds one option per field to a command (a field holding another
+settings dataclass adds that one's fields, so `TokenizeSettings.options` brings the
+`ChatOptions` flags); `take(Cls, values)` builds the instance back from what click parsed.
+Every option of `hsq` is made here, so every one reads its environment variable the same
+way (hsq.settings.env_names).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,17 @@ import types
 import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from hsq.settings import base_name, env_names, setting_doc
+from hsq.settings import SettingDoc, base_name, env_names, setting_doc
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 F = Callable[..., Any]
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _plain_type(hint: Any) -> tuple[Any, bool]:
@@ -25,14 +36,34 @@ def _plain_type(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _click_type(hint: Any, choices: tuple[str, ...] | None) -> Any:
-    if choices is not None:
-        return click.Choice(choices)
-    if hint is Path:
-        return click.Path(path_type=Path)
+def _click_type(hint: Any, doc: SettingDoc) -> Any:
+    if doc.choices is not None:
+        return click.Choice(doc.choices)
+    if hint is Path or (hint is str and doc.path is not None):
+        return click.Path(
+            exists=doc.exists,
+            file_okay=doc.path != "dir",
+            dir_okay=doc.path != "file",
+            path_type=Path if hint is Path else str,
+        )
+    if hint is int and doc.minimum is not None:
+        return click.IntRange(min=doc.minimum)
     if hint in (int, float, str):
         return hint
     return str  # parsed by the field's `parse`
+
+
+def _nested(f: dataclasses.Field[Any], hint: Any) -> type | None:
+    """The settings dataclass a field holds whole (its fields are flags of their own)."""
+    if setting_doc(f) is None and isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return hint
+    return None
+
+
+def _decls(flag: str, aliases: tuple[str, ...]) -> list[str]:
+    """The flag's names as --help lists them: a short one first (`-o, --output`)."""
+    short = [a for a in aliases if not a.startswith("--")]
+    return [*short, flag, *(a for a in aliases if a.startswith("--"))]
 
 
 def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
@@ -41,12 +72,13 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     if doc is None:
         raise TypeError(f"settings field {f.name} has no setting() description")
     flag = doc.flag or "--" + base_name(f.name).replace("_", "-")
+    names = _decls(flag, doc.aliases)
     required = f.default is dataclasses.MISSING
     kind, _optional = _plain_type(hint)
     envs = list(env_names(f))
     common: dict[str, Any] = {
-        "envvar": envs,
-        "show_envvar": True,
+        "envvar": envs or None,
+        "show_envvar": bool(envs),
         "hidden": doc.hidden,
         "help": doc.help,
     }
@@ -54,9 +86,17 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         if f.default is True:  # on by default: `--no-fsync` turns it off (HSQ_FSYNC=0 too)
             name = flag.removeprefix("--")
             return click.option(f"--{name}/--no-{name}", f.name, default=True, **common)
-        return click.option(flag, f.name, is_flag=True, default=False, **common)
+        return click.option(*names, f.name, is_flag=True, default=False, **common)
     if typing.get_origin(kind) is tuple and doc.parse is None:  # repeatable: --fault A --fault B
-        return click.option(flag, f.name, multiple=True, default=(), **common)
+        item = typing.get_args(kind)[0]
+        return click.option(
+            *names,
+            f.name,
+            multiple=True,
+            default=(),
+            type=_click_type(item, doc),
+            **common,
+        )
     callback = None
     if doc.parse is not None:
         parse = doc.parse
@@ -75,14 +115,26 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     if not required:  # click (>= 8.3) takes an explicit default=None as a given value
         common["default"] = f.default
     return click.option(
-        flag,
+        *names,
         f.name,
-        type=_click_type(kind, doc.choices),
+        type=_click_type(kind, doc),
         required=required,
         show_default=show,
         callback=callback,
         **common,
     )
+
+
+def _option_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """(field, type) of every option `cls` makes, nested settings flattened, in order."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[dataclasses.Field[Any], Any]] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        inner = _nested(f, hints[f.name])
+        out += _option_fields(inner) if inner is not None else [(f, hints[f.name])]
+    return out
 
 
 def settings_options(
@@ -91,18 +143,49 @@ def settings_options(
     """Decorate a command with one option per field of `cls` (in field order), except
     `skip` (fields the command provides otherwise, e.g. the shared --redis option); with
     `only`, just those fields (a command that sets a few fields of a larger record)."""
-    hints = typing.get_type_hints(cls)
     skipped = set(skip)
-    fields = [f for f in dataclasses.fields(cls) if f.name not in skipped and f.init]
+    fields = [(f, hint) for f, hint in _option_fields(cls) if f.name not in skipped]
     if only is not None:
         wanted = set(only)
-        if unknown := wanted - {f.name for f in fields}:
+        if unknown := wanted - {f.name for f, _ in fields}:
             raise TypeError(f"{cls.__name__} has no settings {sorted(unknown)}")
-        fields = [f for f in fields if f.name in wanted]
+        fields = [(f, hint) for f, hint in fields if f.name in wanted]
 
     def decorate(fn: F) -> F:
-        for f in reversed(fields):  # click lists options in decoration order, bottom up
-            fn = field_option(f, hints[f.name])(fn)
+        for f, hint in reversed(fields):  # click lists options in decoration order, bottom up
+            fn = field_option(f, hint)(fn)
         return fn
 
     return decorate
+
+
+def take(cls: type[T], values: dict[str, Any], **fixed: Any) -> T:
+    """The `cls` that settings_options(cls) parsed: its fields are taken out of `values`
+    (nested settings rebuilt); `fixed` gives fields the command set otherwise (a skipped
+    one); a field in neither keeps its default."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        inner = _nested(f, hints[f.name])
+        if f.name in fixed:
+            kwargs[f.name] = fixed[f.name]
+        elif inner is not None:
+            kwargs[f.name] = take(inner, values)
+        elif f.name in values:
+            kwargs[f.name] = values.pop(f.name)
+    return cls(**kwargs)
+
+
+def given(param: str) -> bool:
+    """Whether the user gave `param` (flag or env var), not click's default. Inside a
+    command only."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source not in (None, click.core.ParameterSource.DEFAULT)
+
+
+def on_command_line(param: str) -> bool:
+    """Whether `param` was given as a flag (not through its environment variable)."""
+    source = click.get_current_context().get_parameter_source(param)
+    return source is click.core.ParameterSource.COMMANDLINE

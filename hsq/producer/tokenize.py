@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -33,6 +33,10 @@ from hsq import fsio, logs
 from hsq.chat import ChatOptions, ChatTokenizer, Markers, infer_markers, load_tokenizer
 from hsq.dataset import bounded_lines, load_row
 from hsq.errors import DatasetError
+from hsq.settings import setting
+
+if TYPE_CHECKING:
+    from hsq.producer.report import Rejected
 
 log = structlog.get_logger("hsq.tokenize")
 
@@ -43,12 +47,32 @@ BATCH_BYTES = 4 * 2**20
 
 @dataclass(frozen=True)
 class TokenizeSettings:
-    tokenizer: str
-    template: str | None = None
-    assistant_header: str | None = None
-    end_of_turn: str | None = None
+    """Each field a flag of `hsq tokenize` and `hsq enqueue --tokenizer` (hsq.settings);
+    `options` brings ChatOptions' flags."""
+
+    tokenizer: str = setting(
+        path="dir",
+        exists=True,
+        help="local Hugging Face tokenizer directory (nothing is downloaded)",
+    )
+    template: str | None = setting(
+        None,
+        path="file",
+        exists=True,
+        default_text="the tokenizer's own",
+        help="Jinja chat template file",
+    )
+    assistant_header: str | None = setting(
+        None, default_text="read off the template", help="text opening an assistant turn"
+    )
+    end_of_turn: str | None = setting(
+        None, default_text="read off the template", help="text closing an assistant turn"
+    )
     options: ChatOptions = field(default_factory=ChatOptions)
-    jobs: int | None = None
+    jobs: int | None = setting(None, default_text="every core", help="processes")
+
+    def validate(self) -> None:
+        self.options.validate()
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,10 @@ class Reject:
         return json.dumps(
             {"line": self.line, "id": self.id, "reason": self.reason, "message": self.message}
         )
+
+    def dead_letter(self) -> Rejected:
+        """The row as `enqueue_run` dead-letters it, beside the dataset's invalid lines."""
+        return self.key, DatasetError(self.message, self.reason), self.id
 
     @classmethod
     def from_json(cls, text: str) -> Reject:
@@ -97,6 +125,11 @@ class TokenizeReport:
 
 def rejects_path(output: Path) -> Path:
     return output.with_name(output.name + ".rejects.jsonl")
+
+
+def tokens_path(chats: Path) -> Path:
+    """Where `hsq enqueue --tokenizer` writes a chat file's tokens unless told: beside it."""
+    return chats.with_name(chats.name.removesuffix(".jsonl") + ".tokens.jsonl")
 
 
 def build(settings: TokenizeSettings) -> ChatTokenizer:

@@ -2,13 +2,20 @@
 (specforge, speculators, manifest), what they share (common) and SpecForge's target-model
 files (target)."""
 
-from hsq.app.export.common import ExportReport, check_complete, check_layers, checked_entry
+from hsq.app.export.common import (
+    ExportReport,
+    ExportRequest,
+    check_complete,
+    check_layers,
+    checked_entry,
+)
 from hsq.app.export.manifest import export_manifest
 from hsq.app.export.specforge import ckpt_path, export_specforge
 from hsq.app.export.speculators import export_speculators
 
 __all__ = [
     "ExportReport",
+    "ExportRequest",
     "check_complete",
     "check_layers",
     "checked_entry",

@@ -16,8 +16,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,6 +146,51 @@ def read_verified(
     if out.metadata.get("input_fingerprint") != fingerprint(out.input_ids):
         raise OutputError("corrupt output: input_ids do not match the recorded fingerprint")
     return out
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The run's outputs an export reads, the run checked first (`run_files`)."""
+
+    root: Path
+    """OUT/RUN/ as mounted here."""
+    store_dtype: str
+    layers: list[int] | None
+    """The layers the run recorded."""
+    expect_layers: list[int] | None
+    """--expect-layers: every output must hold these."""
+
+    def read(self, sample_id: str, entry: ManifestEntry) -> OutputSample:
+        """`read_verified`, and the output's layers are the expected ones."""
+        out = read_verified(self.root, sample_id, entry, self.store_dtype)
+        if self.expect_layers is not None and out.layer_ids != self.expect_layers:
+            raise OutputError(f"layers {out.layer_ids}, not {self.expect_layers}")
+        return out
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What `hsq export` asks of a file format (`export_specforge`, `export_speculators`)."""
+
+    root: Path
+    """The run's outputs, OUT/RUN/ as mounted here."""
+    dest: Path
+    jobs: int = 4
+    """Files written at once."""
+    partial: bool = False
+    """Export a run that is not complete yet."""
+    expect_layers: list[int] | None = None
+    prune: bool = False
+    """Remove files under the format's names in DEST that this export did not produce."""
+    on_progress: Callable[[int], None] | None = None
+
+
+def run_files(store: RunStore, req: ExportRequest) -> RunFiles:
+    """The run's outputs, once the run is complete (or the request `partial`) and
+    recorded the expected layers (check_complete, check_layers)."""
+    check_complete(store, req.partial)
+    layers = check_layers(store, req.expect_layers)
+    return RunFiles(req.root, store.require_config().store_dtype, layers, req.expect_layers)
 
 
 def ensure_dir(dest: Path, rel: str | Path) -> Path:
@@ -310,46 +354,13 @@ def _parse(line: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def sweep_stale(
-    report: ExportReport, dest: Path, names: Iterable[str], ledger: Ledger, prune: bool
-) -> None:
-    """Files under the export's names (`names`: paths relative to DEST) that this export
-    did not produce: removed with `prune`, else listed in the report (and the export fails:
-    a trainer reading DEST would train on them)."""
-    for rel in sorted(set(names) - ledger.seen):
-        if prune:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dest / rel)
-            report.pruned += 1
-        else:
-            report.stale.append(rel)
-
-
-def walk_files(dest: Path, keep: Callable[[str], bool]) -> Iterator[str]:
-    """Relative paths of files (and symlinks) under DEST whose name passes `keep`; symlinked
-    directories are not entered."""
-    for dirpath, dirs, files in os.walk(dest):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
-        links = [d for d in os.listdir(dirpath) if os.path.islink(os.path.join(dirpath, d))]
-        for name in {*files, *links}:
-            if keep(name):
-                yield os.path.relpath(os.path.join(dirpath, name), dest)
-
-
-def window_map(
-    pool: ThreadPoolExecutor, fn: Callable[[Any], Any], items: Iterable[Any], window: int
-) -> Iterator[Any]:
-    """pool.map over `items` with at most `window` in flight (the HSCAN iterator of a 100k
-    run never piles up)."""
-    pending: list[Any] = []
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= window:
-            yield pending.pop(0).result()
-    for fut in pending:
-        yield fut.result()
-
-
 def timed(report: ExportReport, t0: float) -> ExportReport:
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def log_exported(report: ExportReport, run: str, fmt: str, t0: float, **extra: Any) -> None:
+    """The export's time in the report, and its one `exported` log line."""
+    timed(report, t0)
+    counts = {"written": report.written, "skipped": report.skipped, "failed": len(report.failed)}
+    log.info("exported", run=run, format=fmt, **counts, **extra, seconds=round(report.seconds, 2))

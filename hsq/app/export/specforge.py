@@ -13,29 +13,17 @@ dequantized to bf16 by hsq.open_output).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsq.app.export.common import (
     ExportReport,
-    Ledger,
-    check_complete,
-    check_layers,
+    ExportRequest,
     checked_entry,
-    clear_temps,
-    ensure_dir,
-    log,
-    prepare_dest,
-    read_verified,
-    save_file,
-    sweep_stale,
-    timed,
-    walk_files,
-    window_map,
+    log_exported,
+    run_files,
 )
-from hsq.errors import OutputError
+from hsq.app.export.passes import Exported, export_pass, save_in, write_all
 from hsq.outputs.format import OutputSample, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 
@@ -72,98 +60,56 @@ def specforge_tensors(out: OutputSample) -> dict[str, Any]:
     }
 
 
-def _save(path: Path, tensors: dict[str, Any]) -> int:
+def _save(dest: Path, rel: str, tensors: dict[str, Any]) -> int:
     import torch
 
     def fill(fd: int) -> None:
         with open(fd, "wb", closefd=False) as f:
             torch.save(tensors, f)
 
-    return save_file(path, fill)
+    return save_in(dest, rel, fill)
 
 
-def export_specforge(
-    store: RunStore,
-    root: Path,
-    dest: Path,
-    *,
-    jobs: int = 4,
-    partial: bool = False,
-    expect_layers: list[int] | None = None,
-    prune: bool = False,
-    on_progress: Callable[[int], None] | None = None,
-) -> ExportReport:
-    check_complete(store, partial)
-    layers = check_layers(store, expect_layers)
-    store_dtype = store.require_config().store_dtype
+def export_specforge(store: RunStore, req: ExportRequest) -> ExportReport:
+    files = run_files(store, req)
     t0 = time.perf_counter()
     report = ExportReport()
-    dest = prepare_dest(dest)
-    clear_temps(dest, CKPT)
-    ledger = Ledger(dest, KIND)
     cast: set[str] = set()
+    with export_pass(
+        report,
+        req.dest,
+        KIND,
+        temps=CKPT,
+        names=lambda n: n.endswith((CKPT, CKPT + ".gz")),
+        prune=req.prune,
+    ) as (dest, ledger):
 
-    def one(item: tuple[str, ManifestEntry | None]) -> tuple[str, str, str, int | None]:
-        sid, raw = item
-        entry = checked_entry(sid, raw)
-        rel = ckpt_relpath(sid)
-        if ledger.is_current(rel, sid, entry.checksum):
-            return sid, rel, entry.checksum, None
-        out = read_verified(root, sid, entry, store_dtype)
-        if expect_layers is not None and out.layer_ids != expect_layers:
-            raise OutputError(f"layers {out.layer_ids}, not {expect_layers}")
-        dtype = str(out.aux_hidden_states.dtype).removeprefix("torch.")
-        if dtype != "bfloat16":
-            cast.add(dtype)
-        ensure_dir(dest, Path(rel).parent)
-        return sid, rel, entry.checksum, _save(dest / rel, specforge_tensors(out))
+        def one(item: tuple[str, ManifestEntry | None]) -> Exported:
+            sid, raw = item
+            entry = checked_entry(sid, raw)
+            rel = ckpt_relpath(sid)
+            if ledger.is_current(rel, sid, entry.checksum):
+                return Exported(sid, rel, entry.checksum, None)
+            out = files.read(sid, entry)
+            dtype = str(out.aux_hidden_states.dtype).removeprefix("torch.")
+            if dtype != "bfloat16":
+                cast.add(dtype)
+            return Exported(sid, rel, entry.checksum, _save(dest, rel, specforge_tensors(out)))
 
-    def guarded(item: tuple[str, ManifestEntry | None]) -> tuple[Any, ...]:
-        try:
-            return (*one(item), None)
-        except (OutputError, OSError) as exc:
-            return item[0], None, None, None, str(exc)
-
-    done = False
-    try:
-        with ThreadPoolExecutor(max(1, jobs)) as pool:
-            for sid, rel, source, nbytes, error in window_map(
-                pool, guarded, store.iter_manifest(), 4 * jobs
-            ):
-                report.samples += 1
-                if error is not None:
-                    report.failed[sid] = error
-                    log.warning("export_failed", sample_id=sid, error=error)
-                elif nbytes is None:
-                    ledger.keep(rel)
-                    report.skipped += 1
-                else:
-                    ledger.record(rel, sid, source)
-                    report.written += 1
-                    report.bytes += nbytes
-                if on_progress is not None:
-                    on_progress(1)
-        names = walk_files(dest, lambda n: n.endswith((CKPT, CKPT + ".gz")))
-        sweep_stale(report, dest, names, ledger, prune)
-        done = True
-    finally:
-        ledger.close(compact=done)
+        write_all(
+            report,
+            ledger,
+            store.iter_manifest(),
+            one,
+            lambda item: item[0],
+            jobs=req.jobs,
+            on_progress=req.on_progress,
+        )
     for dtype in sorted(cast):
         report.notes.append(f"{dtype} states written as bfloat16 (SpecForge's LM head is bf16)")
-    if layers is not None:
-        report.notes.append(layer_note(layers))
-    timed(report, t0)
-    log.info(
-        "exported",
-        run=store.run,
-        format="specforge",
-        written=report.written,
-        skipped=report.skipped,
-        failed=len(report.failed),
-        stale=len(report.stale),
-        bytes=report.bytes,
-        seconds=round(report.seconds, 2),
-    )
+    if files.layers is not None:
+        report.notes.append(layer_note(files.layers))
+    log_exported(report, store.run, "specforge", t0, stale=len(report.stale), bytes=report.bytes)
     return report
 
 

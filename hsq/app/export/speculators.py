@@ -25,29 +25,20 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsq import fsio
 from hsq.app.export.common import (
     ExportReport,
+    ExportRequest,
     Ledger,
-    check_complete,
-    check_layers,
     checked_entry,
-    clear_temps,
-    ensure_dir,
-    log,
-    prepare_dest,
-    read_verified,
+    log_exported,
+    run_files,
     save_file,
-    sweep_stale,
-    timed,
-    walk_files,
-    window_map,
 )
+from hsq.app.export.passes import Exported, export_pass, save_in, write_all
 from hsq.errors import ConfigError, OutputError
 from hsq.outputs.format import OutputSample, read_header
 from hsq.outputs.manifest import ManifestEntry
@@ -61,6 +52,10 @@ HS_DIR = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
 ARROW_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
 _HS_NAME = re.compile(r"hs_\d+\.safetensors")
+
+
+def _is_hs_file(name: str) -> bool:
+    return _HS_NAME.fullmatch(name) is not None
 
 
 def hs_relpath(index: int) -> str:
@@ -117,17 +112,7 @@ def _require_prenorm(root: Path, entries: list[tuple[str, ManifestEntry]], run: 
         )
 
 
-def export_speculators(
-    store: RunStore,
-    root: Path,
-    dest: Path,
-    *,
-    jobs: int = 4,
-    partial: bool = False,
-    expect_layers: list[int] | None = None,
-    prune: bool = False,
-    on_progress: Callable[[int], None] | None = None,
-) -> ExportReport:
+def export_speculators(store: RunStore, req: ExportRequest) -> ExportReport:
     try:
         from datasets import Dataset
     except ImportError as exc:
@@ -135,9 +120,7 @@ def export_speculators(
             f"--format speculators writes an Arrow dataset and needs `datasets` ({exc}): "
             "pip install 'hsq[speculators]'"
         ) from exc
-    check_complete(store, partial)
-    check_layers(store, expect_layers)
-    store_dtype = store.require_config().store_dtype
+    files = run_files(store, req)
     entries: list[tuple[str, ManifestEntry]] = []
     report = ExportReport()
     for sid, raw in store.iter_manifest():
@@ -146,69 +129,38 @@ def export_speculators(
         except OutputError as exc:
             report.failed[sid] = str(exc)
     entries.sort()
-    _require_prenorm(root, entries, store.run)
+    _require_prenorm(req.root, entries, store.run)
     t0 = time.perf_counter()
-    dest = prepare_dest(dest)
-    clear_temps(dest, ".safetensors")
-    for old in dest.glob(".hsq-arrow-*.tmp"):  # a killed export's dataset directory
-        shutil.rmtree(old, ignore_errors=True)
-    ledger = Ledger(dest, KIND)
+    with export_pass(
+        report, req.dest, KIND, temps=".safetensors", names=_is_hs_file, prune=req.prune
+    ) as (
+        dest,
+        ledger,
+    ):
+        for old in dest.glob(".hsq-arrow-*.tmp"):  # a killed export's dataset directory
+            shutil.rmtree(old, ignore_errors=True)
 
-    def one(item: tuple[int, tuple[str, ManifestEntry]]) -> tuple[Any, ...]:
-        i, (sid, entry) = item
-        rel = hs_relpath(i)
-        try:
+        def one(item: tuple[int, tuple[str, ManifestEntry]]) -> Exported:
+            i, (sid, entry) = item
+            rel = hs_relpath(i)
             if ledger.is_current(rel, sid, entry.checksum):
-                return i, sid, rel, entry.checksum, None, entry, None
-            out = read_verified(root, sid, entry, store_dtype)
-            if expect_layers is not None and out.layer_ids != expect_layers:
-                raise OutputError(f"layers {out.layer_ids}, not {expect_layers}")
-            tensors = speculators_tensors(out, prenorm_state(root / entry.path, out))
-            ensure_dir(dest, HS_DIR)
-            nbytes = _save(dest / rel, tensors)
-            return i, sid, rel, entry.checksum, nbytes, entry, None
-        except (OutputError, OSError) as exc:
-            return i, sid, rel, None, None, None, str(exc)
+                return Exported(sid, rel, entry.checksum, None)
+            out = files.read(sid, entry)
+            tensors = speculators_tensors(out, prenorm_state(req.root / entry.path, out))
+            return Exported(sid, rel, entry.checksum, _save(dest, rel, tensors))
 
-    rows: dict[int, tuple[str, str, str, Any]] = {}
-    done = False
-    try:
-        with ThreadPoolExecutor(max(1, jobs)) as pool:
-            for i, sid, rel, source, nbytes, entry, error in window_map(
-                pool, one, enumerate(entries), 4 * jobs
-            ):
-                report.samples += 1
-                if error is not None:
-                    report.failed[sid] = error
-                    log.warning("export_failed", sample_id=sid, error=error)
-                else:
-                    if nbytes is None:
-                        report.skipped += 1
-                        ledger.keep(rel)
-                    else:
-                        report.written += 1
-                        report.bytes += nbytes
-                        ledger.record(rel, sid, source)
-                    rows[i] = (sid, rel, source, entry)
-                if on_progress is not None:
-                    on_progress(1)
-        n_rows = _write_rows(Dataset, rows, root, dest, ledger)
-        names = walk_files(dest, lambda n: _HS_NAME.fullmatch(n) is not None)
-        sweep_stale(report, dest, names, ledger, prune)
-        done = True
-    finally:
-        ledger.close(compact=done)
-    timed(report, t0)
-    log.info(
-        "exported",
-        run=store.run,
-        format="speculators",
-        written=report.written,
-        skipped=report.skipped,
-        failed=len(report.failed),
-        rows=n_rows,
-        seconds=round(report.seconds, 2),
-    )
+        written = write_all(
+            report,
+            ledger,
+            enumerate(entries),
+            one,
+            lambda item: item[1][0],
+            jobs=req.jobs,
+            on_progress=req.on_progress,
+        )
+        rows = {i: (got.sample, got.rel, got.source, entry) for (i, (_, entry)), got in written}
+        n_rows = _write_rows(Dataset, rows, req.root, dest, ledger)
+    log_exported(report, store.run, "speculators", t0, rows=n_rows)
     return report
 
 
@@ -265,7 +217,7 @@ def _write_rows(
     return len(order)
 
 
-def _save(path: Path, tensors: dict[str, Any]) -> int:
+def _save(dest: Path, rel: str, tensors: dict[str, Any]) -> int:
     from safetensors.torch import save
 
     blob = save(tensors)
@@ -275,7 +227,7 @@ def _save(path: Path, tensors: dict[str, Any]) -> int:
         while view:
             view = view[os.write(fd, view) :]
 
-    return save_file(path, fill)
+    return save_in(dest, rel, fill)
 
 
 def _write_dataset(dataset_cls: Any, table: Any, dest: Path) -> None:

@@ -1,0 +1,17 @@
+"""The `hsq` commands, one module per command or close group, each on shared flag records
+(hsq/app/flags.py) and the services' settings dataclasses (hsq.settings.setting):
+
+    serve.py    serve-reference, worker, exporter      (long-running processes)
+    sglang.py   launch-sglang
+    produce.py  tokenize, enqueue
+    recover.py  recover
+    status.py   status, runs
+    admin.py    requeue, purge, acl
+    verify.py   verify, audit
+    export.py   export
+    demo.py     demo
+
+A command parses and formats; what it decides belongs to a service or to hsq/app/ops/.
+Heavy imports (torch, Redis, the services) stay inside the command function: `hsq --help`
+starts fast. hsq/app/cli.py gathers them into the `hsq` group.
+"""

@@ -1,0 +1,80 @@
+"""`hsq serve-reference`, `hsq worker`, `hsq exporter`: the long-running processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from hsq.app.flags import RedisFlags
+from hsq.app.options import settings_options, take
+from hsq.settings import setting
+from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.workers.settings import WorkerSettings
+
+
+@click.command("serve-reference")
+@settings_options(ReferenceSettings)
+def serve_reference(**values: Any) -> None:
+    """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
+
+    \b
+    Example:
+      hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
+      hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
+    """
+    from hsq.sglang_server.reference.app import serve
+
+    serve(take(ReferenceSettings, values))
+
+
+@click.command("worker")
+@settings_options(RedisFlags)
+@settings_options(WorkerSettings, skip=("redis_url",))
+def worker(**values: Any) -> None:
+    """Extract samples of a run through one inference server.
+
+    \b
+    Example:
+      hsq worker --run kimi-v1 --server http://127.0.0.1:30000 --dump-dir /dev/shm/hsq0
+    """
+    from hsq.workers.worker import run_worker
+
+    redis = take(RedisFlags, values)
+    rc = run_worker(take(WorkerSettings, values, redis_url=redis.url()))
+    # Everything is released (jobs, registration, dump dir lock) and `worker_stopped` is
+    # logged: skip the interpreter's teardown, which takes seconds once torch is loaded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+@dataclass(frozen=True)
+class ExporterFlags:
+    exporter_port: int = setting(9640, flag="--port", help="port serving /metrics")
+    exporter_host: str = setting(
+        "127.0.0.1",
+        flag="--metrics-host",
+        aliases=("--host",),
+        help="address to bind; 0.0.0.0 to let Prometheus on another host scrape it",
+    )
+
+
+@click.command("exporter")
+@settings_options(RedisFlags)
+@settings_options(ExporterFlags)
+def exporter(**values: Any) -> None:
+    """Serve queue-level Prometheus metrics for every run in a Redis.
+
+    \b
+    Example:
+      hsq exporter --redis-url-file /run/secrets/redis_url --port 9640 --metrics-host 0.0.0.0
+    """
+    from hsq.app.exporter import run_exporter
+
+    redis = take(RedisFlags, values)
+    flags = take(ExporterFlags, values)
+    run_exporter(redis.url(), flags.exporter_host, flags.exporter_port)

@@ -1,0 +1,93 @@
+"""`hsq status` and `hsq runs`: how far along runs are (hsq/app/ops/status.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from hsq.app.flags import RedisFlags
+from hsq.app.options import settings_options, take
+from hsq.settings import setting
+
+
+@dataclass(frozen=True)
+class StatusFlags:
+    run: str | None = setting(None, default_text="every run", help="one run")
+    json: bool = setting(False, help="one JSON object per run (stable keys)")
+    watch: bool = setting(False, help="refresh in place until Ctrl-C")
+    interval_s: float = setting(2.0, help="seconds between refreshes (--watch)")
+    recount: bool = setting(
+        False,
+        help="re-derive the run's counters from its queues and hashes first (O(samples); "
+        "status does it by itself when they are missing or disagree with the queues)",
+    )
+
+
+@click.command("status")
+@settings_options(StatusFlags)
+@settings_options(RedisFlags)
+def status(**values: Any) -> None:
+    """How far along a run is: counts, rate, ETA, workers, dead letter by reason.
+
+    Reads a handful of counters per run, whatever its size (docs/queue.md, "Counters").
+
+    \b
+    Example:
+      hsq status --run kimi-v1 --watch
+      hsq status --json | jq .done
+    JSON keys: run, total, done, queued, in_progress, retry, dead, missing, invalid_lines,
+    tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
+    dead_by_reason, workers (docs/operations.md).
+    """
+    from hsq.app.ops import dumps_json, run_status, status_text
+    from hsq.runstore import RunStore
+    from hsq.store import list_runs
+
+    flags = take(StatusFlags, values)
+    client = take(RedisFlags, values).client()
+    runs = [flags.run] if flags.run else list_runs(client)
+    if flags.run:
+        RunStore(client, flags.run).require_config()  # an unknown run: exit 2, in words
+    first = True
+    while True:
+        reports = [
+            run_status(RunStore(client, r), recount_first=flags.recount and first) for r in runs
+        ]
+        first = False
+        if flags.json:
+            out = "\n".join(dumps_json(r.to_dict()) for r in reports)
+        else:
+            out = "\n".join("\n".join(status_text(r)) for r in reports) or "no runs"
+        if not flags.watch:
+            click.echo(out)
+            return
+        click.echo("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + "\n" + out)
+        try:
+            time.sleep(flags.interval_s)
+        except KeyboardInterrupt:
+            return
+
+
+@click.command("runs")
+@settings_options(RedisFlags)
+def runs(**values: Any) -> None:
+    """List runs with their progress.
+
+    \b
+    Example:
+      hsq runs --redis-url-file /run/secrets/redis_url
+    """
+    from hsq.app.ops import run_figures
+    from hsq.runstore import RunStore
+    from hsq.store import list_runs
+
+    client = take(RedisFlags, values).client()
+    names = list_runs(client)
+    if not names:
+        click.echo("no runs")
+    for name in names:
+        fig = run_figures(RunStore(client, name))
+        click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")

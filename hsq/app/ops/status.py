@@ -1,0 +1,234 @@
+"""`hsq status` and `hsq runs`: a run's counts, rate, ETA and workers.
+
+Status partitions the dataset: every sample is counted in exactly one of done, dead,
+in_progress, retry, queued or missing, so the numbers add up to `total` even while workers
+run (done and dead entries always belong to the dataset: `enqueue` prunes the others).
+`missing` is what a lost queue entry or a wiped queue leaves behind; `requeue --missing`
+puts it back. The headline figures (total, done, dead, tokens, bytes) come from
+`run_figures`, the same function the exporter uses.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hsq.runstore import RunStore
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """A run's O(1) figures: what `hsq status` headlines and the exporter serves."""
+
+    run: str
+    total: int
+    done: int
+    dead: int
+    remaining: int
+    invalid_lines: int
+    tokens_total: int
+    tokens_done: int
+    bytes_done: int
+    queued_jobs: int
+    retry_jobs: int
+    held_jobs: int
+    live_workers: int
+    out: str | None
+
+
+def run_figures(store: RunStore) -> RunFigures:
+    snap = store.snapshot()
+    # Invalid dataset lines are dead-letter entries (`line:N`) and part of `total`.
+    total = snap.index + snap.dead_lines
+    return RunFigures(
+        run=store.run,
+        total=total,
+        done=snap.done,
+        dead=snap.dead,
+        remaining=max(total - snap.done - snap.dead, 0),
+        invalid_lines=snap.dead_lines,
+        tokens_total=snap.stats.get("total_tokens", 0),
+        tokens_done=snap.stats.get("tokens", 0),
+        bytes_done=snap.stats.get("bytes", 0),
+        queued_jobs=snap.main_jobs,
+        retry_jobs=snap.retry_jobs,
+        held_jobs=snap.held_jobs,
+        live_workers=snap.live_workers,
+        out=snap.out,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    id: str
+    state: str | None
+    name: str | None = None
+    server: str | None = None
+    last_sample: str | None = None
+    done: int = 0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    host: str | None = None
+    heartbeat_age_s: float | None = None
+    dumps_discarded: int = 0
+    """Dumps whose rid was not in flight (warm-ups, leftovers, late ones): removed, counted."""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run: str
+    total: int
+    done: int
+    queued: int
+    in_progress: int
+    retry: int
+    dead: int
+    missing: int
+    invalid_lines: int
+    tokens_done: int
+    tokens_total: int
+    bytes_done: int
+    samples_per_s: float
+    tokens_per_s: float
+    eta_s: float | None
+    dead_by_reason: dict[str, int]
+    workers: list[WorkerStatus]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON of `hsq status --json` (docs/operations.md)."""
+        return asdict(self)
+
+
+def partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set[str], set[str]]:
+    """(index ids, outstanding id -> place, done ids, dead sample ids, dead line keys)."""
+    index = set(store.iter_hash_keys(store.keys.index))
+    outstanding = store.outstanding_samples()
+    done = set(store.iter_hash_keys(store.keys.done))
+    dead_keys = set(store.iter_hash_keys(store.keys.dead))
+    dead_lines = {k for k in dead_keys if k.startswith("line:")}
+    return index, outstanding, done, dead_keys - dead_lines, dead_lines
+
+
+def _worker_status(wid: str, info: dict[str, str], now: float) -> WorkerStatus:
+    if not info:
+        return WorkerStatus(id=wid, state="dead (heartbeat expired)")
+
+    def num(key: str) -> float:
+        try:
+            return float(info.get(key, 0))
+        except ValueError:
+            return 0.0
+
+    return WorkerStatus(
+        id=wid,
+        state=info.get("state"),
+        name=info.get("name"),
+        server=info.get("server"),
+        last_sample=info.get("last_sample") or None,
+        done=int(num("done")),
+        samples_per_s=num("samples_per_s"),
+        tokens_per_s=num("tokens_per_s"),
+        host=info.get("host"),
+        heartbeat_age_s=round(now - float(info.get("ts", now)), 1) if "ts" in info else None,
+        dumps_discarded=int(num("dumps_discarded")),
+    )
+
+
+def recount(store: RunStore) -> int:
+    """Re-derive a run's counters (`hsq status --recount`; status does it by itself when
+    they are missing, as in a run made by an older hsq, or disagree with the queues): the
+    queue and dead-letter counts atomically, then the samples in no queue from a full
+    partition (O(samples), the one slow path). Returns the samples found missing."""
+    store.recount_queues()
+    index, outstanding, done, dead, _ = partition(store)
+    missing = len(index - done - dead - set(outstanding))
+    store.set_lost(missing)
+    return missing
+
+
+def run_status(
+    store: RunStore, now: float | None = None, *, recount_first: bool = False
+) -> RunStatus:
+    """A run's status from O(1) counters (one MULTI) plus one read per worker.
+
+    done and dead are the hashes' lengths (disjoint: the scripts keep them so); queued and
+    retry are the samples the queues hold (counted by the scripts that move jobs); missing
+    the samples a recount found in no queue, less those enqueued again since; in_progress
+    the rest. Each part is capped by what is left, so the parts always add up to `total`;
+    while a chunk in progress also has a sample in the retry queue, that sample counts once."""
+    now = time.time() if now is None else now
+    c = store.counts()
+    if recount_first or not c.consistent:
+        recount(store)
+        c = store.counts()
+    st = c.stats
+    invalid = st.get("invalid_lines", 0)
+    total = c.index + invalid
+    remaining = max(total - c.done - c.dead, 0)
+    missing = min(max(st.get("lost", 0), 0), remaining)
+    retry = min(max(st.get("retry_samples", 0), 0), remaining - missing)
+    queued = min(max(st.get("main_samples", 0), 0), remaining - missing - retry)
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
+    samples_s = sum(w.samples_per_s for w in workers)
+    tokens_s = sum(w.tokens_per_s for w in workers)
+    tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)
+    tokens_left = max(tokens_total - tokens_done, 0)
+    eta = tokens_left / tokens_s if tokens_s > 0 else None
+    return RunStatus(
+        run=store.run,
+        total=total,
+        done=c.done,
+        queued=queued,
+        in_progress=remaining - missing - retry - queued,
+        retry=retry,
+        dead=c.dead,
+        missing=missing,
+        invalid_lines=invalid,
+        tokens_done=tokens_done,
+        tokens_total=tokens_total,
+        bytes_done=st.get("bytes", 0),
+        samples_per_s=round(samples_s, 3),
+        tokens_per_s=round(tokens_s, 1),
+        eta_s=None if eta is None else round(eta, 1),
+        dead_by_reason=c.dead_reasons,
+        workers=workers,
+    )
+
+
+def status_text(st: RunStatus) -> list[str]:
+    total = st.total or 1
+    pct = 100.0 * st.done / total
+    eta = "-" if st.eta_s is None else _dur(st.eta_s)
+    lines = [
+        f"run {st.run}: {st.done}/{st.total} done ({pct:.1f}%), "
+        f"{st.tokens_done:,}/{st.tokens_total:,} tokens, "
+        f"{st.bytes_done / 1e9:.2f} GB",
+        f"  queued {st.queued}  in progress {st.in_progress}  retry {st.retry}  "
+        f"dead {st.dead}  missing {st.missing}",
+        f"  rate {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:,.0f} tokens/s, ETA {eta}",
+    ]
+    if st.dead_by_reason:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
+        lines.append(f"  dead letter by reason: {reasons}")
+    if st.missing:
+        lines.append("  missing samples are in no queue: `hsq requeue --missing` puts them back")
+    for w in st.workers:
+        lines.append(
+            f"  worker {w.name or w.id} [{w.state}] server {w.server} "
+            f"last {w.last_sample} done {w.done} {w.tokens_per_s:,.0f} tokens/s"
+            + (f" dumps discarded {w.dumps_discarded}" if w.dumps_discarded else "")
+        )
+    if not st.workers:
+        lines.append("  no live workers")
+    return lines
+
+
+def _dur(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def dumps_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True)
