@@ -340,7 +340,8 @@ def compare_outputs(out_dir: Path, dataset: dict[str, list[int]], ref: Reference
     >= 0.999, max |d| <= 10% of the row norm); bf16 to the reference server's rule."""
     from hsq import quant
     from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE, closeness
-    from hsq.outputs import open_output
+    from hsq.outputs.format import open_output
+    from hsq.states import FP8
 
     worst_cos, worst_err, bad, tokens, ids_wrong = 1.0, 0.0, [], 0, []
     files = sorted(out_dir.rglob("*.safetensors"))
@@ -358,9 +359,9 @@ def compare_outputs(out_dir: Path, dataset: dict[str, list[int]], ref: Reference
         if stored_pre is not None:
             with_prenorm = True
             pairs.append((stored_pre, pre, 1))
-        bound = FP8_MAX_ABS_OF_NORM if fmt == quant.FP8 else MAX_ABS_OF_NORM
+        bound = FP8_MAX_ABS_OF_NORM if fmt == FP8 else MAX_ABS_OF_NORM
         for got, want, groups in pairs:
-            if fmt == quant.FP8:
+            if fmt == FP8:
                 q, scale = quant.quantize(want, groups)
                 want = quant.dequantize(q, scale)
             c = closeness(got, want)
@@ -378,7 +379,7 @@ def compare_outputs(out_dir: Path, dataset: dict[str, list[int]], ref: Reference
         "min_cosine": round(worst_cos, 6),
         "max_abs_over_norm": round(worst_err, 6),
         "tolerance": f"cosine >= {MIN_COSINE}, max|d| <= "
-        f"{FP8_MAX_ABS_OF_NORM if fmt == quant.FP8 else MAX_ABS_OF_NORM} * ||row||",
+        f"{FP8_MAX_ABS_OF_NORM if fmt == FP8 else MAX_ABS_OF_NORM} * ||row||",
         "samples_outside_tolerance": len({b[0] for b in bad}),
         "outside_examples": bad[:10],
     }

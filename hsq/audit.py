@@ -78,11 +78,12 @@ def compare_states(
     """Whether an output file's states (hsq.outputs.open_output) are those of `input_ids`,
     as re-extracted alone into `aux` [T, k*H] and `last` [T, H]."""
     from hsq import quant
+    from hsq.states import FP8
 
     if stored.input_ids.tolist() != list(input_ids):
         return Verdict(False, "the stored input_ids are not the dataset line's")
     fmt = quant.store_dtype_of(stored.metadata)
-    bound = FP8_MAX_ABS_OF_NORM if fmt == quant.FP8 else MAX_ABS_OF_NORM
+    bound = FP8_MAX_ABS_OF_NORM if fmt == FP8 else MAX_ABS_OF_NORM
     worst = Closeness(1.0, 0.0)
     for name, fresh, kept in (
         ("aux_hidden_states", aux, stored.aux_hidden_states),
@@ -90,7 +91,7 @@ def compare_states(
     ):
         if tuple(fresh.shape) != tuple(kept.shape):
             return Verdict(False, f"{name}: stored {list(kept.shape)}, fresh {list(fresh.shape)}")
-        if fmt == quant.FP8:
+        if fmt == FP8:
             groups = max(1, fresh.shape[1] // max(1, last.shape[1]))
             q, scale = quant.quantize(fresh, groups)
             fresh = quant.dequantize(q, scale)

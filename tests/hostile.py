@@ -16,17 +16,10 @@ from typing import Any
 
 import torch
 
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    DumpMeta,
-    ModelIdentity,
-    ReadyMarker,
-    expected_shapes,
-    fingerprint,
-    write_dump,
-    write_ready,
-)
+from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
+from hsq.states import AUX_TENSOR, LAST_TENSOR
 
 IDENT = ModelIdentity("hostile", "LlamaForCausalLM", 8, 16, "7" * 64)
 LAYERS = [2, 4, 5]

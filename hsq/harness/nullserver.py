@@ -27,17 +27,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    DumpMeta,
-    ModelIdentity,
-    ReadyMarker,
-    expected_shapes,
-    fingerprint,
-    write_dump,
-    write_ready,
-)
+from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
+from hsq.states import AUX_TENSOR, LAST_TENSOR
 
 MAX_BODY_BYTES = 64 * 2**20
 SHAPES = {
@@ -69,7 +62,7 @@ class NullModel:
     ) -> None:
         import torch
 
-        from hsq.protocol import DTYPES
+        from hsq.dump.format import DTYPES
 
         self.hidden_size = hidden_size
         self.layer_ids = list(layer_ids)

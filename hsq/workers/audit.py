@@ -26,9 +26,10 @@ from typing import Protocol
 import structlog
 
 from hsq.audit import compare_states
+from hsq.dump.read import read_dump
 from hsq.errors import AuditMismatchError, OutputError
-from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.protocol import read_dump
+from hsq.outputs.format import open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.workers.chunks import WorkItem
 from hsq.workers.extract import SendStage
 from hsq.workers.metrics import WorkerMetrics

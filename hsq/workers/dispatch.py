@@ -22,21 +22,15 @@ from pathlib import Path
 
 import structlog
 
+from hsq.dump.find import FoundDump, clear_dump_dir, remove_dump
+from hsq.dump.ready import READY_FILE
 from hsq.errors import (
     DumpDirError,
     HookInactiveError,
     NoDumpError,
     ServerUnavailableError,
 )
-from hsq.protocol import (
-    READY_FILE,
-    UNREMOVABLE,
-    FoundDump,
-    Match,
-    RidMatcher,
-    clear_dump_dir,
-    remove_dump,
-)
+from hsq.workers.ridmatch import UNREMOVABLE, Match, RidMatcher
 
 log = structlog.get_logger("hsq.worker.dispatch")
 

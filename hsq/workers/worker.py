@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.store import HEARTBEAT_TTL_S, ChunkJob, WorkerStore, new_worker_id
 from hsq.workers.audit import WorkerAudit
@@ -112,6 +112,7 @@ class Worker:
             threads=settings.persist_threads,
             on_done=self.rate.add,
             lease=self.lease,
+            direct_io=settings.direct_io,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, settings.inflight

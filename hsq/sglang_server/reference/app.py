@@ -27,20 +27,15 @@ from typing import Any
 import structlog
 
 from hsq import jsonsafe
+from hsq.dump.format import DTYPES, expected_shapes
+from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.errors import ConfigError
-from hsq.protocol import (
-    DTYPES,
-    FP8,
-    SCALE_SUFFIX,
-    ReadyMarker,
-    expected_shapes,
-    write_ready,
-)
 from hsq.sglang_server.reference.dumper import DumpWriter
 from hsq.sglang_server.reference.engine import Engine, InjectedServerError, RequestError
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
 from hsq.sglang_server.reference.model import HiddenStateModel, load_model
 from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.states import FP8, SCALE_SUFFIX
 
 log = structlog.get_logger("hsq.reference.app")
 MAX_BODY_BYTES = 64 * 1024 * 1024

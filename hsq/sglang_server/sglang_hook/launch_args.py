@@ -14,6 +14,7 @@ from hsq.sglang_server.sglang_hook.compat import (
 )
 from hsq.sglang_server.sglang_hook.config import HookConfig
 from hsq.sglang_server.sglang_hook.layers import effective_layer_ids, family
+from hsq.states import PLAIN
 
 MIN_CHUNKED_PREFILL = 1024
 """Smallest --chunked-prefill-size accepted (-1 = off): each chunk is a forward and a copy."""
@@ -56,7 +57,7 @@ def launch_command(
     python: str = "python",
     prefill_cuda_graph: bool = False,
     overlap_schedule: bool = True,
-    encoding: str = "plain",
+    encoding: str = PLAIN,
     prenorm: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
