@@ -183,7 +183,13 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
     finally:
         remove_dump(path)
     stored = open_output(out_root / output_relpath(sid))
-    return compare_states(stored, sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state)
+    return compare_states(
+        stored,
+        sample.input_ids,
+        dump.aux_hidden_states,
+        dump.last_hidden_state,
+        architecture=dump.meta.model.architecture,
+    )
 
 
 def _wait_for_rid(dump_dir: Path, rid: str, timeout_s: float) -> Path:
