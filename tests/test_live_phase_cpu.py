@@ -72,3 +72,30 @@ def test_a_phase_end_to_end_with_the_reference_server(tmp_path: Path) -> None:
     assert fig["run"]["killed_with_done"] < SAMPLES and "restart_s" in fig["run"]
     assert_phase(fig, samples=SAMPLES, moe=False)
     assert (tmp_path / "live.json").exists()
+
+
+def test_an_extraction_whose_samples_die_ends(tmp_path: Path) -> None:
+    """The wait counts done and dead: a server that rejects every request (the reference
+    server refuses the proxy's one new token) ends the run with every sample dead instead
+    of waiting for done samples that never come (the 2026-12-01 live run waited out its
+    call this way, or in some other way that was not recorded)."""
+    from tests.gpu.extract import Extraction, lengths_mixed, make_dataset
+    from tests.gpu.proxy import RoutingProxy
+
+    path = models.write_llama(tmp_path / "llama", layers=4, hidden=256, seed=0, device="cpu")
+    dump = tmp_path / "dumps"
+    dump.mkdir(mode=0o700)
+    srv = ReferenceStandIn(path, tmp_path / "server.log", dump_dir=dump, layers="0,1,2")
+    srv.start()
+    redis = RedisServer(tmp_path / "redis").wait_ready()
+    data = make_dataset(tmp_path / "d.jsonl", lengths_mixed(10, 1, chunk=1024), vocab=32000, seed=2)
+    try:
+        with RoutingProxy(srv.url, num_layers=4, top_k=2) as proxy:
+            ext = Extraction(tmp_path, "dies", data, tmp_path / "d.jsonl", redis.url, srv,
+                             proxy.url, "1,2,3", 4)  # fmt: skip
+            res = ext.go(kill_at=None)
+    finally:
+        srv.stop()
+        redis.stop()
+    assert res["status"]["dead"] == 10 and res["status"]["done"] == 0, res
+    assert res["dead_reasons"] == ["rejected"]

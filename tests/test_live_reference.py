@@ -4,6 +4,7 @@ equals transformers' DeepSeek-V3 MoE, and replaying expert choices does what it 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():  # a router that is not flat, and experts that differ
-        for mod in model.modules():
+        for module in model.modules():
+            mod: Any = module
             if hasattr(mod, "e_score_correction_bias"):
                 mod.weight.normal_(0, 0.5)
             if hasattr(mod, "gate_up_proj"):
@@ -41,12 +43,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _transformers_states(path: Path, ids: list[int]) -> tuple[list, list]:
+def _transformers_states(path: Path, ids: list[int]) -> tuple[list[Any], list[Any]]:
     """HF's own hidden states and the experts each MoE gate chose, unpatched."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    chosen: list = []
+    m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.eval()
+    chosen: list[Any] = []
     for layer in m.model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:

@@ -228,10 +228,10 @@ def _write_processor(path: Path) -> None:
 
     words = {"<unk>": 0, "<|media_pad|>": 1, "<|kimi_k25_video_placeholder|>": 2}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment,unused-ignore]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")  # type: ignore[no-untyped-call,unused-ignore]
     try:
-        from transformers.models.kimi_k25 import (  # type: ignore[attr-defined]
+        from transformers.models.kimi_k25 import (  # type: ignore[attr-defined,unused-ignore]
             Kimi_K25ImageProcessor,
             Kimi_K25Processor,
             Kimi_K25VideoProcessor,
@@ -239,7 +239,7 @@ def _write_processor(path: Path) -> None:
     except ImportError:  # a transformers without Kimi-K2.5: AutoProcessor finds the tokenizer
         fast.save_pretrained(path)
         return
-    Kimi_K25Processor(
+    Kimi_K25Processor(  # type: ignore[no-untyped-call,unused-ignore]
         image_processor=Kimi_K25ImageProcessor(),
         tokenizer=fast,
         video_processor=Kimi_K25VideoProcessor(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
 from hsq.harness.sglang import SGLANG_FLAGS, SGLangServer
 from hsq.sglang_server.sglang_hook import compat
 from hsq.sglang_server.sglang_hook.layers import effective_layer_ids
@@ -230,8 +231,8 @@ class Phase:
             "samples_with_several_routings": several,
             "min_cosine": round(worst_cos, 6),
             "max_abs_over_norm": round(worst_err, 6),
-            "tolerance": f"cosine >= {eq.MIN_COSINE}, max|d| <= "
-            f"{eq.FP8_MAX_ABS_OF_NORM if fmt == 'fp8-e4m3' else eq.MAX_ABS_OF_NORM} * ||row||",
+            "tolerance": f"cosine >= {MIN_COSINE}, max|d| <= "
+            f"{FP8_MAX_ABS_OF_NORM if fmt == 'fp8-e4m3' else MAX_ABS_OF_NORM} * ||row||",
             "samples_outside_tolerance": len(outside),
             "outside_examples": outside[:10],
             "distributions": {k: d.summary() for k, d in dist.items()},

@@ -85,6 +85,14 @@ class RoutingProxy:
         with self._lock:
             self.by_rid[rid] = routed
 
+    def _rewrite(self, body: dict[str, Any]) -> dict[str, Any]:
+        sent = dict(body, return_routed_experts=True)
+        params = dict(sent.get("sampling_params") or {})
+        if self.one_more_token:
+            params["max_new_tokens"] = max(1, int(params.get("max_new_tokens") or 0))
+        sent["sampling_params"] = params
+        return sent
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
 
@@ -123,12 +131,7 @@ class RoutingProxy:
                         self._answer(r.status_code, r.content)
                     return
                 body = json.loads(data)
-                sent = dict(body, return_routed_experts=True)
-                params = dict(sent.get("sampling_params") or {})
-                if proxy.one_more_token:
-                    params["max_new_tokens"] = max(1, int(params.get("max_new_tokens") or 0))
-                sent["sampling_params"] = params
-                r = self._forward("POST", json.dumps(sent).encode())
+                r = self._forward("POST", json.dumps(proxy._rewrite(body)).encode())
                 if r is None:
                     return
                 if r.status_code != 200:

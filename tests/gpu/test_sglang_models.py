@@ -8,6 +8,7 @@ figures go to HSQ_LIVE_RESULTS as they are measured (BENCHMARKS.md section 8).""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,8 @@ def _phase(
     redis: RedisServer,
     section: str,
     samples: int,
-    **kw: bool,
-) -> dict:
+    **kw: Any,
+) -> dict[str, Any]:
     wd, dd = fresh
     return Phase(model, live, results, section, wd, dd, redis.url, samples, **kw).run()
 
