@@ -48,7 +48,8 @@ from hsq.harness.procs import NullServer, RedisServer, hsq_command
 from hsq.harness.synthetic import write_synthetic
 from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import connect, redis_calls
 
 WORKLOADS = {"short": (64, 512), "long": (1024, 4096)}
 STAGES = (

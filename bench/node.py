@@ -32,7 +32,8 @@ from hsq.harness import procs
 from hsq.harness.synthetic import write_synthetic
 from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import connect, redis_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -45,7 +45,8 @@ from hsq.harness.synthetic import write_synthetic
 from hsq.producer.enqueue import enqueue_run
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, scan, wait_for_dump
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import connect, redis_calls
 
 
 def load_samples(ds: Path) -> list[tuple[str, list[int]]]:

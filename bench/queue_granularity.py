@@ -21,7 +21,8 @@ from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import connect, redis_calls
 
 
 def main() -> None:

@@ -22,7 +22,8 @@ from hsq.dataset import IndexEntry
 from hsq.harness.procs import RedisServer
 from hsq.outputs import ManifestEntry, output_relpath
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, chunked, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import chunked, connect, redis_calls
 
 RUN = "cap"
 
@@ -70,7 +71,7 @@ def main() -> None:
     try:
         client = connect(srv.url)
         store = RunStore(client, RUN)
-        store.save_config(RunConfig(run=RUN, dataset="/dev/null", out="/tmp"))
+        store.create_config(RunConfig(run=RUN, dataset="/dev/null", out="/tmp"))
         refs = [(f"s{i:07d}", IndexEntry(0, 1, 0, args.tokens)) for i in range(args.samples)]
         store.enqueue(chunked(refs, args.chunk))
         info0 = client.info("cpu")

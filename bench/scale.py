@@ -44,8 +44,9 @@ from hsq.harness.procs import RedisServer, hsq_command
 from hsq.outputs import OUTPUT_FORMAT, ManifestEntry, output_relpath
 from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION, fingerprint
 from hsq.runconfig import RunConfig
+from hsq.runstore import RunStore
 from hsq.stfile import build_header
-from hsq.store import RunStore, connect
+from hsq.store import connect
 
 RUN = "scale"
 STEPS = ("gen", "enqueue", "reenqueue", "status", "requeue", "verify", "recover", "capacity")

@@ -11,7 +11,7 @@ Per run R (a name matching RUN_NAME_RE):
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
     hsq:run:R:done                HASH  sample id -> manifest entry; THE truth of "done". Stored
                                         as `m1|tokens|bytes|crc|worker|time|attempt|dtype`
-                                        (the path is the id's; hsq.store.manifest_json gives
+                                        (the path is the id's; hsq.outputs.manifest_json gives
                                         the JSON back), or JSON as older hsq wrote it
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
     hsq:run:R:stats               HASH  tokens / bytes done, totals, and the counters status
@@ -23,7 +23,8 @@ Per run R (a name matching RUN_NAME_RE):
                                         carried their size (written by a recount)
     hsq:run:R:crashes             HASH  sample id -> requests that died with the server
     hsq:run:R:workers             SET   registered worker ids
-    hsq:run:R:worker:W            HASH  worker W's heartbeat and state (expires: liveness)
+    hsq:run:R:worker:W            HASH  worker W's heartbeat and state (expires HEARTBEAT_TTL_S
+                                        after the last heartbeat: liveness)
     hsq:run:R:wip:W               LIST  job ids worker W holds (reliable-queue pattern)
     rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
@@ -53,6 +54,9 @@ RQ_JOB_PREFIX = "rq:job:"
 RQ_QUEUES = "rq:queues"
 """RQ adds every queue it enqueues into to this set (rq.Queue.redis_queues_keys)."""
 RETRY_SUFFIX = "-retry"
+HEARTBEAT_TTL_S = 10
+"""A worker whose heartbeat hash expired is taken for dead and its jobs handed back; a worker
+beats well within it (hsq.workers.settings checks its interval)."""
 JOB_TOKEN_HEX = 16
 """Hex digits of a job id's random part: fixed, so a run's job-key pattern is exact."""
 ACL_COMMANDS = (

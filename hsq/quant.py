@@ -17,14 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hsq.errors import ConfigError, NonFiniteDumpError, OutputError
+from hsq.errors import NonFiniteDumpError, OutputError
+from hsq.runconfig import BF16 as BF16
+from hsq.runconfig import FP8 as FP8
+from hsq.runconfig import STORE_DTYPES as STORE_DTYPES
+from hsq.runconfig import check_store_dtype as check_store_dtype
 
 if TYPE_CHECKING:
     import torch
 
-BF16 = "bf16"
-FP8 = "fp8-e4m3"
-STORE_DTYPES = (BF16, FP8)
 META_KEY = "store_dtype"
 """Output metadata key; files written before FP8 existed have none and are bf16."""
 FP8_MAX = 448.0
@@ -37,12 +38,6 @@ FP8_CODE = "F8_E4M3"
 # are stored faithfully enough but their largest value need not land exactly on 448.
 _EXACT_MAX_MIN_SCALE = 1e-30
 CHUNK_TOKENS = 256
-
-
-def check_store_dtype(name: str) -> str:
-    if name not in STORE_DTYPES:
-        raise ConfigError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, not {name!r}")
-    return name
 
 
 def store_dtype_of(metadata: Mapping[str, str]) -> str:

@@ -12,8 +12,9 @@ holds for any password, encoded or not.
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from hsq.errors import ConfigError
 
@@ -116,3 +117,30 @@ def read_url_file(path: Path) -> str:
     if not lines:
         raise ConfigError(f"--redis-url-file {path} is empty")
     return lines[0]
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """The TLS files of a rediss:// connection, built at the edge (the CLI's --redis-ca,
+    --redis-cert, --redis-key or their HSQ_REDIS_* variables) and handed on as values: in
+    the URL's query, the one place connect() reads them (no environment variable)."""
+
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def into_url(self, url: str) -> str:
+        """`url` with these files as query parameters; one the URL already gives wins.
+        Only a rediss:// URL takes them (TLS means nothing to redis:// or unix://)."""
+        if not url.startswith("rediss://"):
+            return url
+        _, q, query = url.partition("?")
+        given = {kv.partition("=")[0] for kv in query.split("&")}
+        extra = [
+            f"{name}={quote(value, safe='/')}"
+            for name, value in asdict(self).items()
+            if value and name not in given
+        ]
+        if not extra:
+            return url
+        return url + ("&" if q else "?") + "&".join(extra)

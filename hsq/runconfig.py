@@ -9,11 +9,22 @@ from typing import Any
 
 from hsq import jsonsafe
 from hsq.errors import ConfigError
-from hsq.quant import BF16, STORE_DTYPES, check_store_dtype
 from hsq.settings import int_list_or_none, setting
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
+# How a run's outputs store hidden states (RunConfig.store_dtype; hsq/quant.py does the FP8
+# part). The names live here, not in hsq.quant, so that the run config, and the Redis
+# gateway that reads it, import no file format (tests/test_layers.py).
+BF16 = "bf16"
+FP8 = "fp8-e4m3"
+STORE_DTYPES = (BF16, FP8)
+
+
+def check_store_dtype(name: str) -> str:
+    if name not in STORE_DTYPES:
+        raise ConfigError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, not {name!r}")
+    return name
 
 
 @dataclass(frozen=True)

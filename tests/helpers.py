@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
-from hsq.store import RunStore, connect
+from hsq.runstore import RunStore
+from hsq.store import connect
 
 
 def hsq_argv(*args: str) -> list[str]:

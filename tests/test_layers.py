@@ -131,8 +131,14 @@ def test_the_shell_may_import_everything(tmp_path: Path) -> None:
     assert violations(tmp_path) == []
 
 
-# Only the store talks to Redis; the harness starts redis-server and pings it.
+# Only the store (the package hsq.store) talks to Redis; the harness starts redis-server and
+# pings it.
 REDIS_IMPORTERS = {"hsq.store", "hsq.harness.procs"}
+
+
+def package_of(module: str) -> str:
+    """hsq.store.queue belongs to hsq.store; any other module stands for itself."""
+    return "hsq.store" if module.startswith("hsq.store.") else module
 
 
 def redis_importers(root: Path) -> set[str]:
@@ -148,14 +154,82 @@ def redis_importers(root: Path) -> set[str]:
 
 
 def test_only_the_store_imports_redis_and_rq() -> None:
-    assert redis_importers(ROOT) <= REDIS_IMPORTERS
-    assert "hsq.store" in redis_importers(ROOT)
+    assert {package_of(m) for m in redis_importers(ROOT)} <= REDIS_IMPORTERS
+    assert "hsq.store" in {package_of(m) for m in redis_importers(ROOT)}
 
 
 def test_the_redis_check_sees_a_lazy_import(tmp_path: Path) -> None:
     (tmp_path / "hsq/workers").mkdir(parents=True)
     (tmp_path / "hsq/workers/client.py").write_text("def f() -> None:\n    from rq import Queue\n")
     assert redis_importers(tmp_path) == {"hsq.workers.client"}
+
+
+# The file formats: what a dump, an output file and its storage encoding look like.
+FILE_FORMATS = ("hsq.outputs", "hsq.protocol", "hsq.stfile", "hsq.quant")
+
+
+def first_party_imports(root: Path) -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports (anywhere in it), for every module."""
+    graph: dict[str, set[str]] = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            module = module_name(path, root)
+            tree = ast.parse(path.read_text(), str(path))
+            found = graph.setdefault(module, set())
+            for _, target in imported(tree, module, path.name == "__init__.py"):
+                # `from hsq.store import scripts` names a module or a name in one
+                while target and target.split(".")[0] in PACKAGES:
+                    if (root / (target.replace(".", "/") + ".py")).exists() or (
+                        root / target.replace(".", "/") / "__init__.py"
+                    ).exists():
+                        found.add(target)
+                        break
+                    target = target.rpartition(".")[0]
+    return graph
+
+
+def file_formats_reached(root: Path, start: str) -> dict[str, list[str]]:
+    """The file-format modules that importing `start` (or any module of that package)
+    loads, each with one chain of imports that leads there."""
+    graph = first_party_imports(root)
+    todo = [[m] for m in graph if m == start or m.startswith(start + ".")]
+    seen = {chain[0] for chain in todo}
+    found: dict[str, list[str]] = {}
+    while todo:
+        chain = todo.pop()
+        here = chain[-1]
+        parts = here.split(".")
+        # importing a.b.c runs a/b/__init__ first; not hsq/__init__, which loads the names it
+        # lists on first use (PEP 562): `from hsq import X` is an edge of its own
+        nexts = set(graph.get(here, set())) | {
+            ".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in graph
+        }
+        for nxt in sorted(nexts):
+            if any(nxt == f or nxt.startswith(f + ".") for f in FILE_FORMATS):
+                found.setdefault(nxt, [*chain, nxt])
+            elif nxt not in seen:
+                seen.add(nxt)
+                todo.append([*chain, nxt])
+    return found
+
+
+def test_the_redis_gateway_imports_no_file_format() -> None:
+    """Issue 32: the store imported hsq.outputs for the manifest codec (store -> outputs ->
+    protocol -> stfile). The codec lives beside the output format now; the gateway stores
+    done entries through it (hsq.store.DoneCodec) and reaches no file format, directly or
+    through another module."""
+    assert file_formats_reached(ROOT, "hsq.store") == {}
+
+
+def test_the_file_format_check_follows_imports_through_other_modules(tmp_path: Path) -> None:
+    for pkg in ("hsq", "hsq/store"):
+        (tmp_path / pkg).mkdir(parents=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "hsq/store/queue.py").write_text("from hsq import runconfig\n")
+    (tmp_path / "hsq/runconfig.py").write_text("def f() -> None:\n    from hsq.quant import FP8\n")
+    (tmp_path / "hsq/quant.py").write_text("")
+    reached = file_formats_reached(tmp_path, "hsq.store")
+    assert reached == {"hsq.quant": ["hsq.store.queue", "hsq.runconfig", "hsq.quant"]}
 
 
 def test_no_file_in_the_repository_is_a_link() -> None:

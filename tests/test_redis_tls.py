@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from hsq.app.cli import cli
 from hsq.errors import StoreError
 from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port, worker_process
 from hsq.harness.synthetic import write_synthetic
+from hsq.redisurl import RedisTls
 from hsq.store import connect
 from tests.helpers import hsq
 
@@ -144,3 +147,48 @@ def test_a_whole_run_over_tls_as_the_least_privileged_acl_user(
         client.get("someone-elses-key")
     with pytest.raises(StoreError):
         connect(url + f"?ssl_ca_certs={d}/ca.crt")  # no client certificate: refused
+
+
+TLS_VARS = ("HSQ_REDIS_CA", "HSQ_REDIS_CERT", "HSQ_REDIS_KEY")
+
+
+def test_tls_flags_travel_in_the_url_not_through_the_environment(
+    tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: --redis-ca/--redis-cert/--redis-key were written into os.environ for
+    connect() to read back (a process-wide side effect every later connect saw). They are
+    values now: the command's URL carries them, and the environment is left alone."""
+    url, d = tls_redis
+    for var in TLS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    flags = ["--redis-ca", str(d / "ca.crt"), "--redis-cert", str(d / "client.crt"),
+             "--redis-key", str(d / "client.key")]  # fmt: skip
+    res = CliRunner().invoke(cli, ["runs", "--redis", url, *flags], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert [var for var in TLS_VARS if var in os.environ] == []
+
+
+def test_connect_reads_tls_files_from_the_url_alone(
+    tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment is the CLI's to read (click's envvar), not connect()'s."""
+    url, d = tls_redis
+    for var, name in zip(TLS_VARS, ("ca.crt", "client.crt", "client.key"), strict=True):
+        monkeypatch.setenv(var, str(d / name))
+    with pytest.raises(StoreError):
+        connect(url)  # no files in the URL: nothing to verify the server with
+    tls = RedisTls(str(d / "ca.crt"), str(d / "client.crt"), str(d / "client.key"))
+    assert connect(tls.into_url(url)).ping()
+
+
+def test_tls_files_join_the_query_of_a_rediss_url_only() -> None:
+    tls = RedisTls(ssl_ca_certs="/etc/ca.pem", ssl_keyfile="/k dir/client.key")
+    assert tls.into_url("rediss://u:p@h:6380/0") == (
+        "rediss://u:p@h:6380/0?ssl_ca_certs=/etc/ca.pem&ssl_keyfile=/k%20dir/client.key"
+    )
+    # a file the URL names wins; a plain redis:// or unix:// URL takes none
+    assert tls.into_url("rediss://h:6380/0?ssl_ca_certs=/mine.pem") == (
+        "rediss://h:6380/0?ssl_ca_certs=/mine.pem&ssl_keyfile=/k%20dir/client.key"
+    )
+    assert tls.into_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert RedisTls().into_url("rediss://h:6380/0") == "rediss://h:6380/0"

@@ -8,6 +8,7 @@ import queue
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from hsq.keys import rq_queue_key
 from hsq.outputs import ManifestEntry, output_relpath
 from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, chunked, job_size
+from hsq.runstore import RunStore
+from hsq.store import chunked, job_size
 from hsq.workers.chunks import WorkItem
 from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
@@ -172,7 +174,7 @@ class MarkStore:
     def mark_done(self, _sample_id: str, _entry: ManifestEntry) -> bool:
         raise AssertionError("the committer must use the batch call")
 
-    def mark_done_many(self, entries: list[tuple[str, ManifestEntry]]) -> list[bool]:
+    def mark_done_many(self, entries: Sequence[tuple[str, ManifestEntry]]) -> list[bool]:
         if self.fail is not None:
             raise self.fail
         self.calls.append(len(entries))

@@ -13,6 +13,8 @@ from click.testing import CliRunner
 
 from hsq.app import cli
 from hsq.app.options import settings_options
+from hsq.errors import ConfigError
+from hsq.keys import HEARTBEAT_TTL_S
 from hsq.runconfig import RunConfig
 from hsq.settings import env_names, setting_doc
 from hsq.sglang_server.reference.settings import ReferenceSettings
@@ -105,6 +107,16 @@ def test_bad_worker_settings_are_refused_by_name() -> None:
     bad = dataclasses.replace(parse(REQUIRED), reap_interval_s=0)
     with pytest.raises(Exception, match="--reap-interval must be > 0"):
         bad.validate()
+
+
+def test_a_heartbeat_interval_the_store_ttl_cannot_keep_up_with_is_refused() -> None:
+    """Issue 32: heartbeats 12 s apart passed validation while a heartbeat expires after
+    HEARTBEAT_TTL_S (10 s): a reaper would take a live worker's jobs back every cycle."""
+    slow = dataclasses.replace(parse(REQUIRED), heartbeat_interval_s=12)
+    with pytest.raises(ConfigError, match="--heartbeat-interval must be at most 5 s"):
+        slow.validate()
+    dataclasses.replace(slow, heartbeat_interval_s=HEARTBEAT_TTL_S / 2).validate()
+    assert parse([*REQUIRED, "--heartbeat-interval", "0.5"]).heartbeat_interval_s == 0.5
 
 
 REFERENCE_FLAGS = [

@@ -18,7 +18,7 @@ from hsq.dataset import read_sample, scan_dataset
 from hsq.errors import CorruptDumpError
 from hsq.harness.synthetic import write_synthetic
 from hsq.protocol import DONE_FILE, META_FILE, DumpMeta, ModelIdentity, read_meta
-from hsq.store import redact
+from hsq.redisurl import redact
 from tests.helpers import enqueue, hsq, store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,15 +5,14 @@ real processes."""
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import itertools
 import json
 import os
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import torch
 
 from hsq import protocol
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
-from hsq.errors import ConfigError, RunChangedError
 from hsq.harness.synthetic import write_synthetic
 from hsq.outputs import ManifestEntry
 from hsq.protocol import (
@@ -40,7 +38,7 @@ from hsq.protocol import (
     write_ready,
 )
 from hsq.runconfig import RunConfig
-from hsq.store import ChunkJob, SampleRef
+from hsq.store import ChunkJob, MemoryRun, MemoryStore, SampleRef
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
@@ -53,146 +51,47 @@ EVIL = ModelIdentity("other", "LlamaModel", 8, 16, "1" * 64)
 LAYERS = [2, 4, 5]
 
 
-class FakeStore:
-    """The RunStore calls the worker makes, in memory, with rel15's run fencing: a write
-    after the run's generation changed raises RunChangedError until require_config()."""
+class FakeStore(MemoryStore[ManifestEntry]):
+    """The shipped in-memory store as the worker's, counting the calls these tests look at;
+    `recreate` purges and re-creates the run through an operator's store of its own, so the
+    worker's writes are refused (RunChangedError) until it re-reads the config."""
 
     def __init__(self, cfg: RunConfig | None, jobs: list[ChunkJob]) -> None:
-        self.cfg = cfg
-        self.generation = 0
-        self._seen = 0
-        self.queue: deque[ChunkJob] = deque(jobs)
-        self.retry: deque[ChunkJob] = deque()
-        self.held: dict[str, ChunkJob] = {}
-        self.done: dict[str, ManifestEntry] = {}
-        self.dead: dict[str, dict[str, Any]] = {}
+        super().__init__(MemoryRun("r"))
+        self.operator: MemoryStore[ManifestEntry] = MemoryStore(self.state)
         self.calls: Counter[str] = Counter()
-        self.crashes: Counter[str] = Counter()
         self.on_mark: Callable[[str], None] | None = None
         self.on_give_back: Callable[[], None] | None = None
-        self._ids = itertools.count()
-        self._lock = threading.RLock()
-
-    def _fence(self) -> None:
-        if self._seen != self.generation:
-            raise RunChangedError("run generation changed")
-
-    def require_config(self) -> RunConfig:
-        with self._lock:
-            self.calls["require_config"] += 1
-            if self.cfg is None:
-                raise ConfigError("run 'r' does not exist")
-            self._seen = self.generation
-            return self.cfg
-
-    def load_config(self) -> RunConfig | None:
-        with self._lock:
-            return self.cfg
+        self.recreate(cfg, jobs)
 
     def recreate(self, cfg: RunConfig | None, jobs: list[ChunkJob]) -> None:
-        with self._lock:
-            self.generation += 1
-            self.cfg = cfg
-            self.queue = deque(jobs)
-            self.retry.clear()
-            self.held.clear()
-            self.done.clear()
-            self.dead.clear()
-            for key in [k for k in self.calls if k.startswith("mark:")]:
-                del self.calls[key]
+        self.operator.purge()
+        for key in [k for k in self.calls if k.startswith("mark:")]:
+            del self.calls[key]
+        if cfg is not None:
+            self.operator.create_config(cfg)
+            self.operator.enqueue([job.samples for job in jobs])
 
-    def claim(self, _worker_id: str, _timeout: float) -> ChunkJob | None:
-        with self._lock:
-            self.calls["claim"] += 1
-            q = self.retry or self.queue
-            if q:
-                job = q.popleft()
-                self.held[job.job_id] = job
-                return job
-        time.sleep(0.01)
-        return None
+    def mark_done_many(self, entries: Sequence[tuple[str, ManifestEntry]]) -> list[bool]:
+        out = []
+        for sid, entry in entries:  # one at a time: a hook may purge the run mid-batch
+            if self.on_mark is not None:
+                self.on_mark(sid)
+            out += super().mark_done_many([(sid, entry)])
+            self.calls[f"mark:{sid}"] += 1
+        return out
 
-    def done_among(self, ids: list[str]) -> set[str]:
-        with self._lock:
-            return {i for i in ids if i in self.done}
+    def finish(self, worker_id: str, job: ChunkJob) -> bool:
+        ours = super().finish(worker_id, job)
+        self.calls["finish"] += 1
+        return ours
 
-    def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool:
-        if self.on_mark is not None:
-            self.on_mark(sample_id)
-        with self._lock:
-            self._fence()
-            self.calls["mark_done"] += 1
-            self.calls[f"mark:{sample_id}"] += 1
-            newly = sample_id not in self.done
-            self.done.setdefault(sample_id, entry)
-            return newly
-
-    def finish(self, _worker_id: str, job: ChunkJob) -> bool:
-        with self._lock:
-            self._fence()
-            self.calls["finish"] += 1
-            return self.held.pop(job.job_id, None) is not None
-
-    def give_back(self, _worker_id: str, job: ChunkJob) -> bool:
-        with self._lock:
-            self._fence()
-            self.calls["give_back"] += 1
-            if self.held.pop(job.job_id, None) is None:
-                return False
-            (self.retry if job.origin == "retry" else self.queue).appendleft(job)
-        if self.on_give_back is not None:
+    def give_back(self, worker_id: str, job: ChunkJob) -> bool:
+        back = super().give_back(worker_id, job)
+        self.calls["give_back"] += 1
+        if back and self.on_give_back is not None:
             self.on_give_back()
-        return True
-
-    def enqueue(
-        self, chunks: Any, *, retry: bool = False, attempt: int = 0, reason: str | None = None
-    ) -> int:
-        with self._lock:
-            self._fence()
-            n = 0
-            for chunk in chunks:
-                jid = f"job-{next(self._ids)}"
-                origin = "retry" if retry else "main"
-                job = ChunkJob(jid, origin, list(chunk), attempt, reason)
-                (self.retry if retry else self.queue).append(job)
-                n += len(chunk)
-            return n
-
-    def to_dead(self, sid: str, reason: str, message: str, attempts: int, _worker: Any) -> None:
-        with self._lock:
-            self._fence()
-            self.dead[sid] = {"reason": reason, "message": message, "attempts": attempts}
-
-    def record_crash(self, sid: str) -> int:
-        with self._lock:
-            self.crashes[sid] += 1
-            return self.crashes[sid]
-
-    def pin_dump_identity(self, **values: Any) -> dict[str, Any]:
-        with self._lock:
-            assert self.cfg is not None
-            self.calls["pin"] += 1
-            fresh = {k: v for k, v in values.items() if getattr(self.cfg, k) is None}
-            self.cfg = dataclasses.replace(self.cfg, **fresh)
-            return {k: getattr(self.cfg, k) for k in values}
-
-    def register(self, *_: Any) -> None: ...
-    def heartbeat(self, *_: Any) -> None: ...
-    def unregister(self, *_: Any) -> None: ...
-
-    def reap(self) -> dict[str, int]:
-        return {}
-
-    def release_wip(self, _worker_id: str) -> int:
-        with self._lock:
-            jobs = list(self.held.values())
-            self.held.clear()
-            self.queue.extendleft(reversed(jobs))
-            return len(jobs)
-
-    def nothing_outstanding(self) -> bool:
-        with self._lock:
-            return not (self.queue or self.retry or self.held)
+        return back
 
 
 Behaviour = Callable[[int, list[int]], dict[str, Any]]
@@ -308,7 +207,7 @@ def run_worker(
     lock.acquire("w")
     view = RunView.of(store.require_config(), "r")
     client = ServerClient("http://srv", transport=httpx.MockTransport(server))
-    worker = Worker(settings, Started(store, view, lock, staging, 0), client, "w.1")  # type: ignore[arg-type]
+    worker = Worker(settings, Started(store, view, lock, staging, 0), client, "w.1")
     t = threading.Thread(target=worker.run)
     t.start()
     if stop_when_done is not None:  # a long-running (not --burst) worker

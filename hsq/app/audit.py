@@ -42,7 +42,7 @@ from hsq.errors import (
 from hsq.outputs import ManifestEntry, open_output, output_relpath
 from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, remove_dump, scan_by_rid
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore
+from hsq.runstore import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.readiness import require_hook

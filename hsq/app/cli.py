@@ -100,12 +100,10 @@ _run_option = click.option(
 )
 
 
-def _tls_env(_ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    # connect() reads these, here and in the processes this one starts.
+def _tls_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    # Eager: --redis's callback folds them into the URL (hsq.redisurl.RedisTls).
     if value:
-        from hsq.store import TLS_ENV
-
-        os.environ[TLS_ENV[str(param.name)]] = value
+        ctx.meta.setdefault("hsq_redis_tls", {})[str(param.name)] = value
 
 
 def _remember_url_file(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
@@ -116,14 +114,14 @@ def _remember_url_file(ctx: click.Context, _param: click.Parameter, value: Path 
 def _redis_url(ctx: click.Context, _param: click.Parameter, value: str) -> str:
     """--redis, or the URL read from --redis-url-file (a Docker secret, a mode-600 file):
     a password on a command line is visible to every local user in `ps` and /proc."""
-    path = ctx.meta.get("hsq_redis_url_file")
-    if path is None:
-        return value
-    if ctx.get_parameter_source("redis_url") is click.core.ParameterSource.COMMANDLINE:
-        raise click.UsageError("give --redis or --redis-url-file, not both")
-    from hsq.redisurl import read_url_file
+    from hsq.redisurl import RedisTls, read_url_file
 
-    return read_url_file(path)
+    path = ctx.meta.get("hsq_redis_url_file")
+    if path is not None:
+        if ctx.get_parameter_source("redis_url") is click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError("give --redis or --redis-url-file, not both")
+        value = read_url_file(path)
+    return RedisTls(**ctx.meta.get("hsq_redis_tls", {})).into_url(value)
 
 
 def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -139,7 +137,8 @@ def _redis_option(f: Callable[..., Any]) -> Callable[..., Any]:
             envvar=env,
             default=None,
             expose_value=False,
-            callback=_tls_env,
+            is_eager=True,
+            callback=_tls_file,
             type=click.Path(exists=True, dir_okay=False),
             help=f"rediss:// only: {text}; env {env} or URL query `{name}=`",
         )(f)
@@ -328,7 +327,8 @@ def enqueue(
     from hsq.errors import DatasetError
     from hsq.producer.enqueue import enqueue_run
     from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
-    from hsq.store import RunStore, connect
+    from hsq.runstore import RunStore
+    from hsq.store import connect
 
     if tokenizer is not None:
         tokens = tokens or dataset.with_name(dataset.name.removesuffix(".jsonl") + ".tokens.jsonl")
@@ -412,7 +412,8 @@ def recover(
       hsq recover data.jsonl --run kimi-v1 --out /shared/hs --server-dump-dir /dev/shm/hsq0
     """
     from hsq.producer.enqueue import IdentityHint, recover_run
-    from hsq.store import RunStore, connect
+    from hsq.runstore import RunStore
+    from hsq.store import connect
 
     store = RunStore(connect(redis_url), run)
     known = store.load_config()
@@ -529,7 +530,8 @@ def demo(samples: int, out: Path, redis_url: str | None, seed: int) -> None:
 
 
 def _store(redis_url: str, run: str) -> Any:
-    from hsq.store import RunStore, connect
+    from hsq.runstore import RunStore
+    from hsq.store import connect
 
     st = RunStore(connect(redis_url), run)
     st.require_config()  # an unknown run is a usage error (exit 2), said in plain words
@@ -564,7 +566,8 @@ def status(
     dead_by_reason, workers (docs/operations.md).
     """
     from hsq.app.ops import dumps_json, run_status, status_text
-    from hsq.store import RunStore, connect, list_runs
+    from hsq.runstore import RunStore
+    from hsq.store import connect, list_runs
 
     client = connect(redis_url)
     runs = [run] if run else list_runs(client)
@@ -955,7 +958,8 @@ def runs(redis_url: str) -> None:
       hsq runs --redis-url-file /run/secrets/redis_url
     """
     from hsq.app.ops import run_figures
-    from hsq.store import RunStore, connect, list_runs
+    from hsq.runstore import RunStore
+    from hsq.store import connect, list_runs
 
     client = connect(redis_url)
     names = list_runs(client)

@@ -20,7 +20,8 @@ from hsq.harness.synthetic import write_synthetic
 from hsq.logs import progress
 from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
-from hsq.store import RunStore, connect, redis_calls
+from hsq.runstore import RunStore
+from hsq.store import connect, redis_calls
 
 
 def run_demo(*, samples: int, out: Path, redis_url: str | None, seed: int) -> int:

@@ -21,7 +21,8 @@ from prometheus_client.registry import Collector
 
 from hsq.app.ops import run_figures
 from hsq.errors import ConfigError, StoreError
-from hsq.store import Client, RunStore, connect, list_runs
+from hsq.runstore import RunStore
+from hsq.store import Client, connect, list_runs
 
 log = structlog.get_logger("hsq.app.exporter")
 

@@ -25,7 +25,8 @@ from hsq import jsonsafe
 from hsq.dataset import IndexEntry
 from hsq.errors import DatasetError
 from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
-from hsq.store import RunStore, chunked
+from hsq.runstore import RunStore
+from hsq.store import chunked
 
 MAX_MANIFEST_ENTRY = 64 * 1024
 

@@ -42,7 +42,8 @@ from hsq.errors import ConfigError, DatasetError
 from hsq.outputs import ManifestEntry
 from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
-from hsq.store import AnyRef, RunStore, chunked
+from hsq.runstore import RunStore
+from hsq.store import AnyRef, chunked
 
 log = structlog.get_logger("hsq.producer")
 

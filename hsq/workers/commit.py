@@ -20,11 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 
 from hsq.outputs import ManifestEntry
+from hsq.store import BatchMarker
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
 
@@ -34,10 +34,6 @@ MAX_BATCH = 64
 MAX_DELAY_S = 0.2
 """Lag of a done mark behind its file: at 120 samples/s a worker marks ~24 per call; a
 killed worker redoes at most this much finished work."""
-
-
-class DoneMarkerMany(Protocol):
-    def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool: ...
 
 
 @dataclass
@@ -50,7 +46,7 @@ class _Pending:
 class Committer:
     def __init__(
         self,
-        store: DoneMarkerMany,
+        store: BatchMarker[ManifestEntry],
         events: queue.Queue[Event],
         *,
         max_batch: int = MAX_BATCH,
@@ -109,7 +105,7 @@ class Committer:
 
     def _commit(self, batch: Sequence[_Pending]) -> None:
         try:
-            newly = self._mark([(p.item.sample_id, p.entry) for p in batch])
+            newly = self.store.mark_done_many([(p.item.sample_id, p.entry) for p in batch])
         except Exception as exc:  # every sample of the batch is classified by the ack stage
             for p in batch:
                 self.events.put(Event(p.item, EventKind.FAILED, exc))
@@ -120,10 +116,3 @@ class Committer:
             except Exception as exc:  # counting or logging failed: the sample is done anyway
                 log.warning("done_callback_failed", sample=p.item.sample_id, error=str(exc))
             self.events.put(Event(p.item, EventKind.DONE))
-
-    def _mark(self, entries: list[tuple[str, ManifestEntry]]) -> list[bool]:
-        many = getattr(self.store, "mark_done_many", None)
-        if many is not None:
-            return list(many(entries))
-        # A store without the batch call (a test double) marks one sample at a time.
-        return [self.store.mark_done(sid, e) for sid, e in entries]

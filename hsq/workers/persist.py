@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 
@@ -25,18 +24,14 @@ from hsq.dataset import Sample
 from hsq.outputs import ManifestEntry, output_relpath, write_output
 from hsq.protocol import DumpMeta, open_dump_tensors
 from hsq.quant import FP8
+from hsq.store import DoneMarker
 from hsq.workers.chunks import WorkItem
 from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
-from hsq.workers.runview import Pinner, RunView
+from hsq.workers.runview import RunView
 
 log = structlog.get_logger("hsq.worker.persist")
-
-
-class DoneMarker(Pinner, Protocol):
-    def mark_done(self, sample_id: str, entry: ManifestEntry) -> bool: ...
-    def done_among(self, sample_ids: list[str]) -> set[str]: ...
 
 
 class _DoneElsewhere(Exception):
@@ -85,7 +80,7 @@ class StagedSample:
 class PersistStage:
     def __init__(
         self,
-        store: DoneMarker,
+        store: DoneMarker[ManifestEntry],
         run: str,
         worker_id: str,
         metrics: WorkerMetrics,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsq.errors import ConfigError
+from hsq.keys import HEARTBEAT_TTL_S
 from hsq.settings import setting
 
 
@@ -47,7 +48,9 @@ class WorkerSettings:
     reap_interval_s: float = setting(
         5.0, help="seconds between looks for dead workers' held jobs (to put them back)"
     )
-    heartbeat_interval_s: float = setting(2.0, help="seconds between heartbeats in Redis")
+    heartbeat_interval_s: float = setting(
+        2.0, help=f"seconds between heartbeats in Redis (at most {HEARTBEAT_TTL_S / 2:g})"
+    )
     metrics_port: int | None = setting(
         None, help="serve Prometheus metrics on this port [default: off]"
     )
@@ -99,3 +102,10 @@ class WorkerSettings:
             if getattr(self, name) <= 0:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
                 raise ConfigError(f"{flag} must be > 0")
+        if self.heartbeat_interval_s > HEARTBEAT_TTL_S / 2:
+            # Slower beats let the heartbeat expire between two of them (a reaper then takes
+            # the jobs of a live worker) or break its lease on every beat (hsq/workers/persist.py).
+            raise ConfigError(
+                f"--heartbeat-interval must be at most {HEARTBEAT_TTL_S / 2:g} s, half the "
+                f"{HEARTBEAT_TTL_S} s heartbeat TTL"
+            )

@@ -16,8 +16,10 @@ from pathlib import Path
 import structlog
 
 from hsq.errors import ConfigError, StoreError
+from hsq.outputs import ManifestEntry
 from hsq.protocol import clear_dump_dir, remove_entry
-from hsq.store import RunStore, connect
+from hsq.runstore import RunStore
+from hsq.store import WorkerStore, connect
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
 from hsq.workers.settings import WorkerSettings
@@ -28,7 +30,7 @@ STAGING = ".hsq-staging"
 
 @dataclass
 class Started:
-    store: RunStore
+    store: WorkerStore[ManifestEntry]
     view: RunView
     lock: DumpDirLock
     staging: Path

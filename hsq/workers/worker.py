@@ -30,10 +30,12 @@ from typing import Any
 import structlog
 
 from hsq.errors import ConfigError, HookInactiveError, RunChangedError, StoreError
+from hsq.outputs import ManifestEntry
 from hsq.runconfig import RunConfig
-from hsq.store import HEARTBEAT_TTL_S, ChunkJob, RunStore, new_worker_id
+from hsq.store import HEARTBEAT_TTL_S, ChunkJob, WorkerStore, new_worker_id
 from hsq.workers.audit import WorkerAudit
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
+from hsq.workers.claims import Claims
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
@@ -67,7 +69,8 @@ class Worker:
         self.settings = settings
         self.id = worker_id
         self.name = settings.name or self.id.rsplit(".", 1)[0]
-        self.store: RunStore = started.store
+        self.store: WorkerStore[ManifestEntry] = started.store
+        self.claims = Claims(self.store, worker_id)
         self.view: RunView = started.view
         self.lock = started.lock
         self.cleared = started.cleared
@@ -258,7 +261,7 @@ class Worker:
     def _claim(self, block: bool) -> bool:
         # With nothing in flight, blocks up to --claim-timeout on an empty queue. With work
         # in flight it does not wait: its events (and, at a burst's end, the exit) would.
-        job = self.store.claim(self.id, self.settings.claim_timeout_s if block else 0)
+        job = self.claims.claim(self.settings.claim_timeout_s if block else 0)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
@@ -326,7 +329,7 @@ class Worker:
 
     def _finish(self, job: ChunkJob) -> None:
         self.book.pop(job.job_id)
-        if not self.store.finish(self.id, job):
+        if not self.claims.finish(job):
             log.warning("chunk_not_ours_anymore", job=job.job_id)
 
     def _route_failure(self, item: WorkItem, exc: BaseException) -> None:
@@ -392,7 +395,7 @@ class Worker:
                 return
             for chunk in self.book.clear():
                 if chunk.complete and not chunk.hand_back:
-                    self.store.finish(self.id, chunk.job)
+                    self.claims.finish(chunk.job)
                 else:
                     self._hand_back(chunk, self._why(stopping))
         except STORE_DOWN_OR_RUN_CHANGED as exc:
@@ -403,14 +406,14 @@ class Worker:
     def _hand_back(self, chunk: OpenChunk, why: str) -> None:
         job = chunk.job
         if not chunk.routed:
-            self.store.give_back(self.id, job)  # untouched, to the front of its queue
+            self.claims.give_back(job)  # untouched, to the front of its queue
         else:
             # Some samples already went to a retry job or the dead letter: queue the rest
             # as a new job, so none of them is done twice or both dead and done.
             rest = [ref for ref in job.samples if ref[0] not in chunk.routed]
             if rest:
                 self.store.enqueue([rest], attempt=job.attempt, reason=job.reason)
-            self.store.finish(self.id, job)
+            self.claims.finish(job)
         self.metrics.handed_back(len(job.samples) - len(chunk.routed))
         self.counts["handed_back"] += 1
         log.info("job_handed_back", job=job.job_id, why=why, routed=len(chunk.routed))
@@ -460,7 +463,7 @@ class Worker:
         n = 0
         while not self._stop.is_set():
             try:
-                released = self.store.release_wip(self.id)
+                released = self.claims.release_all()
                 log.info("released_jobs_after_redis_error", jobs=released)
                 return
             except STORE_DOWN as exc:
@@ -590,7 +593,7 @@ class Worker:
 
     def _shutdown_store(self) -> None:
         try:
-            n = self.store.release_wip(self.id)  # normally 0: chunks were finished or handed back
+            n = self.claims.release_all()  # normally 0: chunks were finished or handed back
             if n:
                 log.warning("released_jobs_at_exit", jobs=n)
             self.store.unregister(self.id)

@@ -85,7 +85,8 @@ def run_status(redis_url: str, run: str) -> dict[str, Any]:
 
 def done_count(redis_url: str, run: str) -> Callable[[], tuple[int, int]]:
     """A cheap poll of the run's (done, dead) counts, for timing the mid-run kill."""
-    from hsq.store import RunStore, connect
+    from hsq.runstore import RunStore
+    from hsq.store import connect
 
     store = RunStore(connect(redis_url), run)
     return lambda: (store.count(store.keys.done), store.count(store.keys.dead))

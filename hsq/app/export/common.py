@@ -36,7 +36,7 @@ from hsq.outputs import (
 )
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 log = structlog.get_logger("hsq.app.export")
 

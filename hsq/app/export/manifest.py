@@ -14,7 +14,7 @@ from hsq.errors import OutputError
 from hsq.outputs import write_durably
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 
 def export_manifest(store: RunStore, root: Path, *, partial: bool = False) -> int:

@@ -39,7 +39,7 @@ from hsq.errors import OutputError
 from hsq.outputs import ManifestEntry, OutputSample, output_relpath
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 CKPT = ".ckpt"
 SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")

@@ -52,7 +52,7 @@ from hsq.errors import ConfigError, OutputError
 from hsq.outputs import ManifestEntry, OutputSample, read_header
 
 if TYPE_CHECKING:
-    from hsq.store import RunStore
+    from hsq.runstore import RunStore
 
 KIND = "speculators-v1"
 HS_DIR = "hidden_states"

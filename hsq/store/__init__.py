@@ -1,0 +1,69 @@
+"""All of hsq's Redis traffic. Keys come from hsq.keys, jobs are RQ jobs.
+
+Nothing else imports redis or rq (the test harness that starts redis-server aside), and the
+gateway imports no file format: a done entry is stored through a codec (hsq.outputs' manifest
+codec; hsq.runstore.RunStore binds the two). Every public method turns Redis errors into hsq
+errors: StoreUnavailableError (unreachable or timing out: transient) or StoreError; a write
+to a run that was purged or re-created since this store read its config raises
+RunChangedError.
+
+By aggregate, each in its module, sharing one Fence (fence.py) per store:
+
+    connection.py  connect() (TLS files from the URL), Redis errors as hsq errors
+    scripts.py     the Lua scripts
+    config.py      ConfigIndex: the run's config and pins, the dataset index
+    counters.py    Stats and Counters: the O(1) counters status reads, recounting them
+    queue.py       JobQueue: enqueue, claim, finish, give back, reap
+    ledger.py      Ledger: done (through a DoneCodec), dead letter, crash counts
+    workers.py     WorkerRegistry: registration and heartbeats
+    lifecycle.py   Lifecycle: the enqueue lock, begin/end enqueue, lost samples, purge
+    facade.py      Store: all of them in one object
+    roles.py       what each consumer needs (WorkerStore, Claimer, DoneMarker, BatchMarker)
+    memory.py      MemoryStore: an in-memory fake of the worker's roles, for unit tests
+"""
+
+from __future__ import annotations
+
+from hsq.keys import HEARTBEAT_TTL_S
+from hsq.store.config import ConfigIndex
+from hsq.store.connection import Client, connect, list_runs, redis_calls
+from hsq.store.counters import Counters, Stats
+from hsq.store.facade import Store
+from hsq.store.fence import Fence
+from hsq.store.jobs import AnyRef, ChunkJob, SampleRef, chunked, job_size
+from hsq.store.ledger import DoneCodec, Ledger
+from hsq.store.lifecycle import Lifecycle
+from hsq.store.memory import MemoryRun, MemoryStore
+from hsq.store.queue import JobQueue
+from hsq.store.roles import BatchMarker, Claimer, DoneMarker, WorkerStore
+from hsq.store.workers import WorkerRegistry, new_worker_id
+
+__all__ = [
+    "HEARTBEAT_TTL_S",
+    "AnyRef",
+    "BatchMarker",
+    "ChunkJob",
+    "Claimer",
+    "Client",
+    "ConfigIndex",
+    "Counters",
+    "DoneCodec",
+    "DoneMarker",
+    "Fence",
+    "JobQueue",
+    "Ledger",
+    "Lifecycle",
+    "MemoryRun",
+    "MemoryStore",
+    "SampleRef",
+    "Stats",
+    "Store",
+    "WorkerRegistry",
+    "WorkerStore",
+    "chunked",
+    "connect",
+    "job_size",
+    "list_runs",
+    "new_worker_id",
+    "redis_calls",
+]

@@ -1,0 +1,120 @@
+"""The connection: connect(), and Redis exceptions as hsq errors (the aggregates' methods
+raise only hsq errors: StoreUnavailableError for unreachable or timing out, which is
+transient, else StoreError).
+
+connect() reads everything from the URL, TLS files included (`ssl_ca_certs`, `ssl_certfile`,
+`ssl_keyfile` query parameters); it reads no environment variable. The CLI folds its
+--redis-ca/--redis-cert/--redis-key flags (or their HSQ_REDIS_* variables) into the URL at
+the edge (hsq.redisurl.RedisTls), so the values travel with the URL to wherever it goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from hsq.errors import ConfigError, StoreError, StoreUnavailableError
+from hsq.keys import RUNS
+from hsq.redisurl import check_url, redact, scrub
+
+Client = redis.Redis
+"""The client type, for modules that hold a connection without importing redis."""
+WatchError = redis.exceptions.WatchError
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def redis_errors(where: str = "Redis") -> Iterator[None]:
+    """Redis exceptions as hsq errors: unreachable is transient, the rest is not."""
+    try:
+        yield
+    except redis.exceptions.AuthenticationError as exc:
+        raise StoreError(f"{where} refused the credentials: {exc}") from exc
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise StoreUnavailableError(f"cannot reach {where}: {exc}") from exc
+    except redis.exceptions.NoPermissionError as exc:
+        raise StoreError(f"the user of {where} lacks a permission hsq needs: {exc}") from exc
+    except redis.exceptions.RedisError as exc:
+        raise StoreError(f"{where}: {exc}") from exc
+
+
+def _translated(fn: Callable[P, R]) -> Callable[P, R]:
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            with redis_errors():
+                yield from fn(*args, **kwargs)
+
+        return gen_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with redis_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def translate_public(cls: type[T]) -> type[T]:
+    """Wrap every public method: callers see hsq errors only, never redis exceptions."""
+    for name, attr in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.isfunction(attr):
+            setattr(cls, name, _translated(attr))
+    return cls
+
+
+def connect(url: str) -> Client:
+    """A client from a URL (auth, db and TLS files come from it); retries transient
+    connection errors."""
+    check_url(url)  # before any parser sees it: a reserved character would leak (redisurl.py)
+    try:
+        with redis_errors(f"Redis at {redact(url)}"):
+            client = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=5,
+                socket_timeout=30,
+                health_check_interval=15,
+                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5),
+                retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+            )
+            client.ping()
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"bad Redis URL {redact(url)}: {scrub(str(exc), url)}") from None
+    except StoreError as exc:  # redis-py's messages name what it parsed: never a password
+        raise type(exc)(scrub(str(exc), url)) from None
+    return client
+
+
+def list_runs(client: Client) -> list[str]:
+    with redis_errors():
+        return sorted(text(r) for r in client.smembers(RUNS))
+
+
+def redis_calls(client: Client) -> int:
+    """Commands Redis executed so far (INFO commandstats, all commands)."""
+    with redis_errors():
+        stats = client.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values())
+
+
+def scan_names(client: Client, pattern: str) -> list[str]:
+    """Key names matching `pattern` by SCAN; [] for a per-run ACL user, which may not
+    SCAN (it would list every run's key names): callers then use the registered workers."""
+    try:
+        return [text(key) for key in client.scan_iter(match=pattern, count=1000)]
+    except redis.exceptions.NoPermissionError:
+        return []
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

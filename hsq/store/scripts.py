@@ -1,0 +1,271 @@
+"""hsq's Redis scripts (Lua), as strings; the aggregates register the ones they use.
+
+Every script that a worker's write runs is fenced: it starts with `_FENCE` and replies -1
+when the run's generation is no longer the one the caller holds (hsq/store/fence.py).
+Scripts that move a job move its count in the stats hash with it (docs/queue.md, "Counters").
+"""
+
+from __future__ import annotations
+
+COUNTERS_VERSION = 1
+"""The stats hash's `counters` field: the queue counters exist and are kept by the scripts."""
+
+# Every fenced script starts with this: KEYS[1] is the run's config, ARGV[1] the generation
+# the caller holds (as stored: JSON). -1 means the run is gone or was re-created.
+_FENCE = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return -1 end
+"""
+
+
+def _fenced_once(first: str, then: str) -> str:
+    """A fenced script: run `first`; only if it changed something, run `then`; 1 or 0."""
+    return _FENCE + f"if {first} == 1 then\n{then}\n  return 1\nend\nreturn 0\n"
+
+
+# Un-marks a sample (verify --requeue) and takes it out of the totals, exactly once.
+UNDO_DONE = _fenced_once(
+    "redis.call('HDEL', KEYS[2], ARGV[2])",
+    "  redis.call('HINCRBY', KEYS[3], 'tokens', -tonumber(ARGV[3]))\n"
+    "  redis.call('HINCRBY', KEYS[3], 'bytes', -tonumber(ARGV[4]))",
+)
+# Ownership-checked job moves: act only if the job is still in this worker's wip list.
+FINISH = _fenced_once("redis.call('LREM', KEYS[2], 1, ARGV[2])", "  redis.call('DEL', KEYS[3])")
+# Lua: a dead-letter entry's reason (entries are untrusted JSON), as dead_entries reads it.
+_REASON = """
+local function reason_of(v)
+  local ok, e = pcall(cjson.decode, v)
+  if ok and type(e) == 'table' and type(e.reason) == 'string' then return e.reason end
+  return '?'
+end
+local function unreason(key, v)
+  local r = reason_of(v)
+  if redis.call('HINCRBY', key, r, -1) <= 0 then redis.call('HDEL', key, r) end
+end
+"""
+
+# Marks a batch of samples done, each exactly once, and keeps the run's totals in step with
+# the done hash. KEYS: config, done, stats, dead, dead reasons; ARGV: generation, then
+# (sample id, manifest JSON, tokens, bytes) per sample. A newly done sample leaves the dead
+# letter (done and dead stay disjoint, so status adds them up without reading either).
+# Replies 1/0 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
+MARK_DONE_MANY = (
+    _FENCE
+    + _REASON
+    + """
+local ids = {}
+for i = 2, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
+local have = redis.call('HMGET', KEYS[2], unpack(ids))
+local out, put, new, seen = {}, {}, {}, {}
+local tokens, nbytes = 0, 0
+for j, sid in ipairs(ids) do
+  local i = 2 + (j - 1) * 4
+  if have[j] or seen[sid] then
+    out[j] = 0
+  else
+    seen[sid] = true
+    out[j] = 1
+    put[#put + 1] = sid
+    put[#put + 1] = ARGV[i + 1]
+    new[#new + 1] = sid
+    tokens = tokens + tonumber(ARGV[i + 2])
+    nbytes = nbytes + tonumber(ARGV[i + 3])
+  end
+end
+if #new > 0 then
+  redis.call('HSET', KEYS[2], unpack(put))
+  redis.call('HINCRBY', KEYS[3], 'tokens', tokens)
+  redis.call('HINCRBY', KEYS[3], 'bytes', nbytes)
+  if redis.call('HLEN', KEYS[4]) > 0 then
+    local dead = redis.call('HMGET', KEYS[4], unpack(new))
+    for j, sid in ipairs(new) do
+      if dead[j] then
+        unreason(KEYS[5], dead[j])
+        redis.call('HDEL', KEYS[4], sid)
+      end
+    end
+  end
+end
+return out
+"""
+)
+
+# Puts a dead-letter entry and counts its reason. KEYS: config, dead, reasons, done; ARGV:
+# generation, key, entry JSON, reason. A sample already done is not dead-lettered (0).
+TO_DEAD = (
+    _FENCE
+    + _REASON
+    + """
+if redis.call('HMGET', KEYS[4], ARGV[2])[1] then return 0 end
+local old = redis.call('HGET', KEYS[2], ARGV[2])
+if old then unreason(KEYS[3], old) end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+return 1
+"""
+)
+
+# Takes entries out of the dead letter, keeping the reason counts. KEYS: dead, reasons.
+DEAD_REMOVE = (
+    _REASON
+    + """
+local n = 0
+for _, key in ipairs(ARGV) do
+  local old = redis.call('HGET', KEYS[1], key)
+  if old then
+    unreason(KEYS[2], old)
+    n = n + redis.call('HDEL', KEYS[1], key)
+  end
+end
+return n
+"""
+)
+
+# Lua: the samples of a job: its id ends in -n<count>; a job enqueued before counters existed
+# has its count in the job-sizes hash (recount_queues writes it), KEYS[SIZES] of the script.
+_SIZE = """
+local function size_of(id)
+  local n = string.match(id, '%-n(%d+)$')
+  if n then return tonumber(n) end
+  return tonumber(redis.call('HGET', KEYS[SIZES], id) or '1')
+end
+"""
+
+
+def _with_sizes(script: str, key_index: int) -> str:
+    return _SIZE.replace("SIZES", str(key_index)) + script
+
+
+# KEYS: config, wip, origin queue, stats, sizes; ARGV: generation, job id, origin's counter
+# prefix ('main' or 'retry').
+GIVE_BACK = _with_sizes(
+    _fenced_once(
+        "redis.call('LREM', KEYS[2], 1, ARGV[2])",
+        "  redis.call('LPUSH', KEYS[3], ARGV[2])\n"
+        "  redis.call('HINCRBY', KEYS[4], ARGV[3] .. '_samples', size_of(ARGV[2]))\n"
+        "  redis.call('HINCRBY', KEYS[4], ARGV[3] .. '_jobs', 1)",
+    ),
+    5,
+)
+
+# Claims the first job of the retry queue, else of the main queue, into a worker's wip list,
+# moving its count out of that queue's counters. KEYS: retry, main, wip, stats, config,
+# sizes. Replies the job id and its queue ('retry' or 'main'), or nil.
+CLAIM = _with_sizes(
+    """
+local id = redis.call('LMOVE', KEYS[1], KEYS[3], 'LEFT', 'RIGHT')
+local which = 'retry'
+if not id then
+  id = redis.call('LMOVE', KEYS[2], KEYS[3], 'LEFT', 'RIGHT')
+  which = 'main'
+end
+if not id then return false end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('HINCRBY', KEYS[4], which .. '_samples', -size_of(id))
+  redis.call('HINCRBY', KEYS[4], which .. '_jobs', -1)
+end
+return {id, which}
+""",
+    6,
+)
+
+# Moves the last job of a wip list to the front of the main queue, with its count.
+# KEYS: wip, main, stats, config, sizes.
+RELEASE_ONE = _with_sizes(
+    """
+local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
+if id and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'main_samples', size_of(id))
+  redis.call('HINCRBY', KEYS[3], 'main_jobs', 1)
+end
+return id
+""",
+    5,
+)
+
+# Re-derives the queue counters and the dead letter's reason counts from the lists and the
+# dead hash, atomically (O(jobs + dead entries): the repair and migration path, not status).
+# KEYS: config, main, retry, stats, sizes, dead, reasons.
+RECOUNT = _with_sizes(
+    _REASON
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local function sum(key)
+  local ids = redis.call('LRANGE', key, 0, -1)
+  local n = 0
+  for _, id in ipairs(ids) do n = n + size_of(id) end
+  return n, #ids
+end
+local ms, mj = sum(KEYS[2])
+local rs, rj = sum(KEYS[3])
+redis.call('HSET', KEYS[4], 'main_samples', ms, 'main_jobs', mj, 'retry_samples', rs,
+           'retry_jobs', rj, 'counters', ARGV[1])
+redis.call('DEL', KEYS[7])
+local counts = {}
+local dead = redis.call('HGETALL', KEYS[6])
+for i = 2, #dead, 2 do
+  local r = reason_of(dead[i])
+  counts[r] = (counts[r] or 0) + 1
+end
+for r, n in pairs(counts) do redis.call('HSET', KEYS[7], r, n) end
+return ms + rs
+""",
+    5,
+)
+# The reaper's lock, only in a run that exists (a purged run gets no key back).
+REAP_LOCK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+return 0
+"""
+FORGET_LOST = """
+if redis.call('HINCRBY', KEYS[1], 'lost', -tonumber(ARGV[1])) < 0 then
+  redis.call('HSET', KEYS[1], 'lost', 0)
+end
+return 1
+"""
+
+HINCR = _FENCE + "return redis.call('HINCRBY', KEYS[2], ARGV[2], 1)"
+
+# Model and layers of the first valid dump: HSETNX, only into the run we read.
+PIN = (
+    _FENCE
+    + """
+for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+)
+
+HEARTBEAT = (
+    _FENCE
+    + """
+redis.call('SADD', KEYS[2], ARGV[2])
+if #ARGV >= 5 then redis.call('HSET', KEYS[3], unpack(ARGV, 4)) end
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[3]))
+return 1
+"""
+)
+
+# Creates a run's config if there is none (one enqueue wins); 0 if it exists. Its counters
+# start exact (a new run has no job): KEYS[3] is the stats hash.
+CREATE = f"""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[3], 'counters', {COUNTERS_VERSION})
+return 1
+"""
+
+ADOPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSETNX', KEYS[1], 'generation', ARGV[1]) end
+return 1
+"""
+
+# Releases a lock only if we still hold it.
+UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
