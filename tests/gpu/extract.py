@@ -12,10 +12,27 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from hsq.harness.procs import hsq_command, worker_process
-from hsq.harness.sglang import SGLangServer, wait_for
+from hsq.harness.procs import ManagedProcess, hsq_command, worker_process
+from hsq.harness.sglang import wait_for
+
+
+class Serving(Protocol):
+    """What an extraction needs of its server (hsq.harness.sglang.SGLangServer; the CPU
+    tests' reference-server stand-in)."""
+
+    url: str
+
+    @property
+    def dump_dir(self) -> Path | None: ...
+
+    @property
+    def proc(self) -> ManagedProcess | None: ...
+
+    def start(self) -> float: ...
+
+    def kill(self) -> None: ...
 
 
 def hsq(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -99,7 +116,7 @@ class Extraction:
     dataset: dict[str, list[int]]
     dataset_path: Path
     redis_url: str
-    server: SGLangServer
+    server: Serving
     worker_url: str
     """Where the worker sends: the server itself, or a proxy in front of it."""
     layers: str
