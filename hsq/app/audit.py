@@ -177,7 +177,13 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
     finally:
         remove_dump(path)
     stored = open_output(out_root / output_relpath(sid))
-    return compare_states(stored, sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state)
+    return compare_states(
+        stored,
+        sample.input_ids,
+        dump.aux_hidden_states,
+        dump.last_hidden_state,
+        architecture=dump.meta.model.architecture,
+    )
 
 
 def _requeue(store: RunStore, out_root: Path, bad: dict[str, ManifestEntry]) -> int:

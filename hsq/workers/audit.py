@@ -93,7 +93,11 @@ class WorkerAudit:
             dump = read_dump(staged.staged, view.expected(staged.meta.rid, staged.sample))
             stored = open_output(view.out_root / output_relpath(sid))
             verdict = compare_states(
-                stored, staged.sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state
+                stored,
+                staged.sample.input_ids,
+                dump.aux_hidden_states,
+                dump.last_hidden_state,
+                architecture=dump.meta.model.architecture,
             )
         except Exception as exc:  # e.g. the file gone meanwhile (redone, verify --requeue)
             self.counts["audit_failures"] += 1

@@ -67,7 +67,7 @@ def launch_command(
     versions go through hsq's launcher. Prefill CUDA graphs are off unless asked for:
     whether aux capture survives graph replay was never observed here (docs/sglang.md).
     """
-    problems = check_launch_args(extra_args)
+    problems = tp_problems(tp_size, extra_args) + check_launch_args(extra_args)
     if problems:
         raise ValueError("; ".join(problems))
     cfg = HookConfig(
@@ -100,6 +100,22 @@ def launch_command(
     if not overlap_schedule:
         cmd.append("--disable-overlap-schedule")
     return cmd + list(extra_args)
+
+
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+"""SGLang's spellings of the tensor-parallel size; hsq passes it itself (`--tp N`)."""
+
+
+def tp_problems(tp_size: object, extra_args: Sequence[str] = ()) -> list[str]:
+    """The tensor-parallel size is hsq's `--tp N` (an integer >= 1), given once: a second
+    value among the SGLang arguments would silently win (argparse keeps the last)."""
+    out: list[str] = []
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        out.append(f"--tp {tp_size!r}: expected an integer >= 1")
+    given = sorted({a.split("=", 1)[0] for a in extra_args if a.split("=", 1)[0] in TP_FLAGS})
+    out += [f"{f} among the SGLang arguments: give the tensor-parallel size once, as --tp N"
+            for f in given]  # fmt: skip
+    return out
 
 
 def _flag_values(argv: Sequence[str]) -> dict[str, str]:
