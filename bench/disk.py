@@ -4,7 +4,7 @@ Each design writes `total_mb` in files of `file_mb`, every file fsynced before i
   one stream       buffered writes + fsync, one file after another (the old storage bound)
   buffered xN      N threads doing the same on their own files
   direct xN        N threads writing with O_DIRECT from a page-aligned buffer, then fsync
-  stfile xN        N threads through hsq.stfile.write (read from a tmpfs source into its
+  stfile xN        N threads through hsq's WriteEngine (read from a tmpfs source into its
                    buffers, checksum, write, as the worker's persist stage does), with and
                    without its O_DIRECT path
 The storage bound is the best of the plain designs; the stfile rows say whether hsq's writer
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hsq import stfile
+from hsq.stfile.engine import Range, WriteEngine
+from hsq.stfile.header import build_header
 
 CHUNK = 8 * 2**20
 
@@ -55,13 +56,13 @@ def _direct(path: Path, data: memoryview) -> None:
         os.close(fd)
 
 
-def _stfile(src_fd: int, nbytes: int) -> Callable[[Path, memoryview], None]:
-    header = stfile.build_header([("x", "U8", [nbytes], nbytes)], None)
+def _stfile(engine: WriteEngine, src_fd: int, nbytes: int) -> Callable[[Path, memoryview], None]:
+    header = build_header([("x", "U8", [nbytes], nbytes)], None)
 
     def write(path: Path, _data: memoryview) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            stfile.write(fd, header, [stfile.Range(src_fd, 0, nbytes)])
+            engine.write(fd, header, [Range(src_fd, 0, nbytes)])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -117,16 +118,10 @@ def probe(
         src.write_bytes(data)
         sfd = os.open(src, os.O_RDONLY)
         try:
-            old = os.environ.get("HSQ_DIRECT_IO")
-            for label, flag in (("stfile x2, O_DIRECT", "1"), ("stfile x2, buffered", "0")):
-                os.environ["HSQ_DIRECT_IO"] = flag
-                w = _stfile(sfd, len(data))
-                r = _rate(directory, 2, files, data, w)
+            for label, direct in (("stfile x2, O_DIRECT", True), ("stfile x2, buffered", False)):
+                with WriteEngine(direct_io=direct) as engine:
+                    r = _rate(directory, 2, files, data, _stfile(engine, sfd, len(data)))
                 result["gb_s"][label] = round(r / 1e9, 3)  # type: ignore[index]
-            if old is None:
-                os.environ.pop("HSQ_DIRECT_IO", None)
-            else:
-                os.environ["HSQ_DIRECT_IO"] = old
         finally:
             os.close(sfd)
             src.unlink()

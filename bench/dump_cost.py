@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
+from hsq.dump.find import clear_dump_dir
 from hsq.logs import configure
-from hsq.protocol import FP8, PLAIN, clear_dump_dir
 from hsq.sglang_server.reference.app import dump_bytes_per_token
 from hsq.sglang_server.reference.dumper import DumpWriter, HostBatch, WriterStats, _Job
 from hsq.sglang_server.reference.engine import Engine
@@ -57,6 +57,7 @@ from hsq.sglang_server.sglang_hook.config import HookConfig
 from hsq.sglang_server.sglang_hook.dump_hook import DumpHook
 from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
 from hsq.sglang_server.sglang_hook.plan import BatchPlan, RidFilter, build_plan
+from hsq.states import FP8, PLAIN
 
 MODES = (
     "forward",

@@ -29,27 +29,31 @@ from typing import Any
 
 import torch
 
-from hsq import protocol as proto
 from hsq import quant
 from hsq.dataset import Sample
-from hsq.outputs import write_output
+from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.read import open_dump_tensors
+from hsq.dump.write import write_dump
+from hsq.outputs.transcode import write_output
 from hsq.sglang_server.reference.model import eagle3_default_layers, load_model, shape_config
+from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, STORE_DTYPES
+from hsq.stfile.engine import WriteEngine
 
-FORMATS = ("bf16", "fp8-e4m3")
+FORMATS = STORE_DTYPES
 
 
-def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[proto.DumpMeta, list[int]]:
+def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[DumpMeta, list[int]]:
     ids = [(7 * i + index) % 32000 for i in range(n)]
-    ident = proto.ModelIdentity("bench", "LlamaModel", 32, h, "0" * 64)
-    meta = proto.DumpMeta(
+    ident = ModelIdentity("bench", "LlamaModel", 32, h, "0" * 64)
+    meta = DumpMeta(
         f"r{index}",
         n,
-        proto.fingerprint(ids),
+        fingerprint(ids),
         layers,
         h,
         "bfloat16",
         ident,
-        proto.expected_shapes(n, len(layers), h),
+        expected_shapes(n, len(layers), h),
         index,
     )
     return meta, ids
@@ -57,7 +61,7 @@ def _meta(n: int, layers: list[int], h: int, index: int) -> tuple[proto.DumpMeta
 
 def make_dumps(
     where: Path, shape: str, count: int, length: int
-) -> list[tuple[Path, proto.DumpMeta, list[int]]]:
+) -> list[tuple[Path, DumpMeta, list[int]]]:
     """Dumps as the server writes them, with states of a hidden-state-like spread (a few
     large channels, as real residual streams have); the content only matters for cost."""
     cfg = shape_config(shape)
@@ -69,16 +73,17 @@ def make_dumps(
         aux[:, :: max(1, h // 8)] *= 20
         last = torch.randn(length, h, generator=gen)
         tensors = {
-            proto.AUX_TENSOR: aux.to(torch.bfloat16),
-            proto.LAST_TENSOR: last.to(torch.bfloat16),
+            AUX_TENSOR: aux.to(torch.bfloat16),
+            LAST_TENSOR: last.to(torch.bfloat16),
         }
         meta, ids = _meta(length, layers, h, i)
-        out.append((proto.write_dump(where, i, meta, tensors, fsync=False), meta, ids))
+        out.append((write_dump(where, i, meta, tensors, fsync=False), meta, ids))
     return out
 
 
 def persist_one(
-    dump: tuple[Path, proto.DumpMeta, list[int]],
+    engine: WriteEngine,
+    dump: tuple[Path, DumpMeta, list[int]],
     out: Path,
     fmt: str,
     name: str,
@@ -87,11 +92,12 @@ def persist_one(
     path, meta, ids = dump
     # The worker's validation, finite check included (fp8 may skip it: the quantizer
     # refuses NaN and Inf itself; --skip-finite measures what that would save).
-    check = not (skip_finite and fmt == quant.FP8)
-    tensors = proto.open_dump_tensors(path, meta, check_finite=check)
+    check = not (skip_finite and fmt == FP8)
+    tensors = open_dump_tensors(path, meta, check_finite=check)
     try:
         sample = Sample(name, ids, None)
-        nbytes, _ = write_output(out / f"{name}.safetensors", sample, meta, tensors, "bench", fmt)
+        path = out / f"{name}.safetensors"
+        nbytes, _ = write_output(path, sample, meta, tensors, "bench", fmt, engine=engine)
     finally:
         tensors.close()
     return len(ids), nbytes
@@ -104,7 +110,8 @@ def bench_bytes(shape: str, length: int) -> dict[str, Any]:
         dump = make_dumps(root / "d", shape, 1, length)[0]
         res = {}
         for fmt in FORMATS:
-            _, nbytes = persist_one(dump, root / fmt, fmt, "s")
+            with WriteEngine() as engine:
+                _, nbytes = persist_one(engine, dump, root / fmt, fmt, "s")
             res[fmt] = nbytes / length
     res["ratio"] = res["fp8-e4m3"] / res["bf16"]
     return res
@@ -137,10 +144,10 @@ def bench_error(model_name: str, device: str, lengths: list[int]) -> dict[str, A
         ids = torch.randint(0, model.vocab_size, (n,), generator=gen).tolist()
         cap = model.forward(ids)
         aux, last = cap.aux.cpu(), cap.last.cpu()  # quantized on the CPU, as the worker does
-        for name, x, groups in ((proto.AUX_TENSOR, aux, len(layers)), (proto.LAST_TENSOR, last, 1)):
+        for name, x, groups in ((AUX_TENSOR, aux, len(layers)), (LAST_TENSOR, last, 1)):
             y = quant.dequantize(*quant.quantize(x, groups))
             for g in range(groups):
-                key = f"aux layer {layers[g]}" if name == proto.AUX_TENSOR else name
+                key = f"aux layer {layers[g]}" if name == AUX_TENSOR else name
                 sl = slice(g * h, (g + 1) * h)
                 per.setdefault(key, []).append((x[:, sl], y[:, sl]))
     return {
@@ -211,8 +218,8 @@ def bench_persist(
             ]
             seen = _cgroup_written(cgroup, device)
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                done = list(pool.map(lambda job: persist_one(*job), jobs))
+            with WriteEngine() as engine, ThreadPoolExecutor(threads) as pool:
+                done = list(pool.map(lambda job: persist_one(engine, *job), jobs))
             elapsed = time.perf_counter() - t0
             tokens = sum(t for t, _ in done)
             nbytes = sum(b for _, b in done)

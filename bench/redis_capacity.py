@@ -20,7 +20,8 @@ from pathlib import Path
 
 from hsq.dataset import IndexEntry
 from hsq.harness.procs import RedisServer
-from hsq.outputs import ManifestEntry, output_relpath
+from hsq.outputs.format import output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import chunked, connect, redis_calls

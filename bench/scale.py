@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from hsq.dataset import IndexEntry
+from hsq.dump.format import LAYER_CONVENTION, fingerprint
 from hsq.harness.procs import RedisServer, hsq_command
-from hsq.outputs import OUTPUT_FORMAT, ManifestEntry, output_relpath
-from hsq.protocol import AUX_TENSOR, LAST_TENSOR, LAYER_CONVENTION, fingerprint
+from hsq.outputs.format import OUTPUT_FORMAT, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
-from hsq.stfile import build_header
+from hsq.states import AUX_TENSOR, LAST_TENSOR
+from hsq.stfile.header import build_header
 from hsq.store import connect
 
 RUN = "scale"

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from hsq.dataset import (
         Sample,
     )
+    from hsq.dump.find import wait_for_dump
+    from hsq.dump.format import DumpMeta, fingerprint
+    from hsq.dump.read import Dump, Expected, read_dump
+    from hsq.dump.ready import ReadyMarker, read_ready, write_ready
+    from hsq.dump.write import write_dump
     from hsq.errors import (
         CachedTokensError,
         ConfigError,
@@ -43,24 +48,8 @@ if TYPE_CHECKING:
         StoreUnavailableError,
         WrongLengthError,
     )
-    from hsq.outputs import (
-        ManifestEntry,
-        OutputSample,
-        open_output,
-        output_relpath,
-    )
-    from hsq.protocol import (
-        Dump,
-        DumpMeta,
-        Expected,
-        ReadyMarker,
-        fingerprint,
-        read_dump,
-        read_ready,
-        wait_for_dump,
-        write_dump,
-        write_ready,
-    )
+    from hsq.outputs.format import OutputSample, open_output, output_relpath
+    from hsq.outputs.manifest import ManifestEntry
     from hsq.quant import (
         logical_tensors,
     )
@@ -70,16 +59,16 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it
 _WHERE: dict[str, str] = {
-    "DumpMeta": "hsq.protocol",
-    "Expected": "hsq.protocol",
-    "Dump": "hsq.protocol",
-    "fingerprint": "hsq.protocol",
-    "write_dump": "hsq.protocol",
-    "read_dump": "hsq.protocol",
-    "wait_for_dump": "hsq.protocol",
-    "ReadyMarker": "hsq.protocol",
-    "write_ready": "hsq.protocol",
-    "read_ready": "hsq.protocol",
+    "DumpMeta": "hsq.dump.format",
+    "Expected": "hsq.dump.read",
+    "Dump": "hsq.dump.read",
+    "fingerprint": "hsq.dump.format",
+    "write_dump": "hsq.dump.write",
+    "read_dump": "hsq.dump.read",
+    "wait_for_dump": "hsq.dump.find",
+    "ReadyMarker": "hsq.dump.ready",
+    "write_ready": "hsq.dump.ready",
+    "read_ready": "hsq.dump.ready",
     "HsqError": "hsq.errors",
     "ConfigError": "hsq.errors",
     "DatasetError": "hsq.errors",
@@ -101,10 +90,10 @@ _WHERE: dict[str, str] = {
     "ServerUnavailableError": "hsq.errors",
     "ServerRejectedError": "hsq.errors",
     "HookInactiveError": "hsq.errors",
-    "ManifestEntry": "hsq.outputs",
-    "OutputSample": "hsq.outputs",
-    "open_output": "hsq.outputs",
-    "output_relpath": "hsq.outputs",
+    "ManifestEntry": "hsq.outputs.manifest",
+    "OutputSample": "hsq.outputs.format",
+    "open_output": "hsq.outputs.format",
+    "output_relpath": "hsq.outputs.format",
     "HiddenStateDataset": "hsq.data",
     "collate": "hsq.data",
     "logical_tensors": "hsq.quant",

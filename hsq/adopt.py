@@ -21,7 +21,9 @@ from typing import Any
 from hsq import jsonsafe
 from hsq.dataset import Sample
 from hsq.errors import ConfigError, HsqError
-from hsq.outputs import SUFFIX, ManifestEntry, check_output, file_checksum, output_relpath
+from hsq.outputs.check import check_output, file_checksum
+from hsq.outputs.format import SUFFIX, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
@@ -36,15 +38,17 @@ def detect_store_dtype(out_root: Path) -> str | None:
 def detect_prenorm(out_root: Path) -> bool | None:
     """Whether most output files under out_root store the pre-norm state; None without
     files, a ConfigError on a tie (`--prenorm` decides)."""
-    from hsq.quant import PRENORM
+    from hsq.states import PRENORM_TENSOR
 
-    found = _majority(out_root, lambda h: "yes" if PRENORM in h.tensors else "no", "--prenorm")
+    found = _majority(
+        out_root, lambda h: "yes" if PRENORM_TENSOR in h.tensors else "no", "--prenorm"
+    )
     return None if found is None else found == "yes"
 
 
 def _majority(out_root: Path, key: Callable[[Any], str], flag: str) -> str | None:
     """The value of `key` most readable output headers under out_root give."""
-    from hsq.outputs import read_header
+    from hsq.outputs.format import read_header
 
     if not out_root.is_dir():
         return None
@@ -66,7 +70,7 @@ def _majority(out_root: Path, key: Callable[[Any], str], flag: str) -> str | Non
 
 def file_identity(path: Path) -> tuple[str, list[int]] | None:
     """(model_id, layer_ids) from an output file's header; None if it does not say."""
-    from hsq.outputs import read_header
+    from hsq.outputs.format import read_header
 
     meta = read_header(path).metadata
     try:
@@ -113,8 +117,8 @@ def adopt_output(
     """Check an existing output file of `sample` as `recover` does: header, every tensor,
     token ids against the dataset line (fingerprint and values), finite states; returns
     (a manifest entry with the file's checksum, "") or (None, why not)."""
-    from hsq.outputs import read_header
-    from hsq.protocol import fingerprint
+    from hsq.dump.format import fingerprint
+    from hsq.outputs.format import read_header
 
     rel = output_relpath(sample.id)
     path = out_root / rel

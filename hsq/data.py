@@ -26,13 +26,14 @@ import structlog
 
 from hsq import jsonsafe
 from hsq.errors import OutputError
-from hsq.outputs import SUFFIX, open_output
+from hsq.outputs.format import REQUIRED_TENSORS, SUFFIX, open_output
+from hsq.states import PRENORM_TENSOR
 
 log = structlog.get_logger("hsq.data")
 
 MANIFEST = "manifest.jsonl"
-KEYS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
-PRENORM = "last_hidden_state_prenorm"
+KEYS = REQUIRED_TENSORS
+PRENORM = PRENORM_TENSOR
 """In items (and batches) of runs enqueued with --prenorm only."""
 
 

@@ -11,7 +11,7 @@ Per run R (a name matching RUN_NAME_RE):
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
     hsq:run:R:done                HASH  sample id -> manifest entry; THE truth of "done". Stored
                                         as `m1|tokens|bytes|crc|worker|time|attempt|dtype`
-                                        (the path is the id's; hsq.outputs.manifest_json gives
+                                        (the path is the id's; hsq.outputs.manifest gives
                                         the JSON back), or JSON as older hsq wrote it
     hsq:run:R:dead                HASH  sample id (or "line:<n>") -> dead-letter entry (JSON)
     hsq:run:R:stats               HASH  tokens / bytes done, totals, and the counters status

@@ -18,10 +18,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hsq.errors import NonFiniteDumpError, OutputError
-from hsq.runconfig import BF16 as BF16
-from hsq.runconfig import FP8 as FP8
-from hsq.runconfig import STORE_DTYPES as STORE_DTYPES
-from hsq.runconfig import check_store_dtype as check_store_dtype
+from hsq.states import (
+    AUX_TENSOR,
+    BF16,
+    FP8,
+    LAST_TENSOR,
+    PRENORM_TENSOR,
+    STORE_DTYPES,
+    scale_name,
+)
+from hsq.stfile.header import DTYPE_CODES
 
 if TYPE_CHECKING:
     import torch
@@ -29,11 +35,8 @@ if TYPE_CHECKING:
 META_KEY = "store_dtype"
 """Output metadata key; files written before FP8 existed have none and are bf16."""
 FP8_MAX = 448.0
-SCALE_SUFFIX = "_scale"
-AUX, LAST = "aux_hidden_states", "last_hidden_state"
-PRENORM = "last_hidden_state_prenorm"
-"""Optional (runs enqueued with --prenorm): the final layer before the model's final norm."""
-FP8_CODE = "F8_E4M3"
+FP8_CODE = DTYPE_CODES["float8_e4m3fn"]
+SCALE_CODE = DTYPE_CODES["float32"]
 # Below this scale (absmax < ~1e-28) the 448/absmax factor loses range in float32; such rows
 # are stored faithfully enough but their largest value need not land exactly on 448.
 _EXACT_MAX_MIN_SCALE = 1e-30
@@ -46,10 +49,6 @@ def store_dtype_of(metadata: Mapping[str, str]) -> str:
     if name not in STORE_DTYPES:
         raise OutputError(f"unknown store dtype {name!r} in output metadata")
     return name
-
-
-def scale_name(name: str) -> str:
-    return name + SCALE_SUFFIX
 
 
 def quantize(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,10 +158,10 @@ def layout_problems(
     """Header-level checks of the hidden-state tensors for a file's declared format.
     `groups` is the number of aux layers (None: not known, not checked)."""
     problems = []
-    for name, want_groups in ((AUX, groups), (LAST, 1), (PRENORM, 1)):
+    for name, want_groups in ((AUX_TENSOR, groups), (LAST_TENSOR, 1), (PRENORM_TENSOR, 1)):
         info = tensors.get(name)
         if info is None:
-            if name == PRENORM and scale_name(name) in tensors:
+            if name == PRENORM_TENSOR and scale_name(name) in tensors:
                 problems.append(f"{scale_name(name)} without {name}")
             continue  # the caller reports missing base tensors (PRENORM is optional)
         is_fp8 = info.dtype == FP8_CODE
@@ -179,7 +178,7 @@ def layout_problems(
             problems.append(f"{scale_name(name)} missing")
             continue
         want = [num_tokens, want_groups] if want_groups is not None else None
-        if sc.dtype != "F32" or len(sc.shape) != 2 or sc.shape[0] != num_tokens:
+        if sc.dtype != SCALE_CODE or len(sc.shape) != 2 or sc.shape[0] != num_tokens:
             problems.append(f"{scale_name(name)} is {sc.dtype}{sc.shape}")
         elif want is not None and sc.shape != want:
             problems.append(f"{scale_name(name)} shape {sc.shape}, expected {want}")
@@ -203,9 +202,9 @@ def logical_tensors(
     out = dict(stored)
     if fmt == BF16 or raw:
         return out
-    for name in (AUX, LAST, PRENORM):
+    for name in (AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR):
         sname = scale_name(name)
-        if name == PRENORM and name not in stored and sname not in stored:
+        if name == PRENORM_TENSOR and name not in stored and sname not in stored:
             continue  # optional: only runs enqueued with --prenorm store it
         if name not in stored or sname not in stored:
             raise OutputError(f"fp8 output lacks {name} or {sname}")

@@ -10,15 +10,13 @@ from typing import Any
 from hsq import jsonsafe
 from hsq.errors import ConfigError
 from hsq.settings import int_list_or_none, setting
+from hsq.states import BF16, STORE_DTYPES
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
 # How a run's outputs store hidden states (RunConfig.store_dtype; hsq/quant.py does the FP8
-# part). The names live here, not in hsq.quant, so that the run config, and the Redis
-# gateway that reads it, import no file format (tests/test_layers.py).
-BF16 = "bf16"
-FP8 = "fp8-e4m3"
-STORE_DTYPES = (BF16, FP8)
+# part). The names are hsq.states' (stdlib only), not hsq.quant's, so that the run config,
+# and the Redis gateway that reads it, import no file format (tests/test_layers.py).
 
 
 def check_store_dtype(name: str) -> str:

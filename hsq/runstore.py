@@ -8,7 +8,7 @@ hsq.store.MemoryStore[ManifestEntry], instead.
 
 from __future__ import annotations
 
-from hsq.outputs import MANIFEST_CODEC, ManifestEntry
+from hsq.outputs.manifest import MANIFEST_CODEC, ManifestEntry
 from hsq.store import Client, Store
 
 

@@ -1,25 +1,83 @@
 #!/usr/bin/env bash
-# sglang_live.sh [bench/sglang_live.py ARGS | --exec CMD ...]: on a GPU machine without a registry, install the
-# bundle of scripts/sglang_wheelhouse.sh and this checkout, then run the live SGLang test.
+# sglang_live.sh [OPTIONS] [-- PYTEST ARGS]: on a GPU machine without a registry, install the
+# bundle of scripts/sglang_wheelhouse.sh (and the cutlass pack of scripts/sglang_cutlass.sh)
+# and this checkout, then run the live GPU tests (tests/gpu, `pytest -m gpu`) or a command.
 #
-#   WHEELHOUSE=.wheelhouse  the bundle (wheels/, sgl_kernel.tar.gz, redis/)
-#   SITE=/tmp/hsq-site      install target, put first on PYTHONPATH (kept between calls on
-#                           the same machine: a second run skips the install)
-#   CACHE=/tmp/hsq-live-cache  JIT caches (tvm-ffi, triton, flashinfer); JIT_CACHE_IN, if
-#                           set, is a tar.gz of an earlier machine's caches to start from
-# The base environment (torch 2.11 cu130, triton, transformers, safetensors, httpx,
-# prometheus-client, nvcc) is used as it is. Nothing is downloaded.
+#   --sglang-version V   the bundle must hold SGLang V (its VERSION file); the tests check
+#                        the installed one too. Default: whatever the bundle holds.
+#   --tp N               tensor-parallel size of every server the tests start (default 1)
+#   --cutlass FILE       unpack nvidia-cutlass-dsl (cutlass-cu13.tar.xz) into the site dir
+#                        (DeepSeek/Kimi need it); a second device call, made within 30 s of
+#                        the one that installed the bundle, finds that install in /tmp
+#   --results DIR        results JSON and logs (default: $OUT if set, else ./live-results)
+#   --job NAME=ARGS      a pytest job (ARGS: pytest arguments); several run at once, each with
+#                        its own work dir, Redis, JIT caches and results file. Default: one
+#                        job, `all`, running tests/gpu (or the ARGS after --)
+#   --test-timeout S     stop a test after S seconds (pytest-timeout): it fails with its
+#                        traceback and what it measured so far, and the logs are still
+#                        packed (a device call ends hard at its limit)
+#   --exec CMD ...       run CMD in the installed environment instead (benchmarks:
+#                        --exec python3 -m bench.sglang_capacity --json $OUT/cap.json)
+#   --dry-run            check the options and print the plan; install and run nothing
+# Environment: WHEELHOUSE (.wheelhouse), SITE (/tmp/hsq-site), CACHE (/tmp/hsq-live-cache),
+# WORK (/tmp/hsq-live). The base image's torch 2.11 cu130, triton, transformers, safetensors,
+# httpx and nvcc are used as they are; nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELHOUSE=${WHEELHOUSE:-.wheelhouse}
 SITE=${SITE:-/tmp/hsq-site}
 CACHE=${CACHE:-/tmp/hsq-live-cache}
+WORK=${WORK:-/tmp/hsq-live}
 PY=${PY:-python3}
 [ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
 say() { printf '[sglang_live.sh] %s\n' "$*"; }
+die() { say "$*" >&2; exit 2; }
 
-if [ ! -f "$SITE/.hsq-installed" ]; then
-  [ -d "$WHEELHOUSE/wheels" ] || { say "no $WHEELHOUSE/wheels: run scripts/sglang_wheelhouse.sh"; exit 2; }
+version="" tp=1 cutlass="" test_timeout=0 results="${OUT:-$PWD/live-results}" dry=0
+jobs=() exec_cmd=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sglang-version) [ $# -ge 2 ] || die "--sglang-version needs a value"; version=$2; shift 2 ;;
+    --tp) [ $# -ge 2 ] || die "--tp needs a value"; tp=$2; shift 2 ;;
+    --cutlass) [ $# -ge 2 ] || die "--cutlass needs a file"; cutlass=$2; shift 2 ;;
+    --test-timeout) [ $# -ge 2 ] || die "--test-timeout needs seconds"; test_timeout=$2; shift 2 ;;
+    --results) [ $# -ge 2 ] || die "--results needs a folder"; results=$2; shift 2 ;;
+    --job) [ $# -ge 2 ] || die "--job needs NAME=ARGS"; jobs+=("$2"); shift 2 ;;
+    --exec) shift; exec_cmd=("$@"); [ ${#exec_cmd[@]} -gt 0 ] || die "--exec needs a command"; break ;;
+    --dry-run) dry=1; shift ;;
+    --) shift; jobs+=("all=$*"); break ;;
+    *) die "unknown option $1 (see the header of $0)" ;;
+  esac
+done
+[[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "--tp $tp: expected an integer >= 1"
+[[ "$test_timeout" =~ ^[0-9]+$ ]] || die "--test-timeout $test_timeout: expected seconds"
+[ -z "$version" ] || [[ "$version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "--sglang-version $version: expected X.Y.Z"
+[ -z "$cutlass" ] || [ -f "$cutlass" ] || die "--cutlass $cutlass: no such file"
+[ ${#jobs[@]} -gt 0 ] || jobs=("all=tests/gpu")
+names=()
+for j in "${jobs[@]}"; do
+  name=${j%%=*}
+  [[ "$j" == *=* && "$name" =~ ^[A-Za-z0-9_-]+$ ]] || die "--job $j: expected NAME=PYTEST ARGS"
+  for n in "${names[@]}"; do [ "$n" != "$name" ] || die "--job $name given twice"; done
+  names+=("$name")
+done
+bundle_version=$(cat "$WHEELHOUSE/VERSION" 2>/dev/null || true)
+if [ -n "$version" ] && [ -n "$bundle_version" ] && [ "$version" != "$bundle_version" ]; then
+  die "--sglang-version $version, but $WHEELHOUSE holds $bundle_version (SGLANG_VERSION=$version scripts/sglang_wheelhouse.sh)"
+fi
+version=${version:-$bundle_version}
+
+if [ "$dry" = 1 ]; then
+  say "plan: sglang ${version:-from the bundle}, tp $tp, site $SITE, results $results"
+  [ -z "$cutlass" ] || say "plan: cutlass from $cutlass"
+  if [ ${#exec_cmd[@]} -gt 0 ]; then say "plan: exec ${exec_cmd[*]}"; exit 0; fi
+  for j in "${jobs[@]}"; do say "plan: job ${j%%=*}: HSQ_LIVE_TP=$tp pytest -m gpu ${j#*=}"; done
+  exit 0
+fi
+
+installed=$(cat "$SITE/.hsq-installed" 2>/dev/null || true)
+if [ -z "$installed" ] || { [ -n "$version" ] && [ "$installed" != "$version" ]; }; then
+  [ -d "$WHEELHOUSE/wheels" ] || die "no $WHEELHOUSE/wheels: run scripts/sglang_wheelhouse.sh"
   rm -rf "$SITE"
   mkdir -p "$SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
@@ -50,29 +108,30 @@ if [ ! -f "$SITE/.hsq-installed" ]; then
     exit 2
   fi
   rm -rf build ./*.egg-info
-  if [ "${STUB_CUTLASS:-0}" = 1 ] && ! "$PY" -c 'import cutlass' 2>/dev/null; then
-    # Test-only: SGLang 0.5.15's DeepSeek model module imports nvidia-cutlass-dsl (150 MB,
-    # too big for one transfer) for Blackwell kernels the triton backend never calls. A
-    # permissive stand-in lets the module import; any real use of it fails loudly.
-    mkdir -p "$SITE/cutlass"
-    cp bench/cutlass_stub.py "$SITE/cutlass/__init__.py"
-    say "cutlass stand-in written (STUB_CUTLASS=1)"
+  # Redis beside the site dir: a later call (the cutlass one) may come without the bundle.
+  mkdir -p "$SITE/.redis" && cp -f "$WHEELHOUSE"/redis/* "$SITE/.redis/" 2>/dev/null || true
+  echo "${version:-unknown}" >"$SITE/.hsq-installed"
+  say "installed sglang ${version:-?} into $SITE ($(du -sh "$SITE" | cut -f1))"
+fi
+if [ -n "$cutlass" ]; then
+  want=$(tar -xJOf "$cutlass" ./.cutlass-version 2>/dev/null || echo "?")
+  if [ "$(cat "$SITE/.cutlass-version" 2>/dev/null || true)" != "$want" ]; then
+    tar -xJf "$cutlass" -C "$SITE"
+    say "cutlass $want unpacked into $SITE"
   fi
-  touch "$SITE/.hsq-installed"
-  say "installed into $SITE ($(du -sh "$SITE" | cut -f1))"
 fi
 
-mkdir -p "$CACHE/bin"
-if [ -n "${JIT_CACHE_IN:-}" ] && [ -f "$JIT_CACHE_IN" ] && [ ! -f "$CACHE/.restored" ]; then
-  tar -xzf "$JIT_CACHE_IN" -C "$CACHE" && touch "$CACHE/.restored" && say "JIT caches restored"
+mkdir -p "$CACHE" "$results" "$WORK"
+if [ -x "$SITE/.redis/redis-server" ]; then
+  export PATH="$SITE/.redis:$PATH" LD_LIBRARY_PATH="$SITE/.redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
-cp -f "$WHEELHOUSE"/redis/redis-server "$CACHE/bin/" 2>/dev/null || true
-export PATH="$CACHE/bin:$PATH"
-export LD_LIBRARY_PATH="$(cd "$WHEELHOUSE/redis" && pwd)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The cutlass package's .pth is not read from a PYTHONPATH folder: name its folder.
+CUTLASS_PATH=""
+[ -d "$SITE/nvidia_cutlass_dsl/python_packages" ] && CUTLASS_PATH=":$SITE/nvidia_cutlass_dsl/python_packages"
+export PYTHONPATH="$PWD:$SITE$CUTLASS_PATH${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export TVM_FFI_CACHE_DIR="$CACHE/tvm-ffi" TRITON_CACHE_DIR="$CACHE/triton"
-export FLASHINFER_WORKSPACE_BASE="$CACHE" XDG_CACHE_HOME="$CACHE/xdg"
+# Multi-GPU hosts here must never use NVLink multicast (it can take shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # tvm-ffi finds CUDA through CUDA_HOME (nvcc may be a wrapper script elsewhere on PATH).
 if [ -z "${CUDA_HOME:-}" ]; then
   for d in /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; do
@@ -80,7 +139,42 @@ if [ -z "${CUDA_HOME:-}" ]; then
   done
 fi
 export PATH="${CUDA_HOME:+$CUDA_HOME/bin:}$PATH"
+caches() {  # JIT caches (tvm-ffi, triton, flashinfer) under $1
+  export TVM_FFI_CACHE_DIR="$1/tvm-ffi" TRITON_CACHE_DIR="$1/triton"
+  export FLASHINFER_WORKSPACE_BASE="$1" XDG_CACHE_HOME="$1/xdg"
+}
+caches "$CACHE"
 say "python $("$PY" -c 'import sys, torch, sglang; print(sys.version.split()[0], "torch", torch.__version__, "sglang", sglang.__version__)'), CUDA_HOME=${CUDA_HOME:-unset}"
-# `sglang_live.sh --exec CMD ARGS`: run another command in this environment (benchmarks).
-if [ "${1:-}" = --exec ]; then shift; exec "$@"; fi
-exec "$PY" bench/sglang_live.py "$@"
+if [ ${#exec_cmd[@]} -gt 0 ]; then exec "${exec_cmd[@]}"; fi
+
+"$PY" -m tests.gpu.models_fixture "$WORK/models" >"$results/models.log" 2>&1 ||
+  { tail -30 "$results/models.log"; die "writing the test models failed"; }
+pids=()
+for j in "${jobs[@]}"; do
+  name=${j%%=*}
+  read -r -a args <<<"${j#*=}"
+  jc="$CACHE"
+  if [ ${#jobs[@]} -gt 1 ]; then  # parallel jobs: own caches, so no two compile one kernel
+    jc="$CACHE-$name"
+    [ -d "$jc" ] || cp -a "$CACHE" "$jc"
+  fi
+  (
+    caches "$jc"
+    [ -z "$version" ] || export HSQ_LIVE_SGLANG_VERSION=$version
+    HSQ_LIVE_WORK="$WORK/$name" HSQ_LIVE_MODELS="$WORK/models" HSQ_LIVE_TP=$tp \
+      HSQ_LIVE_RESULTS="$results/live-$name.json" \
+      "$PY" -m pytest -p no:cacheprovider -m gpu -o addopts= -rA --timeout "$test_timeout" "${args[@]}" \
+      >"$results/pytest-$name.log" 2>&1
+  ) &
+  pids+=("$!")
+  say "job $name started (pid $!): pytest ${args[*]}"
+done
+rc=0
+for i in "${!pids[@]}"; do
+  if wait "${pids[$i]}"; then say "job ${names[$i]}: passed"; else rc=1; say "job ${names[$i]}: FAILED"; fi
+  tail -5 "$results/pytest-${names[$i]}.log" | sed "s/^/[${names[$i]}] /"
+done
+# Every server and worker log of the jobs, in one file (outputs and dumps left out).
+(cd "$WORK" && find "${names[@]}" -name '*.log' -size -20M -print0 2>/dev/null |
+  tar --null -T - -czf "$results/logs.tgz") || true
+exit $rc

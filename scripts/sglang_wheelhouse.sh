@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# sglang_wheelhouse.sh [OUT]: an offline SGLang 0.5.15 + hsq runtime bundle for a GPU machine
-# that has torch 2.11 (cu130), triton, transformers and nvcc but no package registry.
+# sglang_wheelhouse.sh [OUT]: an offline SGLang + hsq runtime bundle for a GPU machine that has
+# torch 2.11 (cu130), triton, transformers and nvcc but no package registry.
+#
+#   SGLANG_VERSION=0.5.15 (default) or 0.5.16 / 0.5.17: the releases that pin torch 2.11.0, the
+#   GPU image's torch (0.5.18+ pin 2.13 / 2.14.1: docs/sglang.md, "Versions"). The bundle
+#   records the version in OUT/VERSION; scripts/sglang_live.sh --sglang-version checks it.
+# The DeepSeek/Kimi model module also needs nvidia-cutlass-dsl, too big for the same
+# transfer: scripts/sglang_cutlass.sh packs it for a second one.
 #
 # Run it on a machine that reaches PyPI and Debian's archive (this project's CPU machine).
 # It downloads ~650 MB into OUT/dl (not part of the bundle), trims, and packs:
@@ -8,10 +14,10 @@
 #                                dependencies, and what hsq needs beyond the GPU image
 #                                (redis, hiredis, rq, croniter, structlog, click, ...)
 #   OUT/wheels/if-missing/*.whl  pydantic v2, installed only if the GPU image lacks it
-#   OUT/sgl_kernel.tar.gz        sglang-kernel 0.4.4 without FA3 / FlashMLA / sm100 builds
+#   OUT/sgl_kernel.tar.gz        sglang-kernel (0.4.4 / 0.4.5) without FA3 / FlashMLA / sm100
 #   OUT/redis/                   Debian's redis-server with liblzf and libjemalloc
 # The bundle is ~48 MB: it travels with the checkout in one device call (64 MiB at most).
-# scripts/sglang_live.sh installs it on the GPU machine and runs bench/sglang_live.py.
+# scripts/sglang_live.sh installs it on the GPU machine and runs the GPU tests (tests/gpu).
 #
 # What is left out, and why (docs/sglang.md "Run live"):
 #   flash_ops.abi3.so (FA3, 1.76 GB unpacked), flashmla_ops, sgl_kernel/sm100/: never loaded
@@ -24,7 +30,14 @@
 set -euo pipefail
 OUT=${1:-.wheelhouse}
 PY=${PY:-python3}
-SGLANG=0.5.15 FLASHINFER=0.6.12 SGL_KERNEL=0.4.4
+SGLANG=${SGLANG_VERSION:-0.5.15}
+# What each release pins (its wheel's Requires-Dist; sglang-kernel from pip's resolver).
+case "$SGLANG" in
+  0.5.15) FLASHINFER=0.6.12 SGL_KERNEL=0.4.4 ;;
+  0.5.16) FLASHINFER=0.6.14 SGL_KERNEL=0.4.5 ;;
+  0.5.17) FLASHINFER=0.6.15.post1 SGL_KERNEL=0.4.5 ;;
+  *) echo "[wheelhouse] SGLANG_VERSION=$SGLANG: only 0.5.15-0.5.17 run on torch 2.11" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT/dl" "$OUT/wheels/if-missing" "$OUT/redis"
 OUT=$(cd "$OUT" && pwd)
 say() { printf '[wheelhouse] %s\n' "$*"; }
@@ -46,6 +59,9 @@ say "hsq's runtime dependencies the GPU image lacks"
 "${PD[@]}" -d "$OUT/wheels" \
   redis==8.1.0 hiredis==3.5.0 rq==2.12.0 croniter==7.0.0 python-dateutil==2.9.0.post0 \
   structlog==26.1.0 click==8.3.1 psutil==7.2.2 xxhash==4.1.0
+say "pytest, for the live GPU tests (tests/gpu)"
+"${PD[@]}" -d "$OUT/wheels" \
+  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 pygments==2.21.0
 "${PD[@]}" -d "$OUT/wheels/if-missing" \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 say "sglang $SGLANG, flashinfer-python $FLASHINFER, sglang-kernel $SGL_KERNEL (~650 MB)"
@@ -164,6 +180,7 @@ else
   cp -L /usr/lib/x86_64-linux-gnu/{liblzf.so.1,libjemalloc.so.2} "$OUT/redis/"
 fi
 chmod 755 "$OUT/redis/redis-server"
+echo "$SGLANG" >"$OUT/VERSION"
 
 size=$(du -cb "$OUT"/wheels/*.whl "$OUT"/wheels/if-missing/*.whl "$OUT"/sgl_kernel.tar.gz \
   "$OUT"/redis/* | tail -1 | cut -f1)

@@ -6,8 +6,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hsq.dump.format import fingerprint
+from hsq.dump.read import Expected
 from hsq.harness.procs import RedisServer, ReferenceServer
-from hsq.protocol import Expected, fingerprint
+from hsq.stfile.engine import WriteEngine
 
 
 def expected_for(ids: list[int], rid: str, **kw: object) -> Expected:
@@ -33,6 +35,13 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
     yield start
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture
+def engine() -> Iterator[WriteEngine]:
+    """A write engine as the worker's persist stage owns one, closed after the test."""
+    with WriteEngine() as e:
+        yield e
 
 
 @pytest.fixture

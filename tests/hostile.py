@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from hsq.dump.format import DumpMeta, ModelIdentity, fingerprint
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
 from hsq.harness.fakedump import random_states, request_meta
-from hsq.protocol import DumpMeta, ModelIdentity, ReadyMarker, fingerprint, write_dump, write_ready
 from hsq.sglang_server.http_api import ApiServer, prefill_answer, sglang_routes
 
 IDENT = ModelIdentity("hostile", "LlamaForCausalLM", 8, 16, "7" * 64)

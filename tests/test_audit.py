@@ -10,15 +10,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
-from hsq.harness.procs import ManagedProcess, ReferenceServer
+from hsq.dump.format import expected_shapes
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
+from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.sglang_server.reference.faults import FaultRule, mix_sources
+from hsq.states import FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name, state_tensors
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.hostile import HIDDEN, IDENT, LAYERS, HostileServer, meta_for, tensors_for
 
 Factory = Callable[..., ReferenceServer]
 N = 12
@@ -184,8 +191,6 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
     passes in both storage formats; another token's states fail."""
     from types import SimpleNamespace
 
-    import torch
-
     from hsq import quant
     from hsq.closeness import compare_states
 
@@ -194,7 +199,7 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
     last = torch.randn(16, 64, generator=gen)
 
     def stored(a: torch.Tensor, b: torch.Tensor) -> SimpleNamespace:
-        if fmt == quant.FP8:
+        if fmt == FP8:
             a = quant.dequantize(*quant.quantize(a, 3))
             b = quant.dequantize(*quant.quantize(b, 1))
         return SimpleNamespace(
@@ -212,3 +217,64 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
     verdict = compare_states(kept, ids, *swapped)
     assert not verdict.ok and "aux_hidden_states" in verdict.detail
     assert not compare_states(kept, [*ids[:-1], 99], aux, last).ok
+
+
+# ---------------------------------------------------------------------------- expectations
+
+
+def fp8_dump(srv: HostileServer, _call: int, ids: list[int], rid: str) -> None:
+    """A dump quantized to fp8-e4m3 on the server, under a marker that says `plain`."""
+    from hsq import quant
+
+    states = tensors_for(ids)
+    coded: dict[str, torch.Tensor] = {}
+    for name, groups in state_tensors(len(LAYERS)):
+        coded[name], coded[scale_name(name)] = quant.quantize(states[name], groups)
+    shapes = expected_shapes(len(ids), len(LAYERS), HIDDEN, encoding=FP8)
+    meta = replace(meta_for(ids, rid), encoding=FP8, tensors=shapes, format_version=0)
+    write_dump(srv.dump_dir, srv.next_index(), meta, coded)
+
+
+def prenorm_dump(srv: HostileServer, _call: int, ids: list[int], rid: str) -> None:
+    states = tensors_for(ids)
+    states[PRENORM_TENSOR] = states[LAST_TENSOR] * 3
+    shapes = expected_shapes(len(ids), len(LAYERS), HIDDEN, prenorm=True)
+    meta = replace(meta_for(ids, rid), prenorm=True, tensors=shapes, format_version=0)
+    write_dump(srv.dump_dir, srv.next_index(), meta, states)
+
+
+@pytest.mark.parametrize("case", ["fp8_dumps_in_a_bf16_run", "no_prenorm_in_a_prenorm_run"])
+def test_the_audit_checks_each_dump_as_the_worker_does(
+    tmp_path: Path, redis_url: str, case: str
+) -> None:
+    """`hsq audit` built its expectations without the run's store dtype and pre-norm state,
+    so it took dumps the worker refuses (meta_mismatch): fp8-e4m3 values were compared as
+    if they were states (every sample "mismatched", and --requeue threw good outputs
+    away), and dumps without the pre-norm state passed as a match. It now checks with the
+    worker's own expectations (RunView.expected): the server is refused, nothing changes.
+    The server's marker claims what the run needs, so only the dumps' check can tell."""
+    prenorm = case == "no_prenorm_in_a_prenorm_run"
+    run = "xpre" if prenorm else "xfp8"
+    srv = HostileServer(tmp_path / "dumps", prenorm_dump if prenorm else None)
+    try:
+        if prenorm:
+            marker = ReadyMarker(tuple(LAYERS), IDENT, "hostile", "0", "0", 1, 0.0, prenorm=True)
+            write_ready(srv.dump_dir, marker)
+        ds = tmp_path / "data.jsonl"
+        write_synthetic(ds, 4, seed=41, min_len=4, max_len=24)
+        enqueue(ds, run, tmp_path / "out", redis_url, *(["--prenorm"] if prenorm else []))
+        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        assert w.proc.wait(120) == 0, w.log_tail()
+        st = store(redis_url, run)
+        assert st.count(st.keys.done) == 4
+        srv.writer = HostileServer.good if prenorm else fp8_dump
+        res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
+                  "--server", srv.url, "--dump-dir", str(srv.dump_dir), "--no-progress",
+                  "--requeue", timeout=120)  # fmt: skip
+    finally:
+        srv.stop()
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, text
+    assert "do not fit the run" in text, text
+    assert ("pre-norm final state" if prenorm else "quantized this dump to fp8-e4m3") in text
+    assert st.count(st.keys.done) == 4  # nothing requeued, no output removed

@@ -14,11 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hsq.dump.format import fingerprint
+from hsq.dump.read import Expected, read_dump
 from hsq.harness.procs import NullServer, worker_process
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import checksum_matches, file_checksum, open_output
-from hsq.protocol import Expected, fingerprint, read_dump
-from hsq.stfile import Digest
+from hsq.outputs.check import checksum_matches, file_checksum
+from hsq.outputs.format import open_output
+from hsq.stfile.integrity import Digest
 from tests.helpers import enqueue, hsq, log_events, store, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,24 +13,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hsq import quant, stfile
+from hsq import quant
 from hsq.dataset import Sample
+from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.read import open_dump_tensors
+from hsq.dump.write import write_dump
 from hsq.errors import ConfigError, MetaMismatchError, NonFiniteDumpError
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import ManifestEntry, check_output, file_checksum, write_output
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    DumpMeta,
-    ModelIdentity,
-    expected_shapes,
-    fingerprint,
-    open_dump_tensors,
-    write_dump,
-)
+from hsq.outputs.check import check_output, file_checksum
+from hsq.outputs.manifest import ManifestEntry
+from hsq.outputs.transcode import write_output
 from hsq.runconfig import RunConfig
 from hsq.sglang_server.reference.model import load_model
+from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR
+from hsq.stfile.engine import WriteEngine
+from hsq.stfile.header import read_header
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]
@@ -64,7 +62,9 @@ def written(
     dump = open_dump_tensors(dump_path, meta)
     path = tmp / store_dtype / "s1.safetensors"
     try:
-        nbytes, crc = write_output(path, Sample("s1", ids, None), meta, dump, "run", store_dtype)
+        with WriteEngine() as engine:
+            sample = Sample("s1", ids, None)
+            nbytes, crc = write_output(path, sample, meta, dump, "run", store_dtype, engine=engine)
     finally:
         dump.close()
     entry = ManifestEntry(path.name, n, nbytes, crc, "w", 0.0, 1, store_dtype)
@@ -113,7 +113,7 @@ def test_logical_tensors_dequantize_by_default_and_hand_back_raw_when_asked() ->
         LAST_TENSOR: ql,
         "last_hidden_state_scale": sl,
     }
-    meta = {quant.META_KEY: quant.FP8}
+    meta = {quant.META_KEY: FP8}
     out = quant.logical_tensors(stored, meta)
     assert set(out) == {"input_ids", AUX_TENSOR, LAST_TENSOR}
     assert out[AUX_TENSOR].dtype == torch.bfloat16
@@ -160,7 +160,7 @@ def test_fp8_file_is_about_half_the_bytes(tmp_path: Path) -> None:
     for path in (bf16, fp8):
         fd = os.open(path, os.O_RDONLY)
         try:
-            h = stfile.read_header(fd)
+            h = read_header(fd)
         finally:
             os.close(fd)
         sizes[path] = {n: t.nbytes for n, t in h.tensors.items()}
@@ -177,7 +177,7 @@ def _rewrite_scale(
     writer had produced it: only the content checks can catch it then."""
     fd = os.open(path, os.O_RDWR)
     try:
-        info = stfile.read_header(fd).tensors["aux_hidden_states_scale"]
+        info = read_header(fd).tensors["aux_hidden_states_scale"]
         raw = bytearray(os.pread(fd, info.nbytes, info.start))
         scale = torch.frombuffer(raw, dtype=torch.float32)
         fn(scale)
@@ -204,7 +204,7 @@ def test_verify_catches_a_corrupted_scale_tensor(
     data = bytearray(path.read_bytes())
     fd = os.open(path, os.O_RDONLY)
     try:
-        info = stfile.read_header(fd).tensors["aux_hidden_states_scale"]
+        info = read_header(fd).tensors["aux_hidden_states_scale"]
     finally:
         os.close(fd)
     data[info.start + 1] ^= 0x40
@@ -353,7 +353,7 @@ def test_run_config_store_dtype_defaults_to_bf16_and_is_checked() -> None:
 
 def test_open_output_dequantizes_fp8_and_hands_back_raw_when_asked(tmp_path: Path) -> None:
     """The training reader (hsq.data, hsq export) sees bf16 states for both formats."""
-    from hsq.outputs import open_output
+    from hsq.outputs.format import open_output
 
     bf16_path, _, _ = written(tmp_path, "bf16")
     fp8_path, _, tensors = written(tmp_path, "fp8-e4m3")
@@ -398,11 +398,13 @@ def test_device_quantizer_is_bit_identical_to_the_workers() -> None:
 
 
 @pytest.mark.parametrize("prenorm", [False, True])
-def test_fp8_dump_is_copied_not_requantized(tmp_path: Path, prenorm: bool) -> None:
+def test_fp8_dump_is_copied_not_requantized(
+    tmp_path: Path, prenorm: bool, engine: WriteEngine
+) -> None:
     """write_output of a server-quantized dump: the stored tensors are the dump's bytes,
     laid out exactly as the worker's own quantization lays them out, and verify --deep's
     checks pass."""
-    from hsq.protocol import PRENORM_TENSOR, scale_name, state_tensors
+    from hsq.states import PRENORM_TENSOR, scale_name, state_tensors
 
     n = 9
     ids = list(range(100, 100 + n))
@@ -419,9 +421,9 @@ def test_fp8_dump_is_copied_not_requantized(tmp_path: Path, prenorm: bool) -> No
         H,
         "bfloat16",
         IDENT,
-        expected_shapes(n, 3, H, encoding=quant.FP8, prenorm=prenorm),
+        expected_shapes(n, 3, H, encoding=FP8, prenorm=prenorm),
         0,
-        encoding=quant.FP8,
+        encoding=FP8,
         prenorm=prenorm,
     )
     dumps = tmp_path / "dumps"
@@ -430,10 +432,13 @@ def test_fp8_dump_is_copied_not_requantized(tmp_path: Path, prenorm: bool) -> No
     out = tmp_path / "server.safetensors"
     try:
         nbytes, crc = write_output(
-            out, Sample("s1", ids, None), meta, dump, "run", quant.FP8, prenorm=prenorm
+            out, Sample("s1", ids, None), meta, dump, "run", FP8, engine=engine, prenorm=prenorm
         )
         with pytest.raises(MetaMismatchError):  # never a bf16 file from an fp8 dump
-            write_output(tmp_path / "x.safetensors", Sample("s1", ids, None), meta, dump, "run")
+            write_output(
+                tmp_path / "x.safetensors", Sample("s1", ids, None), meta, dump, "run",
+                engine=engine,
+            )  # fmt: skip
     finally:
         dump.close()
     # The worker quantizing the same states itself writes the same file.
@@ -446,14 +451,15 @@ def test_fp8_dump_is_copied_not_requantized(tmp_path: Path, prenorm: bool) -> No
     own = tmp_path / "worker.safetensors"
     try:
         write_output(
-            own, Sample("s1", ids, None), plain_meta, pdump, "run", quant.FP8, prenorm=prenorm
-        )
+            own, Sample("s1", ids, None), plain_meta, pdump, "run", FP8, engine=engine,
+            prenorm=prenorm,
+        )  # fmt: skip
     finally:
         pdump.close()
     assert out.read_bytes() == own.read_bytes()
-    entry = ManifestEntry(out.name, n, nbytes, crc, "w", 0.0, 1, quant.FP8)
-    assert check_output(out, "s1", entry, deep=True, store_dtype=quant.FP8, prenorm=prenorm) == []
+    entry = ManifestEntry(out.name, n, nbytes, crc, "w", 0.0, 1, FP8)
+    assert check_output(out, "s1", entry, deep=True, store_dtype=FP8, prenorm=prenorm) == []
     if not prenorm:
-        assert check_output(out, "s1", entry, store_dtype=quant.FP8, prenorm=True) == [
+        assert check_output(out, "s1", entry, store_dtype=FP8, prenorm=True) == [
             "last_hidden_state_prenorm shape None does not start with 9"
         ]

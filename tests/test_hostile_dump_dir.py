@@ -22,17 +22,11 @@ import httpx
 import pytest
 
 from hsq.app.ops import verify
+from hsq.dump.format import DONE_FILE, META_FILE, TENSOR_FILE
+from hsq.dump.ready import READY_FILE, read_ready, write_ready
+from hsq.dump.write import write_dump
 from hsq.harness.procs import ReferenceServer, worker_process
 from hsq.harness.synthetic import write_synthetic
-from hsq.protocol import (
-    DONE_FILE,
-    META_FILE,
-    READY_FILE,
-    TENSOR_FILE,
-    read_ready,
-    write_dump,
-    write_ready,
-)
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 from tests.hostile import HostileServer, meta_for, once_per_sample, tensors_for
 

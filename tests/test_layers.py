@@ -165,7 +165,7 @@ def test_the_redis_check_sees_a_lazy_import(tmp_path: Path) -> None:
 
 
 # The file formats: what a dump, an output file and its storage encoding look like.
-FILE_FORMATS = ("hsq.outputs", "hsq.protocol", "hsq.stfile", "hsq.quant")
+FILE_FORMATS = ("hsq.outputs", "hsq.protocol", "hsq.dump", "hsq.stfile", "hsq.quant")
 
 
 def first_party_imports(root: Path) -> dict[str, set[str]]:
@@ -247,3 +247,68 @@ def test_the_deployment_units_hold_no_python() -> None:
     """The code lives under hsq/; workers/, producer/, sglang_server/ only deploy it."""
     code = [str(p.relative_to(ROOT)) for d in DEPLOYMENT_UNITS for p in (ROOT / d).rglob("*.py")]
     assert code == []
+
+
+# The data plane, lowest first: a module imports only from ranks below its own (and its own
+# package), so persisting a sample reads one way: outputs -> dump / quant -> stfile -> fsio.
+DATA_PLANE = {
+    "hsq.states": 0,
+    "hsq.fsio": 0,
+    "hsq.stfile": 1,
+    "hsq.quant": 2,
+    "hsq.dump": 2,
+    "hsq.outputs": 3,
+}
+
+
+def data_plane_rank(module: str) -> tuple[str, int] | None:
+    for name, rank in DATA_PLANE.items():
+        if module == name or module.startswith(name + "."):
+            return name, rank
+    return None
+
+
+def data_plane_violations(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "hsq").rglob("*.py")):
+        module = module_name(path, root)
+        mine = data_plane_rank(module)
+        if mine is None:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for line, target in imported(tree, module, path.name == "__init__.py"):
+            theirs = data_plane_rank(target)
+            if theirs is not None and theirs[0] != mine[0] and theirs[1] >= mine[1]:
+                rel = path.relative_to(root)
+                found.append(f"{rel}:{line}: {module} (rank {mine[1]}) imports {target}")
+            elif target.split(".")[:2] in (["hsq", "workers"], ["hsq", "app"]):
+                found.append(f"{path.relative_to(root)}:{line}: {module} imports {target}")
+    return found
+
+
+def test_the_data_plane_imports_one_way() -> None:
+    assert data_plane_violations(ROOT) == []
+
+
+def test_the_data_plane_check_catches_an_import_back_up(tmp_path: Path) -> None:
+    (tmp_path / "hsq/stfile").mkdir(parents=True)
+    (tmp_path / "hsq/stfile/engine.py").write_text(
+        "def f() -> None:\n    from hsq.outputs.transcode import write_output\n"
+    )
+    (tmp_path / "hsq/dump").mkdir()
+    (tmp_path / "hsq/dump/read.py").write_text("from hsq.quant import FP8_CODE\n")
+    assert len(data_plane_violations(tmp_path)) == 2
+
+
+def test_the_hook_settings_and_the_dump_format_load_without_torch() -> None:
+    """SGLang's launcher and `hsq launch-sglang` read the hook's settings before torch is
+    loaded; a worker copying bf16 dumps never needs torch either."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, hsq.sglang_server.sglang_hook.config, hsq.dump.find, hsq.dump.ready, "
+        "hsq.outputs.manifest, hsq.fsio; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
+from hsq.dump.format import fingerprint
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
-from hsq.protocol import fingerprint
 from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store
 

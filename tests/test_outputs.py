@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hsq import outputs
+from hsq import fsio
 from hsq.errors import OutputError
 from tests.test_fp8 import written
 
@@ -25,7 +25,7 @@ def dead_pid() -> int:
 def test_the_next_write_removes_temps_of_dead_writers_only(tmp_path: Path) -> None:
     shard = tmp_path / "bf16"
     shard.mkdir()
-    host = outputs._HOST
+    host = fsio.HOST
     temps = {
         "dead here": f".s1.safetensors.{host}.{dead_pid()}.0a0b0c0d.tmp",
         "alive here": f".s1.safetensors.{host}.{os.getppid()}.0a0b0c0d.tmp",
@@ -36,7 +36,7 @@ def test_the_next_write_removes_temps_of_dead_writers_only(tmp_path: Path) -> No
     }
     for name in temps.values():
         (shard / name).write_bytes(b"torn")
-    old = time.time() - outputs.FOREIGN_TEMP_AGE_S - 60
+    old = time.time() - fsio.FOREIGN_TEMP_AGE_S - 60
     os.utime(shard / temps["old elsewhere"], (old, old))
 
     path, _, _ = written(tmp_path, "bf16")
@@ -51,7 +51,7 @@ def test_a_full_disk_is_an_output_error_and_leaves_no_temp(tmp_path: Path) -> No
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with pytest.raises(OutputError, match="disk full"):
-        outputs.write_durably(tmp_path / "s1.safetensors", full)
+        fsio.write_durably(tmp_path / "s1.safetensors", full)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -60,5 +60,5 @@ def test_any_failure_while_filling_leaves_no_temp(tmp_path: Path) -> None:
         raise ValueError("not an OSError")
 
     with pytest.raises(ValueError, match="not an OSError"):
-        outputs.write_durably(tmp_path / "s1.safetensors", broken)
+        fsio.write_durably(tmp_path / "s1.safetensors", broken)
     assert list(tmp_path.iterdir()) == []

@@ -11,21 +11,18 @@ import pytest
 import torch
 
 from hsq import errors
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
+from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
+from hsq.dump.format import (
     META_FILE,
     TENSOR_FILE,
     DumpMeta,
     ModelIdentity,
-    clear_dump_dir,
     expected_shapes,
     fingerprint,
-    read_dump,
-    scan,
-    wait_for_dump,
-    write_dump,
 )
+from hsq.dump.read import read_dump
+from hsq.dump.write import write_dump
+from hsq.states import AUX_TENSOR, LAST_TENSOR
 from tests.conftest import expected_for
 
 IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
@@ -247,7 +244,7 @@ def make_v2(
 ) -> Path:
     """A format 2 dump as the servers write it (fp8: hsq.quant.quantize_on_device)."""
     from hsq import quant
-    from hsq.protocol import FP8, PRENORM_TENSOR, scale_name, state_tensors
+    from hsq.states import FP8, PRENORM_TENSOR, scale_name, state_tensors
 
     n = len(ids)
     gen = torch.Generator().manual_seed(n)
@@ -340,12 +337,12 @@ def test_bad_format_2_meta(
 
 
 def test_fp8_dump_with_a_nan_or_negative_scale_is_refused(dump_dir: Path) -> None:
-    from hsq import stfile
+    from hsq.stfile.header import read_header
 
     for bad, error in ((float("nan"), errors.NonFiniteDumpError), (-1.0, errors.CorruptDumpError)):
         path = make_v2(dump_dir, IDS, f"s{bad}", encoding="fp8-e4m3", prenorm=False)
         with open(path / TENSOR_FILE, "r+b") as f:
-            info = stfile.read_header(f.fileno()).tensors["last_hidden_state_scale"]
+            info = read_header(f.fileno()).tensors["last_hidden_state_scale"]
             f.seek(info.start)
             f.write(torch.tensor([bad], dtype=torch.float32).numpy().tobytes())
         with pytest.raises(error):
@@ -354,7 +351,7 @@ def test_fp8_dump_with_a_nan_or_negative_scale_is_refused(dump_dir: Path) -> Non
 
 def test_fp8_dump_with_bf16_values_is_refused(dump_dir: Path) -> None:
     """meta says fp8-e4m3, the file holds the states in bf16: corrupt, never copied."""
-    from hsq.protocol import scale_name
+    from hsq.states import scale_name
 
     path = make(
         dump_dir,
@@ -373,7 +370,7 @@ def test_fp8_dump_with_bf16_values_is_refused(dump_dir: Path) -> None:
 
 
 def test_ready_marker_formats() -> None:
-    from hsq.protocol import ReadyMarker
+    from hsq.dump.ready import ReadyMarker
 
     plain = ReadyMarker((2, 4, 5), IDENT, "hsq-reference", "1", "1", 7, 1.0)
     raw = json.loads(plain.to_json())

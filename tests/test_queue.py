@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from hsq.app.ops import verify
 from hsq.dataset import IndexEntry
+from hsq.dump.format import fingerprint
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.protocol import fingerprint
 from hsq.sglang_server.reference.model import load_model
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 

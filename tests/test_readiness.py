@@ -16,19 +16,12 @@ from typing import Any, cast
 import httpx
 import pytest
 
+from hsq.dump.find import clear_dump_dir
+from hsq.dump.format import FORMAT_VERSION, ModelIdentity
+from hsq.dump.ready import READY_FILE, READY_MAX_BYTES, ReadyMarker, read_ready, write_ready
 from hsq.errors import HookInactiveError
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.protocol import (
-    FORMAT_VERSION,
-    READY_FILE,
-    READY_MAX_BYTES,
-    ModelIdentity,
-    ReadyMarker,
-    clear_dump_dir,
-    read_ready,
-    write_ready,
-)
 from hsq.workers.readiness import await_hook, check_marker
 from tests.helpers import enqueue, start_worker, store
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import output_relpath
+from hsq.outputs.format import output_relpath
 from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 

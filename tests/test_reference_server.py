@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hsq import errors
+from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
+from hsq.dump.read import read_dump, read_meta
 from hsq.harness.procs import ReferenceServer
-from hsq.protocol import clear_dump_dir, read_dump, read_meta, scan, wait_for_dump
 from hsq.sglang_server.reference.engine import CRASH_EXIT_CODE
 from hsq.sglang_server.reference.model import load_model
 from hsq.sglang_server.reference.tolerance import closeness
@@ -177,7 +178,7 @@ def test_split_writes_two_halves(clean: ReferenceServer) -> None:
 
 
 def test_fault_bound_to_one_input_fingerprint(clean: ReferenceServer) -> None:
-    from hsq.protocol import fingerprint
+    from hsq.dump.format import fingerprint
 
     set_faults(clean, {"mode": "wrong_count", "fingerprint": fingerprint(IDS)})
     other = IDS[:5]
@@ -360,7 +361,7 @@ def test_max_batch_requests_1_runs_one_request_per_forward_bit_exact(
 def test_faults_stay_per_request_inside_a_batch(
     batching: ReferenceServer, single_model: Any
 ) -> None:
-    from hsq.protocol import fingerprint
+    from hsq.dump.format import fingerprint
 
     clear_dump_dir(batching.dump_dir)
     reqs = _lengths_requests([20, 21, 22, 23, 24], "f")

@@ -19,7 +19,8 @@ from hsq.app.ops.status import partition
 from hsq.dataset import IndexEntry, scan_dataset
 from hsq.errors import RunChangedError
 from hsq.keys import rq_queue_key
-from hsq.outputs import ManifestEntry, output_relpath
+from hsq.outputs.format import output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore

@@ -17,19 +17,12 @@ import torch
 import hsq as hsq_pkg
 from hsq import quant
 from hsq.data import HiddenStateDataset, collate
+from hsq.dump.ready import ReadyMarker, read_ready, write_ready
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import open_output
-from hsq.protocol import (
-    AUX_TENSOR,
-    FP8,
-    LAST_TENSOR,
-    PRENORM_TENSOR,
-    ReadyMarker,
-    read_ready,
-    write_ready,
-)
+from hsq.outputs.format import open_output
 from hsq.sglang_server.reference.model import HiddenStateModel, load_model
+from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR
 from tests.helpers import enqueue, hsq, start_worker, store
 
 Factory = Callable[..., ReferenceServer]

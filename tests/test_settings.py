@@ -79,6 +79,9 @@ def test_help_shows_every_setting_with_its_env_variable() -> None:
         (["--burst"], {}, "burst", True),
         ([], {"HSQ_BURST": "1"}, "burst", True),
         (["--metrics-port", "9100"], {}, "metrics_port", 9100),
+        ([], {}, "direct_io", True),
+        (["--no-direct-io"], {}, "direct_io", False),
+        ([], {"HSQ_DIRECT_IO": "0"}, "direct_io", False),  # read with the settings, once
     ],
 )
 def test_a_setting_from_a_flag_or_its_env_variable(

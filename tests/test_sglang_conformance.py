@@ -228,7 +228,9 @@ def test_final_norm_is_the_inner_models_norm_module(source: SourceReader, model:
     assert forward is not None, model
     direct = "self.norm(hidden_states, residual)" in forward
     routed = "final_norm(hidden_states, forward_batch, self.norm" in forward
-    assert direct or routed, model
+    # 0.5.21/0.5.22: residual_batch.norm -> access.norm_output -> norm(hidden, residual)
+    routed_021 = "residual_batch.norm(hidden_states, forward_batch, self.norm" in forward
+    assert direct or routed or routed_021, model
     inits = [_method(source, m, c, "__init__") or "" for m, c in _FINAL_NORM_MODELS[model]]
     assert any("self.norm = RMSNorm(" in body for body in inits), model
 
@@ -243,5 +245,5 @@ def test_rmsnorm_with_a_residual_returns_the_sum_it_normalized(source: SourceRea
     assert "x = x + residual.to(torch.float32)" in native and "return (x, residual)" in native
     assert "fused_add_rmsnorm(x, residual" in cuda
     routed = source("sglang/srt/layers/layer_boundary/residual/access.py")
-    if routed is not None:  # 0.5.2x: residual_batch.final_norm -> access.final_norm_pair
+    if routed is not None:  # 0.5.2x: residual_batch.(final_)norm -> access.*: a module call
         assert "norm(hidden_states, residual, **read_kwargs)" in routed

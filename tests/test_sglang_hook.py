@@ -25,22 +25,11 @@ import pytest
 import torch
 
 from hsq import quant
+from hsq.dump.find import scan
+from hsq.dump.format import fingerprint
+from hsq.dump.read import Dump, Expected, read_dump, read_meta
+from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready, write_ready
 from hsq.errors import ConfigError
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    PRENORM_TENSOR,
-    READY_FILE,
-    Dump,
-    Expected,
-    ReadyMarker,
-    fingerprint,
-    read_dump,
-    read_meta,
-    read_ready,
-    scan,
-    write_ready,
-)
 from hsq.sglang_server.sglang_hook import plugin
 from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS
 from hsq.sglang_server.sglang_hook.config import HookConfig
@@ -62,6 +51,7 @@ from hsq.sglang_server.sglang_hook.layers import (
     parse_layer_ids,
 )
 from hsq.sglang_server.sglang_hook.plan import RidFilter, build_plan
+from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
 from tests.helpers import hsq
 
 H = 8

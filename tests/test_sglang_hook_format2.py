@@ -10,12 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hsq.dump.ready import READY_FILE, read_ready
 from hsq.errors import ConfigError
-from hsq.protocol import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR, READY_FILE, read_ready
 from hsq.sglang_server.sglang_hook import plugin
 from hsq.sglang_server.sglang_hook.config import HookConfig
 from hsq.sglang_server.sglang_hook.launch_args import launch_command
 from hsq.sglang_server.sglang_hook.layers import find_final_norm
+from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
 from tests.test_sglang_hook import FakeRunner, H, Server, make_server, use_plugin
 
 

@@ -1,8 +1,10 @@
-"""Raw safetensors I/O: files safetensors reads back, strict parsing, finite checks, copies."""
+"""Raw safetensors I/O: files safetensors reads back, strict parsing, finite checks, copies
+(hsq.stfile: header, integrity, the write engine)."""
 
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,31 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from hsq import stfile
+from hsq.stfile import engine as engine_module
+from hsq.stfile.engine import (
+    DIRECT_CHUNK,
+    DIRECT_MIN_BYTES,
+    Produced,
+    Range,
+    SourceError,
+    WriteEngine,
+)
+from hsq.stfile.header import (
+    FormatError,
+    build_header,
+    dtype_code,
+    map_file,
+    read_header,
+    tensor_bytes,
+    torch_dtype,
+)
+from hsq.stfile.integrity import (
+    Digest,
+    FiniteCheck,
+    NonFiniteError,
+    all_finite,
+    checksum_algo,
+)
 
 
 def xxh3(data: bytes) -> str:
@@ -21,16 +47,17 @@ def xxh3(data: bytes) -> str:
 
 def write_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> int:
     entries = [
-        (k, stfile.dtype_code(v.dtype), list(v.shape), v.numel() * v.element_size())
+        (k, dtype_code(v.dtype), list(v.shape), v.numel() * v.element_size())
         for k, v in tensors.items()
     ]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        n, crc = stfile.write(
-            fd,
-            stfile.build_header(entries, meta),
-            [stfile.tensor_bytes(v) for v in tensors.values()],
-        )
+        with WriteEngine() as engine:
+            n, crc = engine.write(
+                fd,
+                build_header(entries, meta),
+                [tensor_bytes(v) for v in tensors.values()],
+            )
     finally:
         os.close(fd)
     assert crc == xxh3(path.read_bytes())
@@ -51,7 +78,7 @@ def test_files_are_read_back_by_safetensors(tmp_path: Path) -> None:
         for k, v in tensors.items():
             assert torch.equal(f.get_tensor(k), v)
     fd = os.open(path, os.O_RDONLY)
-    header = stfile.read_header(fd)
+    header = read_header(fd)
     os.close(fd)
     assert header.tensors["a"].shape == [3, 5] and header.tensors["a"].dtype == "BF16"
 
@@ -72,8 +99,8 @@ def test_damaged_files_are_format_errors(tmp_path: Path, damage: str) -> None:
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(stfile.FormatError):
-            stfile.read_header(fd)
+        with pytest.raises(FormatError):
+            read_header(fd)
     finally:
         os.close(fd)
 
@@ -87,14 +114,14 @@ def test_all_finite(tmp_path: Path, dtype: torch.dtype, bad: float | None) -> No
     path = tmp_path / "x.safetensors"
     write_file(path, {"t": t}, {})
     fd = os.open(path, os.O_RDONLY)
-    mm = stfile.map_file(fd)
-    header = stfile.read_header(fd)
-    assert stfile.all_finite(mm, header.tensors["t"], chunk_bytes=256) is (bad is None)
+    mm = map_file(fd)
+    header = read_header(fd)
+    assert all_finite(mm, header.tensors["t"], chunk_bytes=256) is (bad is None)
     mm.close()
     os.close(fd)
 
 
-def test_copy_across_filesystems(tmp_path: Path) -> None:
+def test_copy_across_filesystems(tmp_path: Path, engine: WriteEngine) -> None:
     """Dump dirs live on tmpfs and outputs on disk: a range is read from one, written to
     the other."""
     src_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
@@ -104,7 +131,7 @@ def test_copy_across_filesystems(tmp_path: Path) -> None:
     try:
         fd = os.open(src, os.O_RDONLY)
         out = os.open(tmp_path / "out.bin", os.O_WRONLY | os.O_CREAT)
-        n, crc = stfile.write(out, b"HEADER", [(fd, 1000, 200_000), b"tail"])
+        n, crc = engine.write(out, b"HEADER", [(fd, 1000, 200_000), b"tail"])
         os.close(out)
         os.close(fd)
     finally:
@@ -114,28 +141,27 @@ def test_copy_across_filesystems(tmp_path: Path) -> None:
     assert n == len(data) and crc == xxh3(data)
 
 
-@pytest.mark.parametrize("direct", ["1", "0"])
-def test_large_files_same_bytes_with_and_without_direct_io(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: str
-) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_large_files_same_bytes_with_and_without_direct_io(tmp_path: Path, direct: bool) -> None:
     """Files over DIRECT_MIN_BYTES go through O_DIRECT where the filesystem allows it (the
     unaligned tail through the buffered descriptor): the bytes and crc must not change."""
-    monkeypatch.setenv("HSQ_DIRECT_IO", direct)
-    n = stfile.DIRECT_MIN_BYTES + stfile.DIRECT_CHUNK + 12345  # chunks, a tail, odd size
+    engine = WriteEngine(direct_io=direct)
+    n = DIRECT_MIN_BYTES + DIRECT_CHUNK + 12345  # chunks, a tail, odd size
     src_path = tmp_path / "src.bin"
     src_path.write_bytes(os.urandom(n + 100))
     small = os.urandom(777)
-    header = stfile.build_header([("s", "U8", [777], 777), ("big", "U8", [n], n)], {"k": "v"})
+    header = build_header([("s", "U8", [777], 777), ("big", "U8", [n], n)], {"k": "v"})
     sfd = os.open(src_path, os.O_RDONLY)
     out = tmp_path / "out.safetensors"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        total, crc = stfile.write(fd, header, [small, stfile.Range(sfd, 50, n)])
+        total, crc = engine.write(fd, header, [small, Range(sfd, 50, n)])
         assert os.lseek(fd, 0, os.SEEK_CUR) == total
         os.fsync(fd)
     finally:
         os.close(fd)
         os.close(sfd)
+        engine.close()
     data = out.read_bytes()
     assert len(data) == total == len(header) + 777 + n
     assert data == header + small + src_path.read_bytes()[50 : 50 + n]
@@ -152,42 +178,42 @@ def test_direct_io_refused_mid_file_falls_back_to_buffered(
     import errno
     import fcntl
 
-    real = stfile._pwrite_all
+    real = engine_module._pwrite_all
 
     def refuse(fd: int, data: memoryview | bytes, at: int) -> None:
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         real(fd, data, at)
 
-    monkeypatch.setenv("HSQ_DIRECT_IO", "1")
-    monkeypatch.setattr(stfile, "_pwrite_all", refuse)
-    monkeypatch.setattr(stfile, "_direct_refused", set())
-    payload = os.urandom(stfile.DIRECT_MIN_BYTES + 5)
-    header = stfile.build_header([("x", "U8", [len(payload)], len(payload))], None)
+    monkeypatch.setattr(engine_module, "_pwrite_all", refuse)
+    engine = WriteEngine(direct_io=True)
+    payload = os.urandom(DIRECT_MIN_BYTES + 5)
+    header = build_header([("x", "U8", [len(payload)], len(payload))], None)
     out = tmp_path / "o.safetensors"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        total, crc = stfile.write(fd, header, [payload])
+        total, crc = engine.write(fd, header, [payload])
     finally:
         os.close(fd)
+        engine.close()
     assert out.read_bytes() == header + payload and total == len(header) + len(payload)
     assert crc == xxh3(header + payload)
-    assert os.stat(out).st_dev in stfile._direct_refused
+    assert os.stat(out).st_dev in engine.direct_refused
 
 
 @pytest.mark.parametrize("code", ["BF16", "F16", "F32", "F8_E4M3"])
 def test_streamed_finite_check_whatever_the_piece_boundaries(code: str) -> None:
     """The check sees whole elements even when reads end mid-element (a short read, a
     buffer boundary): one bad value is found wherever it sits, clean bytes pass."""
-    dtype = stfile.torch_dtype(code)
+    dtype = torch_dtype(code)
     good = torch.randn(1000).to(dtype)
-    raw = stfile.tensor_bytes(good).tobytes()
+    raw = tensor_bytes(good).tobytes()
     bad_t = good.clone()
     bad_t[517] = float("nan")
-    bad = stfile.tensor_bytes(bad_t).tobytes()
+    bad = tensor_bytes(bad_t).tobytes()
     for cuts in ([1, 3, 7], [5, 2, 9, 1], [len(raw) // 2 + 1]):
         for data, want in ((raw, False), (bad, True)):
-            check = stfile._Finite(code, "t")
+            check = FiniteCheck(code, "t")
             pos, i, found = 0, 0, False
             try:
                 while pos < len(data):
@@ -195,41 +221,41 @@ def test_streamed_finite_check_whatever_the_piece_boundaries(code: str) -> None:
                     check.feed(memoryview(data)[pos : pos + step])
                     pos, i = pos + step, i + 1
                 assert check.carry == b""
-            except stfile.NonFiniteError:
+            except NonFiniteError:
                 found = True
             assert found is want, (code, cuts, want)
 
 
 def test_checked_range_refuses_nan_and_leaves_the_checksum_of_what_was_written(
-    tmp_path: Path,
+    tmp_path: Path, engine: WriteEngine
 ) -> None:
     """A Range with a check refuses NaN bytes; the checksum returned is of the file's
     bytes; a Produced source streams its chunks in order and must make what it declared."""
     t = torch.randn(4096, 8).to(torch.bfloat16)
     src = tmp_path / "src.bin"
-    src.write_bytes(stfile.tensor_bytes(t).tobytes())
+    src.write_bytes(tensor_bytes(t).tobytes())
     sfd = os.open(src, os.O_RDONLY)
     try:
         out = tmp_path / "ok.bin"
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         stats: dict[str, float] = {}
-        chunks = stfile.Produced(lambda: iter([b"ab", b"cd"]), 4)
-        n, crc = stfile.write(
-            fd, b"H" * 8, [stfile.Range(sfd, 0, t.numel() * 2, "BF16"), chunks], stats=stats
+        chunks = Produced(lambda: iter([b"ab", b"cd"]), 4)
+        n, crc = engine.write(
+            fd, b"H" * 8, [Range(sfd, 0, t.numel() * 2, "BF16"), chunks], stats=stats
         )
         os.close(fd)
         assert out.read_bytes() == b"H" * 8 + src.read_bytes() + b"abcd"
         assert crc == xxh3(out.read_bytes()) and n == out.stat().st_size
         assert {"read_s", "finite_s", "checksum_s", "write_s"} <= set(stats)
         t[4000, 3] = float("inf")
-        src.write_bytes(stfile.tensor_bytes(t).tobytes())
+        src.write_bytes(tensor_bytes(t).tobytes())
         fd = os.open(tmp_path / "bad.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        with pytest.raises(stfile.NonFiniteError):
-            stfile.write(fd, b"H" * 8, [stfile.Range(sfd, 0, t.numel() * 2, "BF16")])
-        with pytest.raises(stfile.SourceError):  # the source is shorter than the range
-            stfile.write(fd, b"", [stfile.Range(sfd, 0, t.numel() * 2 + 10)])
-        with pytest.raises(stfile.FormatError):  # made fewer bytes than declared
-            stfile.write(fd, b"", [stfile.Produced(lambda: iter([b"x"]), 2)])
+        with pytest.raises(NonFiniteError):
+            engine.write(fd, b"H" * 8, [Range(sfd, 0, t.numel() * 2, "BF16")])
+        with pytest.raises(SourceError):  # the source is shorter than the range
+            engine.write(fd, b"", [Range(sfd, 0, t.numel() * 2 + 10)])
+        with pytest.raises(FormatError):  # made fewer bytes than declared
+            engine.write(fd, b"", [Produced(lambda: iter([b"x"]), 2)])
         os.close(fd)
     finally:
         os.close(sfd)
@@ -238,20 +264,18 @@ def test_checked_range_refuses_nan_and_leaves_the_checksum_of_what_was_written(
 def test_digest_reads_both_checksums() -> None:
     data = os.urandom(1000)
     for algo, want in (("crc32", f"crc32:{zlib.crc32(data):08x}"), ("xxh3", xxh3(data))):
-        d = stfile.Digest(algo)
+        d = Digest(algo)
         d.update(data[:300])
         d.update(data[300:])
-        assert d.text == want and stfile.checksum_algo(want) == algo
-    with pytest.raises(stfile.FormatError):
-        stfile.checksum_algo("sha256:00")
+        assert d.text == want and checksum_algo(want) == algo
+    with pytest.raises(FormatError):
+        checksum_algo("sha256:00")
 
 
-def test_produced_chunks_may_reuse_one_buffer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_produced_chunks_may_reuse_one_buffer(tmp_path: Path) -> None:
     """A maker (the fp8 quantizer) refills one buffer for every chunk: each chunk is copied
     before the next is made, even where memory is otherwise written in place."""
-    monkeypatch.setenv("HSQ_DIRECT_IO", "0")
+    engine = WriteEngine(direct_io=False)
     size = 2 * 2**20
     buf = bytearray(size)
     want = b""
@@ -267,8 +291,30 @@ def test_produced_chunks_may_reuse_one_buffer(
     out = tmp_path / "p.bin"
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        total, crc = stfile.write(fd, b"HDR", [stfile.Produced(make, 4 * size)])
+        total, crc = engine.write(fd, b"HDR", [Produced(make, 4 * size)])
     finally:
         os.close(fd)
+        engine.close()
     assert out.read_bytes() == b"HDR" + want and crc == xxh3(b"HDR" + want)
     assert total == 3 + 4 * size
+
+
+def test_an_engine_ends_its_write_threads_when_closed(tmp_path: Path) -> None:
+    """The write threads belong to the engine (the persist stage's), not to the process:
+    they exist while it writes and are gone once it is closed."""
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("stfile-write")]
+
+    before = writers()
+    engine = WriteEngine(direct_io=False)
+    payload = os.urandom(3 * DIRECT_CHUNK + 5)  # large: a pool thread writes it
+    fd = os.open(tmp_path / "x.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        engine.write(fd, b"H", [payload], crc=False)
+    finally:
+        os.close(fd)
+    assert len(writers()) > len(before)
+    engine.close()
+    assert writers() == before
+    assert (tmp_path / "x.bin").read_bytes() == b"H" + payload

@@ -18,7 +18,7 @@ from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreUnavailableError
 from hsq.harness.procs import RedisServer
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, list_runs

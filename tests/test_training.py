@@ -26,7 +26,8 @@ from hsq.app.export import checked_entry, ckpt_path
 from hsq.data import HiddenStateDataset, collate
 from hsq.errors import OutputError
 from hsq.harness.procs import RedisServer, ReferenceServer, hsq_command
-from hsq.outputs import ManifestEntry, open_output, output_relpath
+from hsq.outputs.format import open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from tests.helpers import hsq, start_worker, store, wait_until
 
 try:
@@ -360,7 +361,7 @@ def derived_run(
     """`run`: walk's samples, each output rewritten through `transform`; returns OUT."""
     from safetensors.torch import save_file
 
-    from hsq.outputs import file_checksum
+    from hsq.outputs.check import file_checksum
 
     out: Path = walk["base"] / f"out-{run}"
     hsq("enqueue", str(walk["tokens"]), "--run", run, "--out", str(out), "--redis", walk["url"],
@@ -591,6 +592,7 @@ def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, A
     """fp8 outputs (states and the pre-norm state per-token scaled) reach both trainers as
     bf16 within fp8's error."""
     from hsq import quant
+    from hsq.states import scale_name
 
     def fp8(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         t = with_prenorm(sid, t)
@@ -600,7 +602,7 @@ def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, A
             ("last_hidden_state", 1),
             ("last_hidden_state_prenorm", 1),
         ):
-            out[name], out[quant.scale_name(name)] = quant.quantize(t[name], groups)
+            out[name], out[scale_name(name)] = quant.quantize(t[name], groups)
         return out
 
     out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3")

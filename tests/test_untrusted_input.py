@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 
-from hsq import stfile
 from hsq.dataset import read_sample, scan_dataset
+from hsq.dump.format import DONE_FILE, META_FILE, DumpMeta, ModelIdentity
+from hsq.dump.read import read_meta
 from hsq.errors import CorruptDumpError
 from hsq.harness.synthetic import write_synthetic
-from hsq.protocol import DONE_FILE, META_FILE, DumpMeta, ModelIdentity, read_meta
 from hsq.redisurl import redact
+from hsq.stfile.header import FormatError, read_header
 from tests.helpers import enqueue, hsq, store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,8 +101,8 @@ def test_malformed_tensor_headers_raise_format_error(tmp_path: Path, case: str) 
     AttributeError/TypeError outside the handled exceptions (a sample silently dropped)."""
     fd = header_file(tmp_path, BAD_HEADERS[case])
     try:
-        with pytest.raises(stfile.FormatError):
-            stfile.read_header(fd)
+        with pytest.raises(FormatError):
+            read_header(fd)
     finally:
         os.close(fd)
 
@@ -197,7 +198,7 @@ def test_a_fixed_dataset_prunes_index_and_dead_line_entries(tmp_path: Path, redi
 def test_docs_name_the_checksum_the_code_writes(tmp_path: Path) -> None:
     """Minor: docs said the manifest checksum is sha256; the code writes xxh3 (crc32 before
     issue 22, still read)."""
-    from hsq.outputs import file_checksum
+    from hsq.outputs.check import file_checksum
 
     p = tmp_path / "f"
     p.write_bytes(b"x")

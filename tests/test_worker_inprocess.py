@@ -21,23 +21,15 @@ import pytest
 import structlog
 import torch
 
-from hsq import protocol
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
+from hsq.dump.find import scan_by_rid
+from hsq.dump.format import TENSOR_FILE, DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
 from hsq.harness.synthetic import write_synthetic
-from hsq.outputs import ManifestEntry
-from hsq.protocol import (
-    AUX_TENSOR,
-    LAST_TENSOR,
-    TENSOR_FILE,
-    DumpMeta,
-    ModelIdentity,
-    ReadyMarker,
-    expected_shapes,
-    fingerprint,
-    write_dump,
-    write_ready,
-)
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
+from hsq.states import AUX_TENSOR, LAST_TENSOR
 from hsq.store import ChunkJob, MemoryRun, MemoryStore, SampleRef
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
@@ -353,7 +345,7 @@ def test_a_matcher_bug_stops_the_worker_and_hands_every_sample_back(
     polling: every request in flight timed out as no_dump and ended in the dead letter, a
     bug of the worker's charged to the samples. Now the worker hands its work back and
     stops with InternalError: nothing dead, nothing retried, nothing lost."""
-    from hsq.protocol import RidMatcher  # the class the dispatcher polls with
+    from hsq.workers.ridmatch import RidMatcher  # the class the dispatcher polls with
 
     ds, refs = dataset
     real = RidMatcher.poll
@@ -452,7 +444,7 @@ def test_protocol_scan_reads_each_dump_once(tmp_path: Path) -> None:
     d = tmp_path / "d"
     d.mkdir()
     FakeServer(d)._dump([1, 2, 3], "r", {})
-    s = protocol.scan_by_rid(d)
+    s = scan_by_rid(d)
     assert list(s.complete) == ["r"] and s.writing == 0
 
 

@@ -14,25 +14,21 @@ from typing import Any
 import httpx
 import pytest
 
-from hsq import errors, protocol
+from hsq import errors
 from hsq.dataset import IndexEntry
-from hsq.protocol import (
-    DONE_FILE,
-    META_FILE,
-    READY_FILE,
-    TENSOR_FILE,
-    RidMatcher,
-    open_dump_tensors,
-    open_regular,
-    read_meta,
-    read_ready,
-)
+from hsq.dump.find import remove_dump
+from hsq.dump.format import DONE_FILE, META_FILE, TENSOR_FILE
+from hsq.dump.read import open_dump_tensors, read_meta
+from hsq.dump.ready import READY_FILE, read_ready
+from hsq.fsio import open_regular
 from hsq.store import ChunkJob
+from hsq.workers import ridmatch
 from hsq.workers.chunks import ChunkBook
 from hsq.workers.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.lock import LOCK_NAME, DumpDirLock
 from hsq.workers.policy import Kind, Outcome, Pause, backoff, classify, decide
+from hsq.workers.ridmatch import RidMatcher
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, check_dump_dir, take_dump_dir
 from tests.test_protocol import IDS, make
@@ -434,7 +430,7 @@ def test_an_entry_that_cannot_be_removed_is_reported_once_then_skipped(
     dump_dir: Path, staging: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make(dump_dir, 1, IDS, "someone-else")
-    monkeypatch.setattr(protocol, "remove_dump", lambda _path: False)
+    monkeypatch.setattr(ridmatch, "remove_dump", lambda _path: False)
     m = matcher(dump_dir, staging)
     _, dropped = m.poll(now=0.0)
     assert [w for w, _, _ in dropped] == ["unremovable"]
@@ -443,7 +439,7 @@ def test_an_entry_that_cannot_be_removed_is_reported_once_then_skipped(
     assert m.discarded == {"unremovable": 1}
     # The same name with another inode is a new entry and is looked at again.
     monkeypatch.undo()
-    protocol.remove_dump(dump_dir / "req_1")
+    remove_dump(dump_dir / "req_1")
     make(dump_dir, 1, IDS, "someone-else")
     assert [w for w, _, _ in m.poll(now=1.0)[1]] == ["unknown_rid"]
 

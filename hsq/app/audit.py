@@ -19,7 +19,6 @@ import random
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,23 +28,22 @@ import structlog
 from hsq.app.ops import RequeueResult, requeue, trusted_entry
 from hsq.closeness import Verdict, compare_states
 from hsq.dataset import IndexEntry, read_sample
+from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
+from hsq.dump.read import read_dump
 from hsq.errors import (
     CachedTokensError,
     ConfigError,
     HsqError,
-    IncompleteDumpError,
     MetaMismatchError,
-    MultipleDumpsError,
-    NoDumpError,
     WrongLengthError,
 )
-from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.protocol import Expected, clear_dump_dir, fingerprint, read_dump, remove_dump, scan_by_rid
-from hsq.runconfig import RunConfig
+from hsq.outputs.format import open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.readiness import require_hook
+from hsq.workers.runview import RunView
 from hsq.workers.startup import check_dump_dir
 
 log = structlog.get_logger("hsq.audit")
@@ -81,8 +79,10 @@ class _Target:
     client: ServerClient
     dump_dir: Path
     timeout_s: float
-    cfg: RunConfig
-    """The run's pins: every audit dump must show the run's model, layers, dtype, size."""
+    view: RunView
+    """The run as its workers see it: every audit dump is checked exactly as a worker
+    checks one (the pins: model, layers, dtype, size; the run's store dtype and pre-norm
+    state), with the worker's own expectations."""
 
 
 def run_audit(
@@ -118,7 +118,7 @@ def run_audit(
     try:
         require_hook(dump_dir, client.healthy, cfg, threading.Event())
         clear_dump_dir(dump_dir)
-        target = _Target(client, dump_dir, dump_timeout_s, cfg)
+        target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
         index = store.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:
@@ -136,7 +136,8 @@ def run_audit(
                 verdict = _audit_one(target, sid, index[sid], out_root)
             except MetaMismatchError as exc:
                 raise ConfigError(
-                    f"the audit server does not run the run's model and layers: {exc}"
+                    f"the audit server's dumps do not fit the run (its model, layers, "
+                    f"store dtype or pre-norm state): {exc}"
                 ) from exc
             except (HsqError, OSError) as exc:
                 report.failed[sid] = str(exc)
@@ -160,7 +161,7 @@ def run_audit(
 
 
 def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) -> Verdict:
-    sample = read_sample(Path(t.cfg.dataset), sid, index_entry)
+    sample = read_sample(t.view.dataset, sid, index_entry)
     n = len(sample.input_ids)
     rid = f"hsq-audit-{sid}-{secrets.token_hex(4)}"
     answer = t.client.prefill(sample.input_ids, rid)
@@ -168,48 +169,21 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
         raise WrongLengthError(f"server counted {answer.prompt_tokens} prompt tokens, sent {n}")
     if answer.cached_tokens != 0:
         raise CachedTokensError(f"server reused {answer.cached_tokens} cached tokens")
-    path = _wait_for_rid(t.dump_dir, rid, t.timeout_s)
-    expected = Expected(
-        rid=rid,
-        input_fingerprint=fingerprint(sample.input_ids),
-        num_tokens=n,
-        layer_ids=t.cfg.layer_ids,
-        hidden_size=t.cfg.hidden_size,
-        dtype=t.cfg.dump_dtype,
-        model_id=t.cfg.model_id,
-    )
+    # Any other dump in the audit's own dump dir (warm-ups, an operator's request) is
+    # removed, as a worker does.
+    path = wait_for_dump(t.dump_dir, t.timeout_s, rid=rid)
     try:
-        dump = read_dump(path, expected)
+        dump = read_dump(path, t.view.expected(rid, sample))
     finally:
         remove_dump(path)
     stored = open_output(out_root / output_relpath(sid))
-    return compare_states(stored, sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state)
-
-
-def _wait_for_rid(dump_dir: Path, rid: str, timeout_s: float) -> Path:
-    """The complete dump carrying `rid`; any other dump in the audit's own dump dir
-    (warm-ups, an operator's request) is removed, as a worker does."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = scan_by_rid(dump_dir)
-        for other, found in s.complete.items():
-            if other != rid:
-                for f in found:
-                    remove_dump(f.path)
-        for path, _why in s.unreadable:
-            remove_dump(path)
-        mine = s.complete.get(rid, [])
-        if len(mine) > 1:
-            for f in mine:
-                remove_dump(f.path)
-            raise MultipleDumpsError(f"{len(mine)} dumps carry the audit's rid {rid}")
-        if mine:
-            return mine[0].path
-        if s.final_incomplete.get(rid):
-            raise IncompleteDumpError(f"the dump of {rid} was renamed without `done`")
-        if time.monotonic() >= deadline:
-            raise NoDumpError(f"no dump carried {rid} within {timeout_s:.0f}s")
-        time.sleep(0.005)
+    return compare_states(
+        stored,
+        sample.input_ids,
+        dump.aux_hidden_states,
+        dump.last_hidden_state,
+        architecture=dump.meta.model.architecture,
+    )
 
 
 def _requeue(store: RunStore, out_root: Path, bad: dict[str, ManifestEntry]) -> int:

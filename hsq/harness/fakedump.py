@@ -7,15 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hsq.protocol import (
-    AUX_TENSOR,
-    DTYPES,
-    LAST_TENSOR,
-    DumpMeta,
-    ModelIdentity,
-    expected_shapes,
-    fingerprint,
-)
+from hsq.dump.format import DTYPES, DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.states import AUX_TENSOR, LAST_TENSOR
 
 if TYPE_CHECKING:
     import torch

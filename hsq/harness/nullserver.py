@@ -24,8 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hsq.dump.format import ModelIdentity
+from hsq.dump.ready import ReadyMarker, write_ready
+from hsq.dump.write import write_dump
 from hsq.harness.fakedump import random_states, request_meta
-from hsq.protocol import ModelIdentity, ReadyMarker, write_dump, write_ready
 from hsq.sglang_server.http_api import ApiServer, Handler, Route, prefill_answer, sglang_routes
 
 SHAPES = {

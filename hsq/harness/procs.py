@@ -6,6 +6,7 @@ started through the `hsq` CLI, each logging to its own file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -36,16 +37,33 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ManagedProcess:
-    """A child process with its own log file; stopped (TERM, then KILL) on exit."""
+    """A child process with its own log file; stopped (TERM, then KILL) on exit.
 
-    def __init__(self, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    ``new_session``: the child leads its own process group (a server that forks children,
+    as SGLang forks its schedulers): `signal_group` reaches all of them, and `stop` ends
+    the whole group.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        new_session: bool = False,
+    ):
         self.argv = list(argv)
         self.log_path = log_path
+        self.new_session = new_session
         log_path.parent.mkdir(parents=True, exist_ok=True)
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=child_env
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=new_session,
             )
 
     @property
@@ -65,6 +83,13 @@ class ManagedProcess:
         if self.alive():
             self.proc.send_signal(sig)
 
+    def signal_group(self, sig: int) -> None:
+        """`sig` to the child's whole process group (``new_session`` children only)."""
+        if not self.new_session:
+            raise HsqError("signal_group needs a child started with new_session=True")
+        with contextlib.suppress(ProcessLookupError):  # the group is gone already
+            os.killpg(self.proc.pid, sig)
+
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
@@ -73,6 +98,8 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        if self.new_session:  # children that outlived their leader
+            self.signal_group(signal.SIGKILL)
         return self.proc.returncode
 
     def __enter__(self) -> ManagedProcess:

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsq.dump.ready import read_ready
 from hsq.errors import ConfigError
-from hsq.protocol import read_ready
 from hsq.runconfig import RunConfig
 
 Identity = tuple[str, list[int]]

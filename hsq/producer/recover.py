@@ -17,7 +17,7 @@ from pathlib import Path
 from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import Identity, IdentityHint, decide_identity, given_conflicts
 from hsq.producer.identity import identity_key as _key
 from hsq.producer.report import (
@@ -30,8 +30,9 @@ from hsq.producer.report import (
     prune,
     refuse_conflicts,
 )
-from hsq.runconfig import BF16, DEFAULT_CHUNK_SIZE, RunConfig
+from hsq.runconfig import DEFAULT_CHUNK_SIZE, RunConfig
 from hsq.runstore import RunStore
+from hsq.states import BF16
 from hsq.store import chunked
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from hsq import logs
+from hsq import fsio, logs
 from hsq.chat import ChatOptions, ChatTokenizer, Markers, infer_markers, load_tokenizer
 from hsq.dataset import bounded_lines, load_row
 from hsq.errors import DatasetError
@@ -323,8 +323,8 @@ def tokenize_file(
             os.fsync(out.fileno())
             rout.flush()
             os.fsync(rout.fileno())
-        os.rename(tmp, dst)
-        os.rename(rtmp, rejects_path(dst))
+        fsio.rename_durably(tmp, dst)
+        fsio.rename_durably(rtmp, rejects_path(dst))
     finally:
         tmp.unlink(missing_ok=True)
         rtmp.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ class ConfigIndex:
         self._pin = reg(scripts.PIN)
         self._create = reg(scripts.CREATE)
         self._adopt = reg(scripts.ADOPT)
-        fence.reload = self.require_config
+        fence.reload_with(self.require_config)
 
     def load_config(self) -> RunConfig | None:
         """The run's config (None if there is none); refreshes the generation we hold."""

@@ -11,6 +11,7 @@ sets the generation it holds; the others' fenced writes present it.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +29,13 @@ class Fence:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         self._token: str | None = None  # the generation as stored (JSON)
-        self.reload: Callable[[], object] | None = None
+        self._reload: weakref.WeakMethod[Callable[[], object]] | None = None
+
+    def reload_with(self, method: Callable[[], object]) -> None:
         """Reads the config (and so the generation) when none is held yet: set by the
-        config aggregate."""
+        config aggregate. Held weakly: the aggregate holds this fence, and a cycle would
+        leave the Redis client's sockets to the garbage collector (ResourceWarning)."""
+        self._reload = weakref.WeakMethod(method)
 
     @property
     def generation(self) -> str | None:
@@ -43,9 +48,10 @@ class Fence:
     def token(self) -> str:
         """The generation to present, as stored; read first if none is held yet."""
         if self._token is None:
-            if self.reload is None:
+            reload = None if self._reload is None else self._reload()
+            if reload is None:
                 raise ConfigError(f"run {self.run!r}: no config was read")
-            self.reload()
+            reload()
         assert self._token is not None
         return self._token
 

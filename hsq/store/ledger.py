@@ -29,7 +29,7 @@ MAX_DEAD_ENTRY = 64 * 1024
 
 
 class DoneCodec(Protocol[E]):
-    """How a done entry is stored (hsq.outputs.MANIFEST_CODEC for hsq's manifest entries)."""
+    """How a done entry is stored (hsq.outputs.manifest.MANIFEST_CODEC for manifest entries)."""
 
     def encode(self, sample_id: str, entry: E) -> str:
         """The entry as stored in the done hash."""

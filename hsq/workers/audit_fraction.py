@@ -26,9 +26,10 @@ from typing import Protocol
 import structlog
 
 from hsq.closeness import compare_states
+from hsq.dump.read import read_dump
 from hsq.errors import AuditMismatchError, OutputError
-from hsq.outputs import ManifestEntry, open_output, output_relpath
-from hsq.protocol import read_dump
+from hsq.outputs.format import open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.workers.chunks import WorkItem
 from hsq.workers.extract import SendStage
 from hsq.workers.notices import AuditRejected, Notices
@@ -92,7 +93,11 @@ class WorkerAudit:
             dump = read_dump(staged.staged, view.expected(staged.meta.rid, staged.sample))
             stored = open_output(view.out_root / output_relpath(sid))
             verdict = compare_states(
-                stored, staged.sample.input_ids, dump.aux_hidden_states, dump.last_hidden_state
+                stored,
+                staged.sample.input_ids,
+                dump.aux_hidden_states,
+                dump.last_hidden_state,
+                architecture=dump.meta.model.architecture,
             )
         except Exception as exc:  # e.g. the file gone meanwhile (redone, verify --requeue)
             self.counts["audit_failures"] += 1

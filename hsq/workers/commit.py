@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.store import BatchMarker
 from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind

@@ -1,7 +1,7 @@
 """The dispatcher: one thread that polls the dump dir for every in-flight rid.
 
 Request threads register a rid before they send it, say when the answer came, and wait
-on a ticket; the dispatcher runs :class:`hsq.protocol.RidMatcher` a few hundred times a
+on a ticket; the dispatcher runs :class:`hsq.workers.ridmatch.RidMatcher` a few hundred times a
 second while something is in flight (once a second when idle, to clear dumps nobody asked
 for), hands each decided dump to its ticket and counts what it discards.
 
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import structlog
 
+from hsq.dump.find import FoundDump, clear_dump_dir, remove_dump
+from hsq.dump.ready import READY_FILE
 from hsq.errors import (
     DumpDirError,
     HookInactiveError,
@@ -32,15 +34,7 @@ from hsq.errors import (
     NoDumpError,
     ServerUnavailableError,
 )
-from hsq.protocol import (
-    READY_FILE,
-    UNREMOVABLE,
-    FoundDump,
-    Match,
-    RidMatcher,
-    clear_dump_dir,
-    remove_dump,
-)
+from hsq.workers.ridmatch import UNREMOVABLE, Match, RidMatcher
 
 log = structlog.get_logger("hsq.worker.dispatch")
 

@@ -15,8 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from hsq.dataset import read_sample
+from hsq.dump.find import remove_dump
+from hsq.dump.read import check_meta
 from hsq.errors import CachedTokensError, WrongLengthError
-from hsq.protocol import check_meta, remove_dump
 from hsq.workers.chunks import WorkItem
 from hsq.workers.client import ServerClient
 from hsq.workers.dispatch import Dispatcher

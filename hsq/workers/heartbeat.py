@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.store import WorkerStore
 from hsq.workers.claims import Claims
 from hsq.workers.persist import Lease

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import structlog
 
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.store import ChunkJob, WorkerStore
 from hsq.workers.chunks import ChunkBook, OpenChunk, WorkItem
 from hsq.workers.claims import Claims

@@ -5,6 +5,9 @@ bounded (depth + threads samples) whatever the queue length or dataset size; sev
 threads overlap one sample's fsync with another's copy and checks (all of it releases the
 GIL). Each sample ends as exactly one Event (DONE or FAILED with the exception) on the ack
 stage's queue; nothing is decided or dropped here.
+
+The stage owns the write engine its threads share (hsq.stfile.engine: write threads and
+staging buffers, O_DIRECT per --direct-io) and ends it in close().
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from pathlib import Path
 import structlog
 
 from hsq.dataset import Sample
-from hsq.outputs import ManifestEntry, output_relpath, write_output
-from hsq.protocol import DumpMeta, open_dump_tensors
-from hsq.quant import FP8
+from hsq.dump.format import DumpMeta
+from hsq.dump.read import open_dump_tensors
+from hsq.outputs.format import output_relpath
+from hsq.outputs.manifest import ManifestEntry
+from hsq.outputs.transcode import write_output
+from hsq.states import FP8
+from hsq.stfile.engine import WriteEngine
 from hsq.store import DoneMarker
 from hsq.workers.chunks import WorkItem
 from hsq.workers.commit import Committer
@@ -90,6 +97,7 @@ class PersistStage:
         threads: int = 1,
         on_done: Callable[[int], None] | None = None,
         lease: Lease | None = None,
+        direct_io: bool = True,
     ) -> None:
         self.store = store
         self.run = run
@@ -99,6 +107,7 @@ class PersistStage:
         self._on_done = on_done
         self._lease = lease
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
+        self.engine = WriteEngine(direct_io=direct_io)
         # Written samples are marked done in batches; it posts their DONE events.
         self.committer = Committer(store, events)
         self._threads = [
@@ -138,6 +147,7 @@ class PersistStage:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+        self.engine.close()  # nothing writes any more
         self.committer.close()
 
     def _loop(self) -> None:
@@ -201,6 +211,7 @@ class PersistStage:
                     tensors,
                     self.run,
                     store_dtype,
+                    engine=self.engine,
                     prenorm=cfg.prenorm,
                     stats=stats,
                     before_rename=before_rename,

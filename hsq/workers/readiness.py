@@ -16,9 +16,10 @@ from pathlib import Path
 
 import structlog
 
+from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready
 from hsq.errors import HookInactiveError
-from hsq.protocol import FP8, READY_FILE, ReadyMarker, read_ready
 from hsq.runconfig import RunConfig
+from hsq.states import FP8
 
 log = structlog.get_logger("hsq.readiness")
 DEFAULT_WAIT_S = 1800.0

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hsq.dataset import Sample
+from hsq.dump.format import DumpMeta, fingerprint
+from hsq.dump.read import Expected
 from hsq.errors import MetaMismatchError
-from hsq.protocol import DumpMeta, Expected, fingerprint
 from hsq.runconfig import RunConfig
 
 PIN_FIELDS = ("model_id", "layer_ids", "dump_dtype", "hidden_size")

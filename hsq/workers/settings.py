@@ -39,6 +39,11 @@ class WorkerSettings:
         help="threads writing outputs: many small files are bound by fsync latency, which "
         "threads overlap (BENCHMARKS.md, issue 22)",
     )
+    direct_io: bool = setting(
+        True,
+        help="write output files of 1 MiB or more with O_DIRECT where the filesystem allows "
+        "it (not tmpfs): faster on disks whose page-cache write-back limits a stream",
+    )
     backoff_max_s: float = setting(
         30.0, help="longest wait, in seconds, between retries while a dependency is down"
     )

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import structlog
 
+from hsq.dump.find import clear_dump_dir
 from hsq.errors import ConfigError, StoreError
-from hsq.outputs import ManifestEntry
-from hsq.protocol import clear_dump_dir, remove_entry
+from hsq.fsio import remove_entry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 from hsq.store import WorkerStore, connect
 from hsq.workers.lock import DumpDirLock

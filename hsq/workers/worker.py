@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from hsq.errors import RunChangedError, StoreError
-from hsq.outputs import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry
 from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
@@ -105,6 +105,7 @@ class Worker:
             threads=s.persist_threads,
             on_done=self.rate.add,
             lease=lease,
+            direct_io=s.direct_io,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, s.inflight

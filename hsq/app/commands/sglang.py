@@ -11,7 +11,7 @@ import click
 
 from hsq.app.options import settings_options, take
 from hsq.settings import int_tuple_or_none, setting
-from hsq.sglang_server.reference.settings import DUMP_ENCODINGS
+from hsq.states import ENCODINGS, PLAIN
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class LaunchFlags:
         help="decides plugin (>= 0.5.11) or launcher",
     )
     dump_encoding: str = setting(
-        "plain",
-        choices=DUMP_ENCODINGS,
+        PLAIN,
+        choices=ENCODINGS,
         help="fp8-e4m3: the GPU quantizes the states as fp8 outputs store them (for runs "
         "enqueued with --store-dtype fp8-e4m3)",
     )

@@ -24,15 +24,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from hsq.errors import ConfigError, DatasetError, OutputError
-from hsq.outputs import (
-    ManifestEntry,
-    OutputSample,
-    check_output,
-    file_checksum,
-    open_output,
-    output_relpath,
-    write_durably,
-)
+from hsq.fsio import write_durably
+from hsq.outputs.check import check_output, file_checksum
+from hsq.outputs.format import OutputSample, open_output, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 
 if TYPE_CHECKING:
     from hsq.runstore import RunStore
@@ -42,9 +37,6 @@ log = structlog.get_logger("hsq.app.export")
 LEDGER = ".hsq-export.jsonl"
 MAX_LEDGER_LINE = 4096
 """Longer lines are not ours: the ledger lives in DEST and is read as untrusted."""
-PRENORM_TENSOR = "last_hidden_state_prenorm"
-"""The final layer's state before the model's norm, [T, H] (fp8: plus `<name>_scale`
-[T, 1]); stored by runs enqueued with the pre-norm capture option."""
 
 
 @dataclass
@@ -126,7 +118,7 @@ def read_verified(
     naming the problem otherwise (export never copies a corrupt output)."""
     import torch
 
-    from hsq.protocol import fingerprint
+    from hsq.dump.format import fingerprint
 
     path = root / entry.path
     try:

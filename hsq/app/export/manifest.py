@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from hsq.app.export.common import check_complete, checked_entry, log
 from hsq.data import MANIFEST
 from hsq.errors import OutputError
-from hsq.outputs import write_durably
+from hsq.fsio import write_durably
 
 if TYPE_CHECKING:
     from hsq.runstore import RunStore

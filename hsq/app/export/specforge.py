@@ -24,7 +24,8 @@ from hsq.app.export.common import (
     run_files,
 )
 from hsq.app.export.passes import Exported, export_pass, save_in, write_all
-from hsq.outputs import ManifestEntry, OutputSample, output_relpath
+from hsq.outputs.format import OutputSample, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 
 if TYPE_CHECKING:
     from hsq.runstore import RunStore

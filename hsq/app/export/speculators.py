@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hsq import fsio
 from hsq.app.export.common import (
-    PRENORM_TENSOR,
     ExportReport,
     ExportRequest,
     Ledger,
@@ -40,7 +40,9 @@ from hsq.app.export.common import (
 )
 from hsq.app.export.passes import Exported, export_pass, save_in, write_all
 from hsq.errors import ConfigError, OutputError
-from hsq.outputs import ManifestEntry, OutputSample, read_header
+from hsq.outputs.format import OutputSample, read_header
+from hsq.outputs.manifest import ManifestEntry
+from hsq.states import PRENORM_TENSOR, scale_name
 
 if TYPE_CHECKING:
     from hsq.runstore import RunStore
@@ -74,7 +76,7 @@ def prenorm_state(path: Path, out: OutputSample) -> Any:
             if PRENORM_TENSOR not in names:
                 raise OutputError(f"{path} has no {PRENORM_TENSOR}")
             t = f.get_tensor(PRENORM_TENSOR)
-            sname = quant.scale_name(PRENORM_TENSOR)
+            sname = scale_name(PRENORM_TENSOR)
             if sname in names:
                 t = quant.dequantize(t, f.get_tensor(sname))
     want = list(out.last_hidden_state.shape)
@@ -176,7 +178,7 @@ def _write_rows(
     import numpy as np
     import pyarrow as pa
 
-    from hsq.outputs import open_output
+    from hsq.outputs.format import open_output
 
     order = sorted(rows)
     lengths = np.array([rows[i][3].num_tokens for i in order], dtype=np.int64)
@@ -243,14 +245,9 @@ def _write_dataset(dataset_cls: Any, table: Any, dest: Path) -> None:
         if got != sorted(ARROW_FILES):
             raise OutputError(f"datasets wrote {got}, expected {sorted(ARROW_FILES)}")
         for name in ARROW_FILES:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
+            fsio.fsync_path(tmp / name)
             os.replace(tmp / name, dest / name)
-        dfd = os.open(dest, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsio.fsync_path(dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hsq.errors import ConfigError
-from hsq.outputs import write_durably
+from hsq.fsio import write_durably
 
 MAX_CONFIG_BYTES = 4 * 2**20
 EMBED_KEY = "model.embed_tokens.weight"

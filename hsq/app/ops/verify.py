@@ -14,7 +14,9 @@ from pathlib import Path
 from hsq import jsonsafe
 from hsq.app.ops.requeue import RequeueResult, requeue
 from hsq.errors import DatasetError
-from hsq.outputs import SUFFIX, ManifestEntry, check_output, output_relpath
+from hsq.outputs.check import check_output
+from hsq.outputs.format import SUFFIX, output_relpath
+from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 
 MAX_MANIFEST_ENTRY = 64 * 1024

@@ -23,15 +23,9 @@ from typing import Any
 
 import structlog
 
+from hsq.dump.format import DTYPES, expected_shapes
+from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.errors import ConfigError
-from hsq.protocol import (
-    DTYPES,
-    FP8,
-    SCALE_SUFFIX,
-    ReadyMarker,
-    expected_shapes,
-    write_ready,
-)
 from hsq.sglang_server.http_api import ApiServer, RequestError, Route, sglang_routes
 from hsq.sglang_server.http_api import Handler as RouteHandler
 from hsq.sglang_server.reference.dumper import DumpWriter
@@ -39,6 +33,7 @@ from hsq.sglang_server.reference.engine import Engine, InjectedServerError
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
 from hsq.sglang_server.reference.model import HiddenStateModel, load_model
 from hsq.sglang_server.reference.settings import ReferenceSettings
+from hsq.states import FP8, SCALE_SUFFIX
 
 log = structlog.get_logger("hsq.reference.app")
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from hsq.protocol import DumpMeta, write_dump
+from hsq.dump.format import DumpMeta
+from hsq.dump.write import write_dump
 
 log = structlog.get_logger("hsq.reference.dumper")
 

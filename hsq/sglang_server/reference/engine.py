@@ -20,27 +20,29 @@ from typing import Any
 import structlog
 import torch
 
-from hsq.protocol import (
-    AUX_TENSOR,
+from hsq.dump.format import (
     DUMP_PREFIX,
-    FP8,
-    LAST_TENSOR,
-    PLAIN,
-    PRENORM_TENSOR,
     TENSOR_FILE,
     TMP_SUFFIX,
     DumpMeta,
     dtype_name,
     expected_shapes,
     fingerprint,
-    scale_name,
-    state_tensors,
 )
 from hsq.quant import quantize_on_device
 from hsq.sglang_server.http_api import RequestError, prefill_answer
 from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule, mix_sources
 from hsq.sglang_server.reference.model import Captured, HiddenStateModel, batch_shapes
+from hsq.states import (
+    AUX_TENSOR,
+    FP8,
+    LAST_TENSOR,
+    PLAIN,
+    PRENORM_TENSOR,
+    scale_name,
+    state_tensors,
+)
 
 log = structlog.get_logger("hsq.reference.engine")
 CRASH_EXIT_CODE = 70

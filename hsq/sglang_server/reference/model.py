@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hsq.dump.format import ModelIdentity
 from hsq.errors import ConfigError
-from hsq.protocol import ModelIdentity
 
 TINY = "tiny"
 PRENORM_KEY = -1

@@ -8,9 +8,7 @@ from pathlib import Path
 
 from hsq.errors import ConfigError
 from hsq.settings import int_tuple, setting
-
-DUMP_ENCODINGS = ("plain", "fp8-e4m3")
-"""hsq.protocol.ENCODINGS, spelled out here: settings load without torch."""
+from hsq.states import ENCODINGS, PLAIN
 
 
 @dataclass(frozen=True)
@@ -29,8 +27,8 @@ class ReferenceSettings:
     )
     dump_dtype: str = setting("bfloat16", help="dtype of the dumped hidden states")
     dump_encoding: str = setting(
-        "plain",
-        choices=DUMP_ENCODINGS,
+        PLAIN,
+        choices=ENCODINGS,
         help="plain: states in --dump-dtype; fp8-e4m3: quantized on the device exactly as "
         "fp8 outputs store them (half the dump bytes; the worker only validates and copies); "
         "only runs enqueued with --store-dtype fp8-e4m3 accept such dumps",
@@ -85,13 +83,13 @@ class ReferenceSettings:
         return self.dtype or ("float32" if self.device == "cpu" else "bfloat16")
 
     def validate(self) -> None:
-        from hsq.protocol import DTYPES  # torch: only once the server starts
+        from hsq.dump.format import DTYPES  # torch: only once the server starts
 
         for name in (self.compute_dtype, self.dump_dtype):
             if name not in DTYPES:
                 raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-        if self.dump_encoding not in DUMP_ENCODINGS:
-            raise ConfigError(f"--dump-encoding must be one of {', '.join(DUMP_ENCODINGS)}")
+        if self.dump_encoding not in ENCODINGS:
+            raise ConfigError(f"--dump-encoding must be one of {', '.join(ENCODINGS)}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be cpu or cuda[:N], not {self.device!r}")
         if self.max_tokens < 1 or self.warmup < 0 or self.counter_start < 0:

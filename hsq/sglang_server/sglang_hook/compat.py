@@ -13,14 +13,35 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Newest first. 0.5.15 is where chunk bookkeeping and the DeepSeek layer rule changed;
-# 0.5.9 is the oldest, served only by the launcher (no plugin API).
-PINNED_VERSIONS: tuple[str, ...] = ("0.5.23", "0.5.15", "0.5.11", "0.5.9")
+# 0.5.9 is the oldest, served only by the launcher (no plugin API). 0.5.16-0.5.22 are read
+# like the others; only 0.5.15 ran live (docs/sglang.md, "Versions").
+PINNED_VERSIONS: tuple[str, ...] = (
+    "0.5.23",
+    "0.5.22",
+    "0.5.21",
+    "0.5.20",
+    "0.5.19",
+    "0.5.18",
+    "0.5.17",
+    "0.5.16",
+    "0.5.15",
+    "0.5.11",
+    "0.5.9",
+)
+LIVE_VERSIONS: tuple[str, ...] = ("0.5.15",)
+"""Versions seen working in a live server on a GPU (the rest: read only)."""
 PLUGIN_MIN_VERSION = (0, 5, 11)
 """`sglang.srt.plugins` (entry points + HookRegistry) exists from this release on."""
 DEEPSEEK_FIRST_ID_RULE_SINCE = (0, 5, 13)
 """From here DeepSeek/Kimi add +1 only when the first id is 1 (read in 0.5.12..0.5.15)."""
 PREFILL_GRAPH_FLAG_SINCE = (0, 5, 15)
 """`--disable-prefill-cuda-graph` (breakable prefill graphs are on by default)."""
+DEEPSEEK_PACKED_AUX_SINCE = (0, 5, 17)
+"""From here DeepSeek/Kimi hand the logits processor one packed [T, K*H] aux tensor
+(AuxHiddenStatePacker) instead of a list of K tensors; the tap takes both."""
+TC_PIECEWISE_PREFILL_UNTIL = (0, 5, 22)
+"""`tc_piecewise` is a --cuda-graph-backend-prefill choice below this; 0.5.22 dropped it
+(full, breakable, disabled remain). The hook accepts `disabled` only, in every version."""
 PIECEWISE_GRAPH_FLAG_RANGE = ((0, 5, 11), (0, 5, 15))
 """`--disable-piecewise-cuda-graph` is the prefill-graph switch in [start, end); on by
 default there (0.5.9 had it opt-in, 0.5.10 was not read)."""
@@ -254,6 +275,17 @@ def plugin_supported(version: str) -> bool:
 
 def deepseek_first_id_rule(version: str) -> bool:
     return parse_version(version) >= DEEPSEEK_FIRST_ID_RULE_SINCE
+
+
+def deepseek_packs_aux(version: str) -> bool:
+    return parse_version(version) >= DEEPSEEK_PACKED_AUX_SINCE
+
+
+def prefill_graph_backends(version: str) -> tuple[str, ...]:
+    """--cuda-graph-backend-prefill's choices in this version (0.5.15 and later)."""
+    if parse_version(version) < TC_PIECEWISE_PREFILL_UNTIL:
+        return ("full", "breakable", "tc_piecewise", "disabled")
+    return ("full", "breakable", "disabled")
 
 
 def requirements_for(version: str) -> list[Requirement]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsq.sglang_server.sglang_hook.layers import parse_layer_ids
+from hsq.states import ENCODINGS, PLAIN  # torch-free: this module loads before torch
 
 ENV_PREFIX = "SGLANG_HS_"
 ENV_DUMP_DIR = "SGLANG_HS_DUMP_DIR"
@@ -37,8 +38,6 @@ KNOWN_ENV = frozenset(
         ENV_DEVICE_STAGING,
     }
 )
-ENCODINGS = ("plain", "fp8-e4m3")
-"""hsq.protocol.ENCODINGS, spelled out: this module loads without torch (hsq launch-sglang)."""
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -59,7 +58,7 @@ class HookConfig:
     evict_after_s: float = 600.0
     """Drop the chunks of a request not seen for this long (aborted, client gone)."""
     fsync: bool = True
-    encoding: str = "plain"
+    encoding: str = PLAIN
     """`fp8-e4m3`: quantize on the GPU as fp8 outputs store the states (per-token
     absmax/448 scales); only runs enqueued with --store-dtype fp8-e4m3 take such dumps."""
     prenorm: bool = False
@@ -88,7 +87,7 @@ class HookConfig:
             queue_bytes=_int(env, ENV_QUEUE_MB, cls.queue_bytes >> 20) << 20,
             evict_after_s=float(env.get(ENV_EVICT_AFTER_S, cls.evict_after_s)),
             fsync=env.get(ENV_FSYNC, "1").strip().lower() not in ("0", "false", "no"),
-            encoding=env.get(ENV_DUMP_ENCODING, "plain").strip() or "plain",
+            encoding=env.get(ENV_DUMP_ENCODING, PLAIN).strip() or PLAIN,
             prenorm=_bool(env, ENV_PRENORM),
             device_staging=_bool(env, ENV_DEVICE_STAGING),
         )
@@ -107,7 +106,7 @@ class HookConfig:
             env[ENV_LAYER_IDS] = ",".join(str(i) for i in self.layer_ids)
         if self.rid_prefix:
             env[ENV_RID_PREFIX] = self.rid_prefix
-        if self.encoding != "plain":
+        if self.encoding != PLAIN:
             env[ENV_DUMP_ENCODING] = self.encoding
         if self.prenorm:
             env[ENV_PRENORM] = "1"

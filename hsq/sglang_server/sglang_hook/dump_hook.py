@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import torch
 
-from hsq.protocol import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 from hsq.quant import quantize_on_device
 from hsq.sglang_server.sglang_hook.accumulator import Chunk
 from hsq.sglang_server.sglang_hook.config import HookConfig
 from hsq.sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
 from hsq.sglang_server.sglang_hook.plan import BatchPlan, ReqLike, RidFilter, build_plan
+from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 
 log = logging.getLogger("hsq.sglang_hook")
 

@@ -21,17 +21,10 @@ from pathlib import Path
 
 import torch
 
-from hsq.protocol import (
-    LAST_TENSOR,
-    PLAIN,
-    DumpMeta,
-    ModelIdentity,
-    dtype_name,
-    expected_shapes,
-    fingerprint,
-    write_dump,
-)
+from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
+from hsq.dump.write import write_dump
 from hsq.sglang_server.sglang_hook.accumulator import Accumulator, Chunk, Complete
+from hsq.states import LAST_TENSOR, PLAIN
 
 log = logging.getLogger("hsq.sglang_hook")
 _INDEX_RE = re.compile(r"^req_(\d+)(?:\.tmp)?$")

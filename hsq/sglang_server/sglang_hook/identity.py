@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import PurePath
 from typing import Any
 
-from hsq.protocol import ModelIdentity
+from hsq.dump.format import ModelIdentity
 
 
 def config_digest(config: Mapping[str, Any]) -> str:

@@ -14,6 +14,7 @@ from hsq.sglang_server.sglang_hook.compat import (
 )
 from hsq.sglang_server.sglang_hook.config import HookConfig
 from hsq.sglang_server.sglang_hook.layers import effective_layer_ids, family
+from hsq.states import PLAIN
 
 MIN_CHUNKED_PREFILL = 1024
 """Smallest --chunked-prefill-size accepted (-1 = off): each chunk is a forward and a copy."""
@@ -56,7 +57,7 @@ def launch_command(
     python: str = "python",
     prefill_cuda_graph: bool = False,
     overlap_schedule: bool = True,
-    encoding: str = "plain",
+    encoding: str = PLAIN,
     prenorm: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
@@ -66,7 +67,7 @@ def launch_command(
     versions go through hsq's launcher. Prefill CUDA graphs are off unless asked for:
     whether aux capture survives graph replay was never observed here (docs/sglang.md).
     """
-    problems = check_launch_args(extra_args)
+    problems = tp_problems(tp_size, extra_args) + check_launch_args(extra_args)
     if problems:
         raise ValueError("; ".join(problems))
     cfg = HookConfig(
@@ -99,6 +100,22 @@ def launch_command(
     if not overlap_schedule:
         cmd.append("--disable-overlap-schedule")
     return cmd + list(extra_args)
+
+
+TP_FLAGS = ("--tp-size", "--tensor-parallel-size")
+"""SGLang's spellings of the tensor-parallel size; hsq passes it itself (`--tp N`)."""
+
+
+def tp_problems(tp_size: object, extra_args: Sequence[str] = ()) -> list[str]:
+    """The tensor-parallel size is hsq's `--tp N` (an integer >= 1), given once: a second
+    value among the SGLang arguments would silently win (argparse keeps the last)."""
+    out: list[str] = []
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        out.append(f"--tp {tp_size!r}: expected an integer >= 1")
+    given = sorted({a.split("=", 1)[0] for a in extra_args if a.split("=", 1)[0] in TP_FLAGS})
+    out += [f"{f} among the SGLang arguments: give the tensor-parallel size once, as --tp N"
+            for f in given]  # fmt: skip
+    return out
 
 
 def _flag_values(argv: Sequence[str]) -> dict[str, str]:

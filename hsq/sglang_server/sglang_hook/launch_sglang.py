@@ -20,14 +20,15 @@ from typing import Any
 
 import httpx
 
+from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready
 from hsq.errors import ConfigError, HookInactiveError
-from hsq.protocol import READY_FILE, ReadyMarker, read_ready
 from hsq.sglang_server.sglang_hook import compat
 from hsq.sglang_server.sglang_hook.launch_args import (
     check_model_config,
     check_server_info,
     launch_command,
 )
+from hsq.states import PLAIN
 
 EXIT_BAD_SERVER = 2
 
@@ -89,7 +90,7 @@ def run_checked(
     tp_size: int,
     sglang_version: str | None,
     extra: list[str],
-    encoding: str = "plain",
+    encoding: str = PLAIN,
     prenorm: bool = False,
     print_only: bool,
     start_timeout: float,

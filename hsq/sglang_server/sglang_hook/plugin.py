@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import hsq
+from hsq.dump.ready import READY_FILE, ReadyMarker, write_ready
 from hsq.errors import ConfigError
-from hsq.protocol import READY_FILE, ReadyMarker, write_ready
 from hsq.sglang_server.sglang_hook import compat
 from hsq.sglang_server.sglang_hook.config import ENV_LAYER_IDS, ENV_PRENORM, HookConfig
 from hsq.sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids

@@ -1,0 +1,113 @@
+"""Checking a written output file against its manifest entry (`hsq verify`, adopt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hsq import jsonsafe, quant
+from hsq.dump.format import fingerprint
+from hsq.errors import OutputError
+from hsq.outputs.format import IDS_TENSOR, REQUIRED_TENSORS, read_header
+from hsq.outputs.manifest import ManifestEntry
+from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
+from hsq.stfile.header import FormatError
+from hsq.stfile.integrity import CHECKSUM, Digest, checksum_algo
+
+
+def file_checksum(path: Path, algo: str | None = None) -> str:
+    """The file's checksum as a manifest records it: "xxh3:<hex>" (or with `algo`, e.g.
+    the algorithm an older entry names: "crc32")."""
+    digest = Digest(algo or CHECKSUM)
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            digest.update(chunk)
+    return digest.text
+
+
+def checksum_matches(path: Path, recorded: str) -> bool:
+    """Whether the file has the checksum a manifest recorded, in whichever algorithm the
+    record names (xxh3 now, crc32 for files written before); False for an unknown one."""
+    try:
+        algo = checksum_algo(recorded)
+    except FormatError:
+        return False
+    return file_checksum(path, algo) == recorded
+
+
+def check_output(
+    path: Path,
+    sample_id: str,
+    entry: ManifestEntry,
+    *,
+    deep: bool = False,
+    store_dtype: str | None = None,
+    prenorm: bool = False,
+) -> list[str]:
+    """Problems with one output file (empty list: fine). Deep reads every byte.
+
+    `store_dtype` is the run's storage format: a file in another format is a problem (a
+    run holds one format, so readers never meet a mix). `prenorm`: the run stores the
+    pre-norm final state, so a file without it is a problem."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return ["missing"]
+    problems: list[str] = []
+    if size != entry.bytes:
+        problems.append(f"size {size} != manifest {entry.bytes}")
+    try:
+        header = read_header(path)
+        meta = header.metadata
+        n = entry.num_tokens
+        if meta.get("sample_id") != sample_id:
+            problems.append(f"sample_id {meta.get('sample_id')!r} != {sample_id!r}")
+        if meta.get("num_tokens") != str(n):
+            problems.append(f"num_tokens {meta.get('num_tokens')} != manifest {n}")
+        names = list(REQUIRED_TENSORS)
+        if prenorm or PRENORM_TENSOR in header.tensors:
+            names.append(PRENORM_TENSOR)
+        for name in names:
+            info = header.tensors.get(name)
+            if info is None or not info.shape or info.shape[0] != n:
+                shape = None if info is None else info.shape
+                problems.append(f"{name} shape {shape} does not start with {n}")
+        fmt = quant.store_dtype_of(meta)
+        if store_dtype is not None and fmt != store_dtype:
+            problems.append(f"stored as {fmt}, the run stores {store_dtype}")
+        if entry.store_dtype != fmt:
+            problems.append(f"stored as {fmt}, manifest says {entry.store_dtype}")
+        layer_ids = jsonsafe.loads(meta.get("layer_ids", "null"))
+        groups = len(layer_ids) if isinstance(layer_ids, list) and layer_ids else None
+        problems += quant.layout_problems(fmt, header.tensors, n, groups)
+    except (OSError, ValueError, OutputError) as exc:
+        return [*problems, f"unreadable header: {exc}"]
+    if deep and not problems:
+        problems += _deep_check(path, entry, fmt)
+    return problems
+
+
+def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:
+    import torch
+    from safetensors.torch import load_file
+
+    if not checksum_matches(path, entry.checksum):
+        return ["checksum mismatch"]
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for damaged files
+        return [f"unreadable tensors: {exc}"]
+    problems = []
+    for name in (AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR):
+        if name not in tensors:
+            continue  # the header check reported a missing required tensor already
+        if fmt == FP8:
+            sname = scale_name(name)
+            problems += [
+                f"{name}: {p}" for p in quant.quantized_problems(tensors[name], tensors[sname])
+            ]
+        elif not bool(torch.isfinite(tensors[name]).all()):
+            problems.append(f"{name} holds NaN or Inf")
+    header_fp = read_header(path).metadata.get("input_fingerprint")
+    if header_fp != fingerprint(tensors[IDS_TENSOR]):
+        problems.append("input_ids do not match the recorded fingerprint")
+    return problems

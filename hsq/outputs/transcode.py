@@ -1,0 +1,178 @@
+"""From a validated dump to its sample's output file, in one pass, written durably.
+
+The one writer of output files (the worker's persist stage calls it; hsq/workers/persist.py).
+The call path reads one way: the output's layout and metadata (hsq.outputs.format), the
+dump's tensors as sources (hsq.dump.read.DumpTensors), fp8 quantized on the way
+(hsq.quant), the bytes through the persist stage's write engine (hsq.stfile.engine) into a
+temp file that hsq.fsio renames into place.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hsq import quant
+from hsq.dataset import Sample
+from hsq.errors import CorruptDumpError, MetaMismatchError, NonFiniteDumpError
+from hsq.fsio import write_durably
+from hsq.outputs.format import IDS_TENSOR, MASK_TENSOR, output_metadata
+from hsq.states import BF16, FP8, scale_name, state_tensors
+from hsq.stfile.engine import Produced, Source, SourceError, WriteEngine
+from hsq.stfile.header import DTYPE_CODES, ITEMSIZE, TensorInfo, build_header, torch_dtype
+from hsq.stfile.header import tensor_bytes as raw_bytes
+from hsq.stfile.integrity import NonFiniteError
+
+if TYPE_CHECKING:
+    from hsq.dump.format import DumpMeta
+    from hsq.dump.read import DumpTensors
+
+_I64 = DTYPE_CODES["int64"]
+_F32 = DTYPE_CODES["float32"]
+
+
+def write_output(
+    path: Path,
+    sample: Sample,
+    meta: DumpMeta,
+    dump: DumpTensors,
+    run: str,
+    store_dtype: str = BF16,
+    *,
+    engine: WriteEngine,
+    prenorm: bool = False,
+    stats: dict[str, float] | None = None,
+    before_rename: Callable[[], None] | None = None,
+) -> tuple[int, str]:
+    """Write a sample's training file durably from a dump whose header was checked;
+    (bytes, checksum "xxh3:<hex>").
+
+    One pass over the dump's bytes, read with pread into buffers of the writer's own (never
+    the dump's mapping): bf16 states are checked for NaN/Inf, checksummed and written from
+    those very bytes; fp8 states are quantized from them (the quantizer refuses NaN/Inf).
+    So a dump rewritten while it is copied cannot put unchecked bytes on disk (issue 23).
+    NonFiniteDumpError or CorruptDumpError for a bad dump, OutputError when the disk
+    refuses. `stats` gathers seconds per step; `before_rename` runs after the fsync, right
+    before the file takes its name, and may raise to leave nothing behind.
+    An fp8-e4m3 dump (the server quantized it) goes the same way as bf16: its values and
+    scales are checked and copied as they are. `prenorm`: the run stores
+    last_hidden_state_prenorm (a dump that has it in a run that does not: left out).
+    """
+    n = len(sample.input_ids)
+    mask = sample.loss_mask if sample.loss_mask is not None else [1] * n
+    if prenorm and not meta.prenorm:
+        raise MetaMismatchError("the run stores the pre-norm final state; the dump has none")
+    states = state_tensors(len(meta.layer_ids), prenorm)
+    metadata = output_metadata(sample, meta, run, store_dtype)
+    entries: list[tuple[str, str, list[int], int]] = [
+        (IDS_TENSOR, _I64, [n], 8 * n),
+        (MASK_TENSOR, _I64, [n], 8 * n),
+    ]
+    sources: list[Source] = [_int64_bytes(sample.input_ids), _int64_bytes(mask)]
+    if meta.encoding == FP8:
+        if store_dtype != FP8:  # check_meta refuses it first; never store a mix
+            raise MetaMismatchError(f"an {FP8} dump cannot be stored as {store_dtype}")
+        copied = [x for name, _ in states for x in (name, scale_name(name))]
+    elif store_dtype == FP8:
+        copied = []
+        for name, groups in states:
+            info = dump.header.tensors[name]
+            q, scales = _fp8_sources(dump.fd, info, groups, stats)
+            entries += [
+                (name, quant.FP8_CODE, list(info.shape), q.nbytes),
+                (scale_name(name), _F32, [info.shape[0], groups], scales.nbytes),
+            ]
+            sources += [q, scales]
+    else:
+        copied = [name for name, _ in states]
+    for name in copied:
+        info = dump.header.tensors[name]
+        entries.append((info.name, info.dtype, info.shape, info.nbytes))
+        sources.append(dump.source(name))
+    header = build_header(entries, metadata)
+    try:
+        return write_durably(
+            path,
+            lambda fd: engine.write(fd, header, sources, stats=stats),
+            stats=stats,
+            before_rename=before_rename,
+        )
+    except NonFiniteError as exc:
+        raise NonFiniteDumpError(f"dump {exc}") from exc
+    except SourceError as exc:
+        raise CorruptDumpError(f"dump tensors: {exc}") from exc
+
+
+def _int64_bytes(values: list[int]) -> bytes:
+    arr = array.array("q", values)
+    if sys.byteorder != "little":
+        arr.byteswap()  # safetensors is little-endian
+    return arr.tobytes()
+
+
+_fp8_work = threading.local()
+
+
+def _fp8_sources(
+    fd: int, info: TensorInfo, groups: int, stats: dict[str, float] | None
+) -> tuple[Produced, Produced]:
+    """The fp8 values of one dump tensor, quantized a chunk of tokens at a time from bytes
+    read once into reused buffers, and their scales (filled on the way, written after)."""
+    import torch
+
+    t, d = info.shape
+    item = ITEMSIZE[info.dtype]
+    dtype = torch_dtype(info.dtype)
+    scales = torch.empty((t, groups), dtype=torch.float32)
+    rows = quant.CHUNK_TOKENS
+
+    def buffers() -> tuple[Any, Any, Any]:
+        # Per thread, grown to the widest tensor seen: [rows, D] raw, float32 and fp8.
+        have = getattr(_fp8_work, "bufs", None)
+        if have is None or have[1].numel() < rows * d or have[0].numel() < rows * d * item:
+            have = (
+                torch.empty(rows * d * max(item, 2), dtype=torch.uint8),
+                torch.empty(rows * d, dtype=torch.float32),
+                torch.empty(rows * d, dtype=torch.float8_e4m3fn),
+            )
+            _fp8_work.bufs = have
+        return have
+
+    def make() -> Iterator[memoryview]:
+        raw, work, q = buffers()
+        for lo in range(0, t, rows):
+            hi = min(t, lo + rows)
+            nbytes = (hi - lo) * d * item
+            view = memoryview(raw.numpy())[:nbytes]
+            t0 = time.perf_counter()
+            _pread_exact(fd, view, info.start + lo * d * item)
+            t1 = time.perf_counter()
+            x = raw[:nbytes].view(dtype).view(hi - lo, d)
+            qc = q[: (hi - lo) * d].view(hi - lo, d)
+            quant.quantize_into(x, groups, qc, scales[lo:hi], work)
+            if stats is not None:
+                stats["read_s"] = stats.get("read_s", 0.0) + t1 - t0
+                stats["quantize_s"] = stats.get("quantize_s", 0.0) + time.perf_counter() - t1
+            yield memoryview(qc.view(torch.uint8).numpy()).cast("B")
+
+    def scale_bytes() -> Iterator[memoryview]:
+        yield raw_bytes(scales)
+
+    return Produced(make, t * d), Produced(scale_bytes, 4 * t * groups)
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        try:
+            got = os.preadv(fd, [view], offset)
+        except OSError as exc:
+            raise SourceError(f"cannot read the source: {exc}") from exc
+        if got == 0:
+            raise SourceError("source file ended early")
+        view, offset = view[got:], offset + got

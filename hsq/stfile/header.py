@@ -1,0 +1,174 @@
+"""The safetensors header: the one dtype table, building and strictly parsing headers.
+
+A file is an 8-byte little-endian header length, a JSON header (`{name: {dtype, shape,
+data_offsets}}` plus an optional `__metadata__` map of strings), then the tensor bytes.
+Headers come from files someone else wrote (a server's dump): every field is type-checked
+and the offsets must tile the file exactly.
+
+torch is imported where tensors are touched, so header reads stay cheap for operator
+commands (`hsq verify` reads 100k headers).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hsq import jsonsafe
+
+if TYPE_CHECKING:
+    import torch
+
+_TABLE = (
+    # torch's name, safetensors' code, bytes per element
+    ("bfloat16", "BF16", 2),
+    ("float16", "F16", 2),
+    ("float32", "F32", 4),
+    ("int64", "I64", 8),
+    ("int32", "I32", 4),
+    ("int16", "I16", 2),
+    ("int8", "I8", 1),
+    ("uint8", "U8", 1),
+    ("float8_e4m3fn", "F8_E4M3", 1),
+)
+DTYPE_CODES = {name: code for name, code, _ in _TABLE}
+"""The one dtype table: every dtype hsq reads or writes, by torch's name -> its code."""
+DTYPE_NAMES = {code: name for name, code, _ in _TABLE}
+ITEMSIZE = {code: size for _, code, size in _TABLE}
+MAX_HEADER = 100 * 2**20
+
+
+class FormatError(ValueError):
+    """Not a well-formed safetensors file."""
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype (BF16, F32, ...)."""
+    return DTYPE_CODES[str(dtype).removeprefix("torch.")]
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    """The torch dtype for a safetensors dtype code (inverse of dtype_code)."""
+    import torch
+
+    name = DTYPE_NAMES.get(code)
+    if name is None:
+        raise FormatError(f"unsupported dtype {code!r}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    start: int
+    """Absolute offset of the first byte in the file."""
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    file_size: int
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, without a copy when it is contiguous."""
+    import torch
+
+    arr: Any = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr)
+
+
+def build_header(
+    entries: Sequence[tuple[str, str, Sequence[int], int]], metadata: dict[str, str] | None
+) -> bytes:
+    """entries: (name, dtype code, shape, nbytes) in file order; returns length + JSON."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned, as safetensors does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_header(fd: int) -> Header:
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) != 8:
+        raise FormatError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER or 8 + n > size:
+        raise FormatError(f"implausible header length {n} for a {size}-byte file")
+    try:
+        raw = jsonsafe.loads(os.pread(fd, n, 8))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"header is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise FormatError("header is not an object")
+    base = 8 + n
+    meta = raw.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise FormatError("__metadata__ is not a map of strings")
+    specs = [(name, _tensor_spec(name, spec)) for name, spec in raw.items()]
+    tensors: dict[str, TensorInfo] = {}
+    end = 0
+    for name, (code, shape, lo, hi) in sorted(specs, key=lambda item: item[1][2]):
+        if lo != end or hi - lo != ITEMSIZE[code] * _prod(shape):
+            raise FormatError(f"tensor {name!r}: offsets {lo}..{hi} do not fit {code}{shape}")
+        end = hi
+        tensors[name] = TensorInfo(name, code, shape, base + lo, hi - lo)
+    if base + end != size:
+        raise FormatError(f"file is {size} bytes, header describes {base + end}")
+    return Header(tensors, meta, size)
+
+
+def _tensor_spec(name: str, spec: Any) -> tuple[str, list[int], int, int]:
+    """(dtype code, shape, start, end) of one header entry, every field type-checked: the
+    header comes from a file someone else wrote."""
+    try:
+        code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    except (KeyError, TypeError) as exc:
+        raise FormatError(f"tensor {name!r}: bad entry {spec!r:.200}") from exc
+    ints_ok = isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
+    if not ints_ok or not all(_is_dim(v) for v in [*offsets, *shape]):
+        raise FormatError(f"tensor {name!r}: shape/offsets are not lists of integers")
+    if not isinstance(code, str) or code not in ITEMSIZE:
+        raise FormatError(f"tensor {name!r}: unknown dtype {code!r:.40}")
+    return code, list(shape), offsets[0], offsets[1]
+
+
+def _is_dim(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        if not isinstance(d, int) or d < 0:
+            raise ValueError(f"bad dimension {d!r}")
+        n *= d
+    return n
+
+
+def map_file(fd: int) -> mmap.mmap:
+    """A private mapping (writable as far as torch.frombuffer cares; nothing is written)."""
+    return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
