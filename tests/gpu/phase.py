@@ -160,6 +160,7 @@ class Phase:
 
         from hsq import quant
         from hsq.outputs import open_output
+        from hsq.states import FP8
 
         ref = Reference(self.model.reference, "cuda" if torch.cuda.is_available() else "cpu")
         self.results.say(f"{self.section}: comparing with the reference forward")
@@ -181,7 +182,7 @@ class Phase:
                 ids_wrong.append(o.sample_id)
                 continue
             fmt = quant.store_dtype_of(o.metadata)
-            fp8 = fmt == quant.FP8
+            fp8 = fmt == FP8
             prenorm = getattr(o, "last_hidden_state_prenorm", None) is not None
             with_prenorm = with_prenorm or prenorm
             stored = eq.stored_tensors(o)
