@@ -1,7 +1,7 @@
 """The audit's allowance for mixture-of-experts models (issue 30 item 6).
 
 `hsq audit` and `hsq worker --audit-fraction` re-extract a sample alone and compare it
-with the stored states of the batched run, row by row (hsq/audit.py). On a dense model a
+with the stored states of the batched run, row by row (hsq/closeness.py). On a dense model a
 correct server keeps every row within the reference tolerance. On an MoE model it need
 not: the batch changes the kernels' tiling, a token near a router tie can pick another
 expert, and that token's row (and, through attention, a little of the rows after it)
@@ -23,7 +23,7 @@ Dense architectures keep the strict row rule: nothing routes there, and a stale 
 real fault. An architecture is MoE when hsq knows it routes (MOE_ARCHITECTURES) or its
 name says so ("Moe"/"MoE"), as SGLang and transformers name theirs.
 
-Seam: hsq/audit.py (`compare_states(..., architecture=...)`) calls `allowance`; the two
+Seam: hsq/closeness.py (`compare_states(..., architecture=...)`) calls `allowance`; the two
 audits pass the dump's `meta.model.architecture`.
 """
 

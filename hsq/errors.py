@@ -9,6 +9,7 @@
     │   └── RunChangedError         the run was purged or re-created (generation changed)
     ├── OutputError                 an output file cannot be written (disk full, permissions)
     ├── DumpDirError                the dump dir was removed or replaced under a running worker
+    ├── InternalError               a bug in the worker outside any one sample (exit code 1)
     ├── DumpError                   the dump for one request is unusable: the *sample* is retried
     │   ├── NoDumpError             no req_<N>/ appeared
     │   ├── MultipleDumpsError      more than one dump appeared (e.g. chunked prefill split it)
@@ -65,6 +66,12 @@ class DumpDirError(HsqError):
     """The dump dir was removed, replaced or made unusable under a running worker: the
     environment's fault, never the sample's. The worker hands its work back and takes the
     directory again (docs/dump-protocol.md)."""
+
+
+class InternalError(HsqError):
+    """A bug in hsq itself that no one sample caused, e.g. the dump matcher raised: every
+    request in flight would fail with it. Never charged to the samples: the worker hands
+    its work back untouched and stops (exit code 1), loudly."""
 
 
 class DumpError(HsqError):

@@ -192,7 +192,7 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
     from types import SimpleNamespace
 
     from hsq import quant
-    from hsq.audit import compare_states
+    from hsq.closeness import compare_states
 
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(16, 3 * 64, generator=gen)

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hsq import quant  # noqa: E402
-from hsq.audit import compare_states  # noqa: E402
 from hsq.audit_moe import MAX_DEVIATING_ROW_FRACTION, allowance, routes_tokens  # noqa: E402
+from hsq.closeness import compare_states  # noqa: E402
 from hsq.dump.find import remove_dump, scan_by_rid  # noqa: E402
 from hsq.dump.format import fingerprint  # noqa: E402
 from hsq.dump.read import Expected, read_dump  # noqa: E402

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import stat
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from hsq.app.ops import run_status, verify
-from hsq.harness.procs import ReferenceServer
+from hsq.harness.procs import ManagedProcess, ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.sglang_server.reference.model import load_model
 from tests.conftest import generate
@@ -249,3 +250,62 @@ def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
     missing = hsq("worker", "--run", "nope", "--server", fresh.url, "--dump-dir",
                   str(tmp_path / "never"), "--redis", redis_url)  # fmt: skip
     assert missing.returncode == 2 and not (tmp_path / "never").exists()
+
+
+# `hsq worker` with a bug planted in its dump matcher: after a few dumps were matched, every
+# poll with requests in flight raises (as an unforeseen dump-dir state could make it).
+MATCHER_BUG = """
+import sys
+from hsq.workers import dispatch
+
+real, decided = dispatch.RidMatcher.poll, [0]
+
+
+def poll(self, now):
+    if decided[0] >= 4 and self.wanted:
+        raise KeyError("planted: a bug in the dump matcher")
+    found = real(self, now)
+    decided[0] += len(found[0])
+    return found
+
+
+dispatch.RidMatcher.poll = poll
+from hsq.app.cli import main
+
+main()
+"""
+
+
+def test_a_bug_in_the_dump_matcher_stops_the_worker_loudly_and_charges_no_sample(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    """Issue 32: the dispatcher logged any exception from the matcher and polled on, so every
+    request in flight timed out as no_dump and, attempt after attempt, ended in the dead
+    letter. Now the worker hands its work back, logs why and exits 1; nothing is retried or
+    dead, and the next worker finishes the run."""
+    n = 24
+    ds = dataset(tmp_path, n, seed=39)
+    enqueue(ds, "mbug", tmp_path / "out", redis_url, "--chunk-size", "4", "--max-attempts", "1")
+    faults(fresh, {"mode": "slow", "seconds": 0.05, "prob": 1.0})  # K requests in flight
+    argv = [sys.executable, "-c", MATCHER_BUG, "--log-format", "json", "worker", "--run", "mbug",
+            "--server", fresh.url, "--dump-dir", str(fresh.dump_dir), "--burst",
+            "--inflight", K, "--dump-timeout", "1", "--name", "buggy"]  # fmt: skip
+    bad = ManagedProcess(argv, tmp_path / "buggy.log", env={"HSQ_REDIS_URL": redis_url})
+    try:
+        assert bad.proc.wait(120) == 1, bad.log_tail()
+    finally:
+        bad.stop()
+    st = store(redis_url, "mbug")
+    status = run_status(st)
+    assert status.dead == 0 and status.retry == 0 and status.in_progress == 0
+    assert status.done < n and status.done + status.queued == n  # handed back, not lost
+    assert not log_events(bad.log_path, "sample_retry") + log_events(bad.log_path, "sample_dead")
+    assert log_events(bad.log_path, "dump_matcher_failed")
+    assert log_events(bad.log_path, "internal_error_stopping")
+    assert log_events(bad.log_path, "job_handed_back")
+    assert "error: " in bad.log_path.read_text() and "planted" in bad.log_tail(5)
+    httpx.delete(fresh.url + "/admin/faults").raise_for_status()
+    good = start_worker(tmp_path, "mbug", fresh, redis_url, "--burst", "--inflight", K)
+    assert good.proc.wait(120) == 0, good.log_tail()
+    assert st.count(st.keys.done) == n and st.count(st.keys.dead) == 0
+    assert verify(st, tmp_path / "out" / "mbug", deep=True).ok == n

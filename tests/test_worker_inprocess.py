@@ -338,6 +338,43 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
     assert [e["reason"] for e in logs if e["event"] == "sample_retry"] == ["internal_error"]
 
 
+def test_a_matcher_bug_stops_the_worker_and_hands_every_sample_back(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: an exception from the dump matcher was logged and the worker went on
+    polling: every request in flight timed out as no_dump and ended in the dead letter, a
+    bug of the worker's charged to the samples. Now the worker hands its work back and
+    stops with InternalError: nothing dead, nothing retried, nothing lost."""
+    from hsq.workers.ridmatch import RidMatcher  # the class the dispatcher polls with
+
+    ds, refs = dataset
+    real = RidMatcher.poll
+    decided = [0]
+
+    def buggy(self: RidMatcher, now: float) -> Any:
+        if decided[0] >= 3 and self.wanted:  # a few samples done, then requests in flight
+            raise KeyError("a bug in the matcher")
+        found = real(self, now)
+        decided[0] += len(found[0])
+        return found
+
+    monkeypatch.setattr(RidMatcher, "poll", buggy)
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: raised.append(a.exc_value))
+    store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
+    with structlog.testing.capture_logs() as logs:
+        run_worker(tmp_path, store)
+    from hsq.errors import InternalError
+
+    assert [type(e) for e in raised] == [InternalError]
+    assert not store.dead and not store.held
+    queued = {sid for job in [*store.state.main, *store.state.retry] for sid, _ in job.samples}
+    assert queued and set(store.done) | queued == ids_of(refs)
+    events = [e["event"] for e in logs]
+    assert "sample_retry" not in events and "sample_dead" not in events
+    assert "dump_matcher_failed" in events and "internal_error_stopping" in events
+
+
 def test_a_first_dump_that_fails_validation_pins_nothing(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
@@ -478,7 +515,7 @@ def test_max_inflight_tokens_bounds_the_tokens_on_the_server(
     w = run_worker(tmp_path, store, Counting(tmp_path), inflight=8, max_inflight_tokens=budget)
     every_sample_marked_once(store, refs)
     assert peak[0] <= max(budget, longest)
-    assert w.peak_inflight_tokens <= max(budget, longest)
+    assert w.inflight.peak_tokens <= max(budget, longest)
 
 
 def test_a_chunk_handed_back_does_not_bring_back_its_retried_samples(

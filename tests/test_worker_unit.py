@@ -9,6 +9,7 @@ import os
 import stat
 import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -614,5 +615,60 @@ def test_dispatcher_threads_never_wait_on_a_fifo(dump_dir: Path) -> None:
         reader.start()
         reader.join(10)
         assert seen == [{"unreadable": 1}]
+    finally:
+        d.stop()
+
+
+def test_a_matcher_bug_hands_waiting_requests_back_it_never_charges_them(
+    dump_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: an exception from the matcher was logged and polling went on, so every
+    request in flight timed out as no_dump and ended in the dead letter: a bug in the worker
+    charged to the samples. Now a waiting request fails with an error the policy hands back
+    (the worker stops once its work is back), and no new request is taken."""
+
+    def broken_poll(self: RidMatcher, _now: float) -> Any:
+        if self.wanted:
+            raise KeyError("a bug in the matcher")
+        return [], []
+
+    monkeypatch.setattr(RidMatcher, "poll", broken_poll)
+    d = dispatcher(dump_dir, timeout=0.2)
+    try:
+        t = d.register("r1", len(IDS))
+        make(dump_dir, 1, IDS, "r1")
+        d.answered("r1")
+        with pytest.raises(errors.HsqError) as raised:
+            d.wait(t, lambda: True)
+        decision = decide(classify(raised.value), attempt=0, max_attempts=1)
+        assert decision.outcome is Outcome.HAND_BACK, raised.value
+        assert decision.pause is Pause.INTERNAL_ERROR
+        assert "a bug in the matcher" in str(raised.value)
+        assert d.failed is not None
+        with pytest.raises(errors.InternalError):
+            d.register("r2", len(IDS))
+    finally:
+        d.stop()
+
+
+def test_a_dump_dir_that_cannot_be_listed_is_the_environments_fault(
+    dump_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OSError while scanning the dump dir (EACCES, EIO) is the directory's, not the
+    samples': waiting requests fail with DumpDirError (handed back, the dir taken again)."""
+
+    def unreadable(self: RidMatcher, _now: float) -> Any:
+        if self.wanted:
+            raise PermissionError(13, "Permission denied", str(dump_dir))
+        return [], []
+
+    monkeypatch.setattr(RidMatcher, "poll", unreadable)
+    d = dispatcher(dump_dir, timeout=0.2)
+    try:
+        t = d.register("r1", len(IDS))
+        d.answered("r1")
+        with pytest.raises(errors.DumpDirError, match="Permission denied"):
+            d.wait(t, lambda: True)
+        assert d.broken is not None
     finally:
         d.stop()

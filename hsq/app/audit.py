@@ -1,5 +1,5 @@
 """`hsq audit`: re-extract a random subset of a run's done samples, one request at a time,
-and compare with the stored states (hsq/audit.py says why and within what bound).
+and compare with the stored states (hsq/closeness.py says why and within what bound).
 
 Where the audit's dumps go: a dump dir the audit owns for its duration, exactly as a
 worker owns one. It takes the dump dir's lock (hsq/workers/lock.py), so it refuses a dump dir a
@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 
 from hsq.app.ops import RequeueResult, requeue, trusted_entry
-from hsq.audit import Verdict, compare_states
+from hsq.closeness import Verdict, compare_states
 from hsq.dataset import IndexEntry, read_sample
 from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
 from hsq.dump.read import read_dump

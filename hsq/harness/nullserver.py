@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import threading
 import time
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.format import ModelIdentity
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
-from hsq.states import AUX_TENSOR, LAST_TENSOR
+from hsq.harness.fakedump import random_states, request_meta
+from hsq.sglang_server.http_api import ApiServer, Handler, Route, prefill_answer, sglang_routes
 
-MAX_BODY_BYTES = 64 * 2**20
 SHAPES = {
     # name: (hidden size, decoder layers)
     "tiny": (64, 8),
@@ -60,10 +57,6 @@ class NullModel:
         name: str,
         seed: int = 0,
     ) -> None:
-        import torch
-
-        from hsq.dump.format import DTYPES
-
         self.hidden_size = hidden_size
         self.layer_ids = list(layer_ids)
         self.dtype = dtype
@@ -76,14 +69,11 @@ class NullModel:
             # Not the seed: servers with other values but the same shape are one model.
             config_digest=f"null-{hidden_size}-{num_layers}-{dtype}".ljust(16, "0"),
         )
-        g = torch.Generator().manual_seed(seed)
-        k = len(self.layer_ids)
-        # Random normal values (finite, as a real model's): a request takes the first rows.
-        self.aux = torch.randn(max_tokens, k * hidden_size, generator=g).to(DTYPES[dtype])
-        self.last = torch.randn(max_tokens, hidden_size, generator=g).to(DTYPES[dtype])
+        # A request takes the first rows.
+        self.states = random_states(max_tokens, len(self.layer_ids), hidden_size, dtype, seed)
 
     def tensors(self, n: int) -> dict[str, Any]:
-        return {AUX_TENSOR: self.aux[:n], LAST_TENSOR: self.last[:n]}
+        return {name: t[:n] for name, t in self.states.items()}
 
 
 class NullApp:
@@ -123,16 +113,14 @@ class NullApp:
                 self.first_request_unix = now
             self.last_request_unix = now
         m = self.model
-        meta = DumpMeta(
-            rid=rid,
-            num_tokens=n,
-            input_fingerprint=fingerprint(ids),
+        meta = request_meta(
+            ids,
+            rid,
+            model=m.identity,
             layer_ids=m.layer_ids,
             hidden_size=m.hidden_size,
             dtype=m.dtype,
-            model=m.identity,
-            tensors=expected_shapes(n, len(m.layer_ids), m.hidden_size),
-            request_index=index,
+            index=index,
         )
         write_dump(self.dump_dir, index, meta, m.tensors(n), fsync=self.fsync)
         with self._lock:
@@ -140,17 +128,12 @@ class NullApp:
             self.tokens += n
         if self.answer_delay_s > 0:  # tests: the dump is there, the answer comes later
             time.sleep(self.answer_delay_s)
+        return prefill_answer(rid, n, time.perf_counter() - t0)
+
+    def routes(self) -> dict[Route, Handler]:
         return {
-            "text": "",
-            "output_ids": [],
-            "meta_info": {
-                "id": rid,
-                "finish_reason": {"type": "length", "length": 0},
-                "prompt_tokens": n,
-                "completion_tokens": 0,
-                "cached_tokens": 0,
-                "e2e_latency": round(time.perf_counter() - t0, 6),
-            },
+            **sglang_routes(self.generate, self.server_info, self.model_info),
+            ("POST", "/admin/reset"): lambda _body: self.reset_stats(),
         }
 
     def reset_stats(self) -> None:
@@ -188,60 +171,6 @@ class NullApp:
                 "dump_dtype": m.dtype,
             },
         }
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go in separate writes
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _send(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode() if body is not None else b""
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        app = self.server.app
-        if self.path in ("/health", "/health_generate"):
-            self._send(HTTPStatus.OK, None)
-        elif self.path in ("/server_info", "/get_server_info"):
-            self._send(HTTPStatus.OK, app.server_info())
-        elif self.path in ("/model_info", "/get_model_info"):
-            self._send(HTTPStatus.OK, app.model_info())
-        else:
-            self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {self.path}"}})
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": "body too large"}})
-            self.close_connection = True
-            return
-        raw = self.rfile.read(length) if length else b""
-        if self.path == "/admin/reset":
-            self.server.app.reset_stats()
-            self._send(HTTPStatus.OK, None)
-            return
-        if self.path != "/generate":
-            self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {self.path}"}})
-            return
-        try:
-            self._send(HTTPStatus.OK, self.server.app.generate(json.loads(raw or b"null")))
-        except ValueError as exc:
-            self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc), "code": 400}})
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-    app: NullApp
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,19 +221,13 @@ def main(argv: list[str] | None = None) -> None:
         created_unix=time.time(),
     )
     write_ready(args.dump_dir, marker, fsync=args.fsync)  # before /health answers
-    server = _Server((args.host, args.port), _Handler)
-    server.app = NullApp(model, args.dump_dir, fsync=args.fsync, answer_delay_s=args.answer_delay_s)
-
-    def stop(_signum: int, _frame: object) -> None:
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    app = NullApp(model, args.dump_dir, fsync=args.fsync, answer_delay_s=args.answer_delay_s)
+    # A bad request is a ValueError from generate(): 400, as the reference server answers.
+    server = ApiServer(
+        (args.host, args.port), app.routes(), refusals={ValueError: 400}, backlog=128
+    )
     print(json.dumps({"event": "ready", "port": args.port, "model_id": model.identity.model_id}))
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.server_close()
+    server.serve_until_signal()
 
 
 if __name__ == "__main__":

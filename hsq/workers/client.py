@@ -21,9 +21,10 @@ MAX_ANSWER_BYTES = 1 << 20
 
 
 class MidRequestFailure(ServerUnavailableError):
-    """The connection broke or timed out after the request was sent."""
+    """The connection broke or timed out after the request was sent: the server probably
+    crashed on the sample. Counted per sample; the dead letter records ``reason``."""
 
-    reason = "server_died_mid_request"
+    reason = "server_crash"
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """The dispatcher: one thread that polls the dump dir for every in-flight rid.
 
 Request threads register a rid before they send it, say when the answer came, and wait
-on a ticket; the dispatcher runs :class:`hsq.protocol.RidMatcher` a few hundred times a
+on a ticket; the dispatcher runs :class:`hsq.workers.ridmatch.RidMatcher` a few hundred times a
 second while something is in flight (once a second when idle, to clear dumps nobody asked
 for), hands each decided dump to its ticket and counts what it discards.
 
 It also watches the dump dir itself: if the directory (or its staging dir) is removed,
-re-created or swapped for a link under the worker, every waiting request fails with
-DumpDirError (the environment's fault: handed back, never dead-lettered) and nothing more
-is read from the path until the worker has taken the directory again (:meth:`retake`).
+re-created or swapped for a link under the worker, or cannot be listed any more, every
+waiting request fails with DumpDirError (the environment's fault: handed back, never
+dead-lettered) and nothing more is read from the path until the worker has taken the
+directory again (:meth:`retake`). Any other exception from the matcher is a bug: every
+waiting request fails with InternalError (handed back too, the worker stops, exit 1), and
+the dispatcher matches nothing more (:attr:`failed`); a request is never charged for it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hsq.dump.ready import READY_FILE
 from hsq.errors import (
     DumpDirError,
     HookInactiveError,
+    InternalError,
     NoDumpError,
     ServerUnavailableError,
 )
@@ -87,6 +91,8 @@ class Dispatcher:
         self._discarded: dict[str, int] = {}
         self.broken: str | None = None
         """Why the dump dir cannot be used any more (removed, replaced); None while fine."""
+        self.failed: str | None = None
+        """Why the matcher cannot be trusted any more (it raised: a bug); for good."""
         self._thread = threading.Thread(target=self._run, name="dispatcher", daemon=True)
 
     def start(self) -> None:
@@ -107,6 +113,8 @@ class Dispatcher:
         """Call before sending: a dump may land before the answer does."""
         ticket = Ticket(rid)
         with self._cond:
+            if self.failed is not None:
+                raise InternalError(self.failed)
             if self.broken is not None:
                 raise DumpDirError(self.broken)
             self._matcher.add(rid, num_tokens, time.monotonic())
@@ -135,6 +143,8 @@ class Dispatcher:
         taken (docs/dump-protocol.md: two dumps for one rid fail the attempt)."""
         self._poll_once()
         with self._cond:
+            if self.failed is not None:  # its record of second dumps cannot be trusted
+                raise InternalError(self.failed)
             self._matcher.confirm_single(rid)
 
     def clear(self) -> int:
@@ -210,26 +220,37 @@ class Dispatcher:
         return bool(tickets or dropped)
 
     def _poll_locked(self) -> tuple[list[tuple[Ticket | None, Match]], list[tuple[str, Path, str]]]:
-        if self.broken is not None:
-            return [], []  # not ours any more: read nothing there until retake()
+        if self.broken is not None or self.failed is not None:
+            return [], []  # not ours any more (until retake()), or not trusted any more
         problem = self._check_dirs()
-        if problem is not None:
-            self.broken = problem
-            log.error("dump_dir_changed", dump_dir=str(self.dump_dir), error=problem)
-            failed: list[tuple[Ticket | None, Match]] = [
-                (t, Match(r, None, DumpDirError(problem))) for r, t in self._tickets.items()
-            ]
-            for rid in list(self._tickets):
-                self._matcher.abandon(rid)
-            self._tickets.clear()
-            return failed, []
-        try:
-            decided, dropped = self._matcher.poll(time.monotonic())
-        except Exception as exc:  # the dump dir is ours; log and keep polling
-            log.error("dump_scan_failed", error=f"{type(exc).__name__}: {exc}")
-            return [], []
-        decided = [self._unproven(m) for m in decided]
-        return [(self._tickets.pop(m.rid, None), m) for m in decided], dropped
+        if problem is None:
+            try:
+                decided, dropped = self._matcher.poll(time.monotonic())
+            except OSError as exc:  # EACCES, EIO listing it: the directory's fault
+                problem = f"the dump dir {self.dump_dir} cannot be read any more: {exc}"
+            except Exception as exc:  # a bug: no request is charged for it
+                self.failed = (
+                    f"the dump matcher failed ({type(exc).__name__}: {exc}): a bug in hsq, "
+                    "not the samples'; the worker hands its work back and stops"
+                )
+                log.exception("dump_matcher_failed", dump_dir=str(self.dump_dir))
+                return self._fail_waiting(InternalError(self.failed)), []
+            else:
+                decided = [self._unproven(m) for m in decided]
+                return [(self._tickets.pop(m.rid, None), m) for m in decided], dropped
+        self.broken = problem
+        log.error("dump_dir_changed", dump_dir=str(self.dump_dir), error=problem)
+        return self._fail_waiting(DumpDirError(problem)), []
+
+    def _fail_waiting(self, err: Exception) -> list[tuple[Ticket | None, Match]]:
+        """Every waiting request fails with ``err`` (each gets its own exception object)."""
+        failed: list[tuple[Ticket | None, Match]] = [
+            (t, Match(r, None, type(err)(str(err)))) for r, t in self._tickets.items()
+        ]
+        for rid in list(self._tickets):
+            self._matcher.abandon(rid)
+        self._tickets.clear()
+        return failed
 
     def _check_dirs(self) -> str | None:
         try:

@@ -1,7 +1,8 @@
 """Worker metrics (prometheus-client), on a registry of the worker's own (no globals).
 
 Labels stay low-cardinality: run, worker (the stable --name), phase, outcome, reason.
-Never a sample id.
+Never a sample id. The stages time their phases here; everything the main thread does
+reaches the metrics as a Notice (:meth:`WorkerMetrics.on_notice`, hsq/workers/notices.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,22 @@ from prometheus_client import (
     start_http_server,
 )
 
+from hsq.workers.notices import (
+    AuditRejected,
+    ChunkHandedBack,
+    InFlightChanged,
+    Notice,
+    OutputDirMoved,
+    SampleFailed,
+    ServerHealth,
+    StateChanged,
+)
+from hsq.workers.state import WorkerState
+
 # Prefill of 16 tokens on a tiny CPU model to 8k tokens of a large model on a slow server.
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 PHASES = ("request", "wait_done", "validate", "persist")
-STATES = ("starting", "working", "idle", "server_down", "backing_off", "stopping")
+STATES = tuple(s.value for s in WorkerState)
 M = TypeVar("M", Counter, Gauge)
 
 
@@ -78,7 +91,7 @@ class WorkerMetrics:
             self.phase.labels(**self.labels, phase=phase)
         self.tokens.labels(**self.labels)
         self.bytes.labels(**self.labels)
-        self.set_state("starting")
+        self.set_state(WorkerState.STARTING)
 
     def _declare(self, kind: type[M]) -> Callable[..., M]:
         """A metric of `kind` on this registry, labelled run and worker plus `extra`."""
@@ -100,7 +113,24 @@ class WorkerMetrics:
     def serve(self, port: int, host: str) -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
-    # Hooks the worker calls; each is a few dict lookups.
+    def on_notice(self, notice: Notice) -> None:
+        """The main thread's listener (hsq/workers/notices.py)."""
+        if isinstance(notice, StateChanged):
+            self.set_state(notice.state)
+        elif isinstance(notice, InFlightChanged):
+            self.set_in_flight(notice.samples, notice.tokens)
+        elif isinstance(notice, SampleFailed):
+            self.failed(notice.reason, notice.dead)
+        elif isinstance(notice, AuditRejected):
+            self.failed(notice.reason, True)
+        elif isinstance(notice, ChunkHandedBack):
+            self.handed_back(notice.samples)
+        elif isinstance(notice, ServerHealth):
+            self.set_server_up(notice.up)
+        elif isinstance(notice, OutputDirMoved):
+            self.out_dir = notice.path
+
+    # Hooks the stages call; each is a few dict lookups.
     def observe(self, phase: str, seconds: float) -> None:
         self.phase.labels(**self.labels, phase=phase).observe(seconds)
 
@@ -120,9 +150,9 @@ class WorkerMetrics:
     def set_server_up(self, up: bool) -> None:
         self.server_up.labels(**self.labels).set(1 if up else 0)
 
-    def set_state(self, state: str) -> None:
+    def set_state(self, state: WorkerState) -> None:
         for s in STATES:
-            self.state.labels(**self.labels, state=s).set(1 if s == state else 0)
+            self.state.labels(**self.labels, state=s).set(1 if s == state.value else 0)
 
     def set_in_flight(self, samples: int, tokens: int) -> None:
         self.in_flight.labels(**self.labels).set(samples)

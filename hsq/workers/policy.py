@@ -12,8 +12,8 @@ retried and, after ``max_attempts``, dead-lettered with its message.
                                                            DEAD after max_server_crashes
     PAUSE        server down, dataset unreadable (EIO,    HAND_BACK the chunk untouched and
                  missing), disk full, Redis unreachable,  back off: never the sample's fault
-                 dump dir replaced, hook not live         (the last two: take the dir again /
-                                                          exit 2)
+                 dump dir replaced, hook not live, a bug  (the last three: take the dir again /
+                 outside the sample (matcher raised)      exit 2 / exit 1)
     RUN_CHANGED  run purged or re-created                 drop in-flight work, re-read the run
 """
 
@@ -28,6 +28,7 @@ from hsq.errors import (
     DumpError,
     HookInactiveError,
     HsqError,
+    InternalError,
     OutputError,
     RunChangedError,
     ServerRejectedError,
@@ -77,6 +78,9 @@ class Pause(enum.Enum):
     """The dump dir was removed or replaced: take it again, then go on."""
     HOOK_INACTIVE = "hook_inactive"
     """Requests get no dump at all and none ever came: the worker stops (exit 2)."""
+    INTERNAL_ERROR = "worker_internal_error"
+    """A bug in the worker outside any one sample (the dump matcher raised): it stops
+    (exit 1) once its work is handed back."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class Decision:
 _PAUSES: tuple[tuple[type[BaseException], str, Pause], ...] = (
     (DumpDirError, "dump_dir_changed", Pause.DUMP_DIR),
     (HookInactiveError, "hook_inactive", Pause.HOOK_INACTIVE),
+    (InternalError, "worker_internal_error", Pause.INTERNAL_ERROR),
     (ServerUnavailableError, "server_unavailable", Pause.SERVER_DOWN),
     (OutputError, "output_unwritable", Pause.OUTPUT_UNWRITABLE),
     # EIO and friends reading the dataset or staging: the disk, not the sample.
@@ -123,7 +128,7 @@ def classify(exc: BaseException) -> Failure:
             return Failure(Kind.PAUSE, exc.reason, msg, Pause.DATASET_UNAVAILABLE)
         return Failure(Kind.PERMANENT, exc.reason, msg)
     if isinstance(exc, MidRequestFailure):  # before ServerUnavailableError, its base
-        return Failure(Kind.SERVER_FAIL, "server_crash", msg, Pause.SERVER_DOWN, mid_request=True)
+        return Failure(Kind.SERVER_FAIL, exc.reason, msg, Pause.SERVER_DOWN, mid_request=True)
     if isinstance(exc, ServerRejectedError):
         if 400 <= exc.status_code < 500:
             return Failure(Kind.PERMANENT, "rejected", msg)

@@ -101,6 +101,25 @@ def take_dump_dir(s: WorkerSettings, worker_id: str) -> tuple[DumpDirLock, Path,
     return lock, staging, cleared
 
 
+class HeldDumpDir:
+    """The dump dir this worker holds (its lock), taken again when it was removed or
+    replaced under the worker (:meth:`retake`)."""
+
+    def __init__(self, settings: WorkerSettings, worker_id: str, lock: DumpDirLock) -> None:
+        self.settings = settings
+        self.worker_id = worker_id
+        self.lock = lock
+
+    def retake(self) -> tuple[Path, int]:
+        """(new staging dir, dumps cleared); ConfigError if the path fails the checks."""
+        self.lock.release()
+        self.lock, staging, cleared = take_dump_dir(self.settings, self.worker_id)
+        return staging, cleared
+
+    def release(self) -> None:
+        self.lock.release()
+
+
 def startup(s: WorkerSettings, worker_id: str) -> Started:
     s.validate()
     store = RunStore(connect(s.redis_url), s.run)

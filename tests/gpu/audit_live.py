@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hsq.audit import compare_states
+from hsq.closeness import compare_states
 from hsq.dump.find import remove_dump, scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump

@@ -3,7 +3,7 @@ the faults it must catch, planted into real stored states.
 
 Pure (torch only): tests/test_live_equality.py runs it on a CPU with synthetic states.
 
-The rule is the reference server's (hsq.audit): every token row of every stored tensor
+The rule is the reference server's (hsq.closeness): every token row of every stored tensor
 (aux layers concatenated, final post-norm, pre-norm where stored) has cosine >= 0.999 and
 max |d| <= 1% of the row norm against the reference (fp8 outputs: against the reference
 quantized the same way, max |d| <= 10%). On an MoE model it holds only against a forward
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
+from hsq.closeness import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
 
 AUX, LAST_NAME, PRENORM_NAME = "aux_hidden_states", "last_hidden_state", "last_hidden_state_prenorm"
 BINS = (0.5, 0.9, 0.99, 0.999, 0.9999)

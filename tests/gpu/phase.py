@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsq.audit import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
+from hsq.closeness import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
 from hsq.harness.sglang import SGLANG_FLAGS, SGLangServer
 from hsq.sglang_server.sglang_hook import compat
 from hsq.sglang_server.sglang_hook.layers import effective_layer_ids

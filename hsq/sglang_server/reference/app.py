@@ -7,128 +7,60 @@
     GET|POST|DELETE /admin/faults   read, replace or clear the fault rules (reference only)
     POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
-A stdlib threading server is enough: one thread per connection hands its request to the
-engine, which gathers concurrent requests into batched forwards; connections stay open
-(HTTP/1.1 keep-alive) for the worker's httpx client.
+The HTTP side is hsq.sglang_server.http_api's (routing, body limits, error replies): one
+thread per connection hands its request to the engine, which gathers concurrent requests
+into batched forwards.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 from dataclasses import asdict
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
 
-from hsq import jsonsafe
 from hsq.dump.format import DTYPES, expected_shapes
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.errors import ConfigError
+from hsq.sglang_server.http_api import ApiServer, RequestError, Route, sglang_routes
+from hsq.sglang_server.http_api import Handler as RouteHandler
 from hsq.sglang_server.reference.dumper import DumpWriter
-from hsq.sglang_server.reference.engine import Engine, InjectedServerError, RequestError
+from hsq.sglang_server.reference.engine import Engine, InjectedServerError
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
 from hsq.sglang_server.reference.model import HiddenStateModel, load_model
 from hsq.sglang_server.reference.settings import ReferenceSettings
 from hsq.states import FP8, SCALE_SUFFIX
 
 log = structlog.get_logger("hsq.reference.app")
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    # Headers and body go out in separate writes: without TCP_NODELAY, Nagle plus the
-    # client's delayed ACK add ~40 ms to every keep-alive request.
-    disable_nagle_algorithm = True
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # access logs would drown the structured per-request line
-
-    def _send(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode() if body is not None else b""
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "code": status}})
-
-    def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            raise RequestError(f"body larger than {MAX_BODY_BYTES} bytes")
-        raw = self.rfile.read(length) if length else b""
-        try:
-            return jsonsafe.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"body is not valid JSON: {exc}") from exc
-
-    def do_GET(self) -> None:
-        app = self.server.app
-        if self.path in ("/health", "/health_generate"):
-            self._send(HTTPStatus.OK, None)
-        elif self.path in ("/model_info", "/get_model_info"):
-            self._send(HTTPStatus.OK, app.model_info())
-        elif self.path in ("/server_info", "/get_server_info"):
-            self._send(HTTPStatus.OK, app.server_info())
-        elif self.path == "/admin/faults":
-            self._send(HTTPStatus.OK, {"rules": [r.to_dict() for r in app.engine.faults.rules()]})
-        else:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-
-    def do_DELETE(self) -> None:
-        if self.path == "/admin/faults":
-            self.server.app.engine.faults.replace([])
-            self._send(HTTPStatus.OK, {"rules": []})
-        else:
-            self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-
-    def do_POST(self) -> None:
-        try:
-            body = self._body()
-            if self.path == "/generate":
-                self._send(HTTPStatus.OK, self.server.app.generate(body))
-            elif self.path == "/admin/faults":
-                self._send(HTTPStatus.OK, self.server.app.set_faults(body))
-            elif self.path in ("/admin/pause", "/admin/resume"):
-                engine = self.server.app.engine
-                if self.path == "/admin/pause":
-                    engine.pause()
-                else:
-                    engine.resume()
-                self._send(HTTPStatus.OK, {"pending": engine.pending})
-            elif self.path == "/flush_cache":
-                self._send(HTTPStatus.OK, None)
-            else:
-                self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-        except (RequestError, ConfigError) as exc:
-            self._error(HTTPStatus.BAD_REQUEST, str(exc))
-        except InjectedServerError as exc:
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc))
-        except Exception as exc:  # keep serving; the client sees a 500 with the cause
-            log.exception("request_failed")
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    app: ReferenceApp
 
 
 class ReferenceApp:
     def __init__(self, engine: Engine, settings: ReferenceSettings) -> None:
         self.engine = engine
         self.settings = settings
+
+    def routes(self) -> dict[Route, RouteHandler]:
+        faults = self.engine.faults
+        return {
+            **sglang_routes(self.generate, self.server_info, self.model_info),
+            ("GET", "/admin/faults"): lambda _b: {"rules": [r.to_dict() for r in faults.rules()]},
+            ("POST", "/admin/faults"): self.set_faults,
+            ("DELETE", "/admin/faults"): self.clear_faults,
+            ("POST", "/admin/pause"): lambda _b: self._hold(True),
+            ("POST", "/admin/resume"): lambda _b: self._hold(False),
+            ("POST", "/flush_cache"): lambda _b: None,
+        }
+
+    def _hold(self, pause: bool) -> dict[str, Any]:
+        if pause:
+            self.engine.pause()
+        else:
+            self.engine.resume()
+        return {"pending": self.engine.pending}
 
     def generate(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -169,6 +101,10 @@ class ReferenceApp:
         self.engine.faults.replace(rules)
         log.info("faults_set", rules=[r.to_dict() for r in rules])
         return {"rules": [r.to_dict() for r in rules]}
+
+    def clear_faults(self, _body: Any) -> dict[str, Any]:
+        self.engine.faults.replace([])
+        return {"rules": []}
 
     def model_info(self) -> dict[str, Any]:
         m = self.engine.model
@@ -292,15 +228,14 @@ def serve(settings: ReferenceSettings) -> None:
     engine.warmup(settings.warmup)
     if settings.ready_marker:  # before /health answers: a worker checks it at start-up
         write_ready(settings.dump_dir, ready_marker(engine), fsync=settings.fsync)
-    server = _Server((settings.host, settings.port), _Handler)
-    server.app = ReferenceApp(engine, settings)
-
-    def stop(signum: int, _frame: object) -> None:
-        log.info("shutting_down", signal=signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    server = ApiServer(
+        (settings.host, settings.port),
+        ReferenceApp(engine, settings).routes(),
+        refusals={
+            ConfigError: HTTPStatus.BAD_REQUEST,
+            InjectedServerError: HTTPStatus.INTERNAL_SERVER_ERROR,
+        },
+    )
     host, port = server.server_address[:2]
     log.info(
         "ready",
@@ -314,9 +249,10 @@ def serve(settings: ReferenceSettings) -> None:
         max_batch_tokens=engine.max_batch_tokens,
     )
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.serve_until_signal(
+            lambda signum: log.info("shutting_down", signal=signal.Signals(signum).name)
+        )
     finally:
-        server.server_close()
         engine.writer.flush()
         engine.writer.close()
         log.info("stopped", requests=engine.requests)

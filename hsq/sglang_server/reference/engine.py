@@ -30,6 +30,7 @@ from hsq.dump.format import (
     fingerprint,
 )
 from hsq.quant import quantize_on_device
+from hsq.sglang_server.http_api import RequestError, prefill_answer
 from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
 from hsq.sglang_server.reference.faults import FaultPlan, FaultRule, mix_sources
 from hsq.sglang_server.reference.model import Captured, HiddenStateModel, batch_shapes
@@ -45,10 +46,6 @@ from hsq.states import (
 
 log = structlog.get_logger("hsq.reference.engine")
 CRASH_EXIT_CODE = 70
-
-
-class RequestError(ValueError):
-    """A request the server refuses (HTTP 400)."""
 
 
 class InjectedServerError(RuntimeError):
@@ -67,18 +64,7 @@ class GenerateResult:
 
     def to_sglang(self, e2e_s: float) -> dict[str, Any]:
         """The shape of SGLang's /generate answer for a prefill-only request."""
-        return {
-            "text": "",
-            "output_ids": [],
-            "meta_info": {
-                "id": self.rid,
-                "finish_reason": {"type": "length", "length": 0},
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": 0,
-                "cached_tokens": 0,
-                "e2e_latency": round(e2e_s, 6),
-            },
-        }
+        return prefill_answer(self.rid, self.prompt_tokens, e2e_s)
 
 
 @dataclass

@@ -9,12 +9,12 @@ tensor (the state of one token, all aux layers concatenated, or the final state)
     cosine(batched, single) >= 0.999   and   max |batched - single| <= 1% of ||single||
 
 Both scale with the state, so the same bound holds for a tiny fp32 model and an 8B bf16 one.
-It is defined once, in hsq/audit.py, where `hsq audit` and a worker's --audit-fraction use
+It is defined once, in hsq/closeness.py, where `hsq audit` and a worker's --audit-fraction use
 it to find states that belong to another request.
 """
 
 from __future__ import annotations
 
-from hsq.audit import MAX_ABS_OF_NORM, MIN_COSINE, Closeness, closeness
+from hsq.closeness import MAX_ABS_OF_NORM, MIN_COSINE, Closeness, closeness
 
 __all__ = ["MAX_ABS_OF_NORM", "MIN_COSINE", "Closeness", "closeness"]

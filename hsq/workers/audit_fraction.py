@@ -7,7 +7,7 @@ probability F, sent again alone: the worker stops sending, waits until nothing o
 is in flight on its server (one worker per server: nothing else is), sends the sample with
 a fresh rid through its own dispatcher and dump dir (ownership unchanged: the audit's dump
 is matched by rid like any other), and compares the states with the file it wrote, within
-the reference tolerance (hsq/audit.py).
+the reference tolerance (hsq/closeness.py).
 
 A mismatch takes the sample out of the done hash, removes its file and dead-letters it as
 `audit_mismatch` (`hsq requeue --reason audit_mismatch` after fixing the server): the
@@ -25,14 +25,14 @@ from typing import Protocol
 
 import structlog
 
-from hsq.audit import compare_states
+from hsq.closeness import compare_states
 from hsq.dump.read import read_dump
 from hsq.errors import AuditMismatchError, OutputError
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.workers.chunks import WorkItem
 from hsq.workers.extract import SendStage
-from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.notices import AuditRejected, Notices
 from hsq.workers.runview import RunView
 
 log = structlog.get_logger("hsq.worker.audit")
@@ -54,14 +54,14 @@ class WorkerAudit:
         fraction: float,
         send: SendStage,
         store: AuditStore,
-        metrics: WorkerMetrics,
+        notices: Notices,
         worker_id: str,
         seed: int | None = None,
     ) -> None:
         self.fraction = fraction
         self.send = send
         self.store = store
-        self.metrics = metrics
+        self._notices = notices
         self.worker_id = worker_id
         self._rng = random.Random(seed)
         self._queue: deque[tuple[WorkItem, RunView]] = deque()
@@ -106,17 +106,17 @@ class WorkerAudit:
         finally:
             shutil.rmtree(staged.staged, ignore_errors=True)
         self.counts["audited"] += 1
-        if verdict.ok:
-            log.info("audit_ok", sample=sid, detail=verdict.detail)
+        try:
+            verdict.raise_for_mismatch()
+        except AuditMismatchError as exc:
+            self.counts["audit_mismatches"] += 1
+            log.error("audit_mismatch", sample=sid, detail=verdict.detail)
+            self._reject(item, view, exc)
             return
-        self.counts["audit_mismatches"] += 1
-        self._reject(item, view, verdict.detail)
+        log.info("audit_ok", sample=sid, detail=verdict.detail)
 
-    def _reject(self, item: WorkItem, view: RunView, detail: str) -> None:
+    def _reject(self, item: WorkItem, view: RunView, mismatch: AuditMismatchError) -> None:
         sid = item.sample_id
-        reason = AuditMismatchError.reason
-        message = f"stored states are not this sample's (audited alone): {detail}"
-        log.error("audit_mismatch", sample=sid, detail=detail)
         entry = self.store.get_manifest(sid)
         if entry is None or not self.store.undo_done(sid, entry):
             return  # no longer done (redone or requeued meanwhile): nothing of ours to undo
@@ -124,5 +124,6 @@ class WorkerAudit:
             (view.out_root / output_relpath(sid)).unlink(missing_ok=True)
         except OSError as exc:
             raise OutputError(f"cannot remove {sid}'s mismatched output: {exc}") from exc
-        self.store.to_dead(sid, reason, message, item.attempt + 1, self.worker_id)
-        self.metrics.failed(reason, True)
+        reason = mismatch.reason
+        self.store.to_dead(sid, reason, str(mismatch), item.attempt + 1, self.worker_id)
+        self._notices.emit(AuditRejected(sid, reason))

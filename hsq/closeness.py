@@ -1,4 +1,6 @@
-"""Auditing stored hidden states against a fresh extraction of the same input, alone.
+"""The comparison rule of an audit: are stored hidden states those of a fresh extraction of
+the same input, alone? (`hsq audit`, hsq/app/audit.py; a worker's --audit-fraction,
+hsq/workers/audit_fraction.py; the reference server's batching bound.)
 
 No check on a dump's metadata can tell that a batching server put request B's rid,
 fingerprint and token count on request A's states of the same length: the worker saves them
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from hsq.errors import AuditMismatchError
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +74,13 @@ class Verdict:
     """Why not, or the worst figures when it is ok."""
     min_cosine: float = 1.0
     max_abs_over_norm: float = 0.0
+
+    def raise_for_mismatch(self) -> None:
+        """AuditMismatchError (reason ``audit_mismatch``) unless the states passed."""
+        if not self.ok:
+            raise AuditMismatchError(
+                f"stored states are not this sample's (audited alone): {self.detail}"
+            )
 
 
 def compare_states(
