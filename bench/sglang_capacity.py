@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -82,13 +83,12 @@ def dump_sweeper(dump_dir: Path) -> Iterator[None]:
                     shutil.rmtree(d, ignore_errors=True)
             time.sleep(0.01)
 
-    t = threading.Thread(target=sweep, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
+    with ThreadPoolExecutor(1, thread_name_prefix="dump-sweep") as pool:
+        pool.submit(sweep)
+        try:
+            yield
+        finally:
+            stop.set()  # the pool's exit joins the sweep
 
 
 def steady_rate(log: Path) -> dict[str, float]:
