@@ -82,7 +82,8 @@ class ApiServer(ThreadingHTTPServer):
         backlog: int | None = None,
     ) -> None:
         self.routes = dict(routes)
-        self.refusals = {RequestError: int(HTTPStatus.BAD_REQUEST), **(refusals or {})}
+        self.refusals: dict[type[Exception], int] = {RequestError: int(HTTPStatus.BAD_REQUEST)}
+        self.refusals.update(refusals or {})
         self.max_body_bytes = max_body_bytes
         if backlog is not None:
             self.request_queue_size = backlog  # read by server_activate(), in __init__
