@@ -85,6 +85,17 @@ class RoutingProxy:
         with self._lock:
             self.by_rid[rid] = routed
 
+    def _relay(self, body: dict[str, Any], r: httpx.Response) -> tuple[int, bytes]:
+        """The answer without its routing (recorded); a 502 when it cannot be read: the
+        sample dies with the reason, never retried unseen."""
+        try:
+            answer = r.json()
+            self._record(body, answer)
+        except Exception as exc:
+            self.errors.append(f"{body.get('rid')}: {type(exc).__name__}: {exc}")
+            return 502, json.dumps({"error": f"proxy: {exc!r}"}).encode()
+        return 200, json.dumps(answer).encode()
+
     def _rewrite(self, body: dict[str, Any]) -> dict[str, Any]:
         sent = dict(body, return_routed_experts=True)
         params = dict(sent.get("sampling_params") or {})
@@ -137,8 +148,7 @@ class RoutingProxy:
                 if r.status_code != 200:
                     self._answer(r.status_code, r.content)
                     return
-                answer = r.json()
-                proxy._record(body, answer)
-                self._answer(200, json.dumps(answer).encode())
+                status, data = proxy._relay(body, r)
+                self._answer(status, data)
 
         return Handler
