@@ -131,7 +131,17 @@ class _Upstream:
                 self.wfile.write(b"ok")
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Type") != "application/json":
+                    # SGLang (FastAPI) reads a body without it as bytes: 400, every sample
+                    # dead (the 2026-12-01 live run through the proxy)
+                    data = b'{"message": "Input should be a dictionary"}'
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                body = json.loads(raw)
                 up.bodies.append(body)
                 n = len(body["input_ids"])
                 experts = np.arange(n * layers * k, dtype=np.int32) % 8

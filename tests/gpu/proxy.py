@@ -122,7 +122,11 @@ class RoutingProxy:
 
             def _forward(self, method: str, body: bytes | None) -> httpx.Response | None:
                 try:
-                    return proxy._client.request(method, proxy.upstream + self.path, content=body)
+                    # FastAPI reads a body without its content type as bytes (400)
+                    headers = {"Content-Type": "application/json"} if body is not None else {}
+                    return proxy._client.request(
+                        method, proxy.upstream + self.path, content=body, headers=headers
+                    )
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     self._answer(503, b'{"error": "upstream unreachable"}')
                 except httpx.HTTPError:
