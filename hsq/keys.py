@@ -36,10 +36,15 @@ Everything a queue may lose is recoverable: the dataset index minus `done`, `dea
 queues and the wip lists is exactly what `requeue --missing` puts back.
 
 Per-run isolation: every key of run R matches one of `RunKeys(R).acl_key_patterns()` and no
-key of another run does (run names hold no `:`, a job id's random part has a fixed length,
-and a run name may not end in `-retry`, which would make its main queue another run's retry
-queue). `RunKeys.acl_user` turns them into a Redis ACL user that can do run R's work and
-cannot read, write or list another run's keys (docs/operations.md).
+key of another legal run does. Run names hold no `:`, so `hsq:run:R:*` is R's alone; a run
+name may not end in `-retry`, which would make its main queue another run's retry queue; and
+the job patterns have no `*`: one exact-length pattern per width of the sample count
+(`rq:job:hsq-R-` + 16 hex + `-n` + 1..9 digits). A key matching one is `hsq-R-T-nN` with T
+and N of fixed form, and since N is the id's whole trailing run of digits and T the 16
+characters before `-n`, the name left in front is R itself (issue 33 D5: with `-n*` run
+`qa` matched the jobs of run `qa-0123456789abcdef-nightly`). `RunKeys.acl_user` turns
+them into a Redis ACL user that can do run R's work and cannot read, write or list another
+run's keys (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ HEARTBEAT_TTL_S = 10
 beats well within it (hsq.workers.settings checks its interval)."""
 JOB_TOKEN_HEX = 16
 """Hex digits of a job id's random part: fixed, so a run's job-key pattern is exact."""
+JOB_COUNT_DIGITS = 9
+"""A job id's sample count is 1..999999999: at most this many digits."""
 ACL_COMMANDS = (
     "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
     "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
@@ -159,17 +166,18 @@ class RunKeys:
         (the count the store's scripts keep counters with)."""
         if len(token) != JOB_TOKEN_HEX or any(c not in "0123456789abcdef" for c in token):
             raise ValueError(f"a job token is {JOB_TOKEN_HEX} lowercase hex digits")
-        if not 0 < samples < 10**9:
+        if not 0 < samples < 10**JOB_COUNT_DIGITS:
             raise ValueError(f"a job holds 1..999999999 samples, not {samples}")
         return f"hsq-{self.run}-{token}-n{samples}"
 
     def acl_key_patterns(self) -> list[str]:
         """Redis ACL key patterns matching every key of this run and no other run's."""
-        # The fixed-length hex token cannot be followed by another run's name: a longer
-        # run name sharing this prefix puts a `-` where the pattern wants a hex digit.
-        job = rq_job_key(f"hsq-{self.run}-" + "[0-9a-f]" * JOB_TOKEN_HEX + "-n*")
+        # No `*` in a job pattern (module docstring): a trailing one let a longer run name
+        # that carries a token and `-n` (`qa-<16 hex>-nightly`) match run `qa`'s pattern.
+        job = rq_job_key(f"hsq-{self.run}-" + "[0-9a-f]" * JOB_TOKEN_HEX + "-n")
+        jobs = [job + "[0-9]" * width for width in range(1, JOB_COUNT_DIGITS + 1)]
         queues = [rq_queue_key(self.main_queue), rq_queue_key(self.retry_queue)]
-        return [self._prefix + "*", *queues, job]
+        return [self._prefix + "*", *queues, *jobs]
 
     def acl_user(self, user: str | None = None, password: str = "<PASSWORD>") -> str:
         """A Redis ACL user (an ACL file or redis.conf line) that can do this run's work

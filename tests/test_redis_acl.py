@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,6 +151,99 @@ def test_acl_key_patterns_match_each_run_and_no_other() -> None:
                 x for x in mine if any(fnmatch.fnmatchcase(x, p) for p in ok.acl_key_patterns())
             ]
             assert hits == (mine if other == r else []), (r, other, hits)
+
+
+# The issue's name (D5): a legal run name holding another run's job-id shape.
+TRICKY = [
+    "qa",
+    "qa-0123456789abcdef-nightly",
+    "qa-0123456789abcdef-n8",
+    "qa-0123456789abcdef-n",
+    "0123456789abcdef-n000000001",
+    "n5",
+    "x-n5",
+    "qa_",
+    "a",
+    "a-b",
+]
+_ALPHABET = "ab0123456789cdef-_nqx"
+
+
+def _legal_names(rng: random.Random, count: int) -> list[str]:
+    """Legal run names biased toward job-id material: hex runs, `-n`, digits."""
+    names = set(TRICKY)
+    pieces = ["0123456789abcdef", "-n", "-n8", "-", "qa", "_", "retry", "9" * 9, "n"]
+    while len(names) < count:
+        parts = [rng.choice(pieces) if rng.random() < 0.5 else rng.choice(_ALPHABET)
+                 for _ in range(rng.randint(1, 6))]  # fmt: skip
+        name = "".join(parts)[:64]
+        try:
+            RunKeys(name)
+        except ValueError:
+            continue
+        names.add(name)
+    return sorted(names)
+
+
+def _keys_of(k: RunKeys, rng: random.Random) -> list[str]:
+    token = "".join(rng.choice("0123456789abcdef") for _ in range(16))
+    return [
+        k.config,
+        k.done,
+        k.wip("w.1"),
+        k.worker("w.1"),
+        rq_queue_key(k.main_queue),
+        rq_queue_key(k.retry_queue),
+        *(rq_job_key(k.job_id(token, n)) for n in (1, 8, 16, 4096, 123456789, 999999999)),
+    ]
+
+
+def test_no_legal_run_names_key_matches_another_legal_runs_patterns() -> None:
+    """D5, as a property over legal names (seeded fuzz plus the crafted ones above): every
+    key of run R matches R's patterns, and no key of any other legal run does."""
+    import fnmatch
+
+    rng = random.Random(33)
+    names = _legal_names(rng, 300)
+    keys = {r: _keys_of(RunKeys(r), rng) for r in names}
+    pats = {r: RunKeys(r).acl_key_patterns() for r in names}
+    for r in names:
+        for other in names:
+            # Redis globs: `[..]` classes and `*`, which fnmatch reads the same way.
+            hits = [x for x in keys[other] if any(fnmatch.fnmatchcase(x, p) for p in pats[r])]
+            assert hits == (keys[r] if other == r else []), (r, other, hits)
+
+
+def test_redis_itself_keeps_the_issues_run_out_of_another_runs_job_keys(
+    acl_redis: tuple[int, Path],
+) -> None:
+    """D5 with Redis's own matcher (ACL DRYRUN) over users `hsq acl` prints: the issue's
+    HGETALL/HSET/EXPIRE/DEL of `qa-0123456789abcdef-nightly`'s job hash as run qa's user,
+    and a sample of the fuzzed names."""
+    port, _ = acl_redis
+    admin = redis.Redis.from_url(url(port, None), decode_responses=True)
+    rng = random.Random(34)
+    names = [*TRICKY, *rng.sample(_legal_names(rng, 120), 30)]
+    printed = hsq("acl", "--run", "qa", "--user", "fz-qa", check=True).stdout.strip()
+    assert printed == RunKeys("qa").acl_user("fz-qa")
+    for r in names:
+        head, _, selector = RunKeys(r).acl_user(f"fz-{r}").partition(" (")
+        rules = ["reset", *head.split()[2:], *(["(" + selector] if selector else [])]
+        admin.execute_command("ACL", "SETUSER", f"fz-{r}", *rules)
+    try:
+        asked = []
+        p = admin.pipeline(transaction=False)
+        for r in names:
+            for other in names:
+                for key in _keys_of(RunKeys(other), rng):
+                    for cmd in (["HGETALL", key], ["HSET", key, "f", "v"], ["DEL", key]):
+                        p.execute_command("ACL", "DRYRUN", f"fz-{r}", *cmd)
+                        asked.append((r, other, cmd))
+        for (r, other, cmd), said in zip(asked, p.execute(), strict=True):
+            assert (said == "OK") == (r == other), (r, other, cmd, said)
+    finally:
+        for r in names:
+            admin.execute_command("ACL", "DELUSER", f"fz-{r}")
 
 
 def test_a_worker_refuses_an_out_changed_under_it_without_a_new_generation(
