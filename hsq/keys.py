@@ -2,10 +2,11 @@
 
 Per run R (a name matching RUN_NAME_RE):
 
-    hsq:runs                      SET   names of all runs
     hsq:run:R:config              HASH  the run's config (dataset, out, layers, model, ...)
                                         and its `generation`: a random token made when the
-                                        run is created; every write of a worker is fenced on it
+                                        run is created; every write of a worker is fenced on
+                                        it. Its existence is the run's: the list of runs is
+                                        these keys, found by SCAN (RUN_CONFIG_GLOB)
     hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
     hsq:run:R:reaper              STRING the worker reaping dead workers' jobs now (expires, 1 s)
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
@@ -30,7 +31,15 @@ Per run R (a name matching RUN_NAME_RE):
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
     rq:job:hsq-R-<16 hex>-n<count> HASH RQ job (JSON serializer): the chunk's samples; the
                                         id carries the job's sample count (counters)
-    rq:queues                     SET   RQ's registry of queue keys (RQ adds ours to it)
+    hsq:run:R:rq-queues           SET   where RQ's enqueue adds the run's queue keys (RQ
+                                        writes its registry on every enqueue; ours is per run)
+    rq:queues                     SET   RQ's registry of queue keys, which `rq info` reads:
+                                        hsq adds the run's two queues where its user may write
+                                        it (an admin or the shared user), never a run's user
+
+No key is shared between runs' users (issue 33 D6): a run's user can neither remove nor
+forge another run's entry in a listing, since the listing is each run's own config key.
+`hsq:runs`, the set of run names hsq 0.2.0 kept, is no longer read or written.
 
 Everything a queue may lose is recoverable: the dataset index minus `done`, `dead`, the
 queues and the wip lists is exactly what `requeue --missing` puts back.
@@ -53,7 +62,11 @@ import re
 from dataclasses import dataclass
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-RUNS = "hsq:runs"
+RUN_PREFIX = "hsq:run:"
+CONFIG_SUFFIX = ":config"
+RUN_CONFIG_GLOB = RUN_PREFIX + "*" + CONFIG_SUFFIX
+"""SCAN pattern of every run's config key; a match that is not `hsq:run:<legal name>:config`
+(a run's user may make `hsq:run:R:x:config`) is not a run (run_of_config_key)."""
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_JOB_PREFIX = "rq:job:"
 RQ_QUEUES = "rq:queues"
@@ -73,6 +86,18 @@ ACL_COMMANDS = (
 )
 """What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
 the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""
+
+
+def run_of_config_key(key: str) -> str:
+    """The run whose config key this is; ValueError, in words, if it is not one."""
+    name = key.removeprefix(RUN_PREFIX).removesuffix(CONFIG_SUFFIX)
+    if not (key.startswith(RUN_PREFIX) and key.endswith(CONFIG_SUFFIX)):
+        raise ValueError(f"{key[:120]!r} is not a run's config key")
+    try:
+        RunKeys(name)
+    except ValueError as exc:
+        raise ValueError(f"{key[:120]!r} is not a run's config key: {exc}") from None
+    return name
 
 
 def rq_queue_key(queue_name: str) -> str:
@@ -100,11 +125,16 @@ class RunKeys:
 
     @property
     def _prefix(self) -> str:
-        return f"hsq:run:{self.run}:"
+        return f"{RUN_PREFIX}{self.run}:"
 
     @property
     def config(self) -> str:
-        return self._prefix + "config"
+        return RUN_PREFIX + self.run + CONFIG_SUFFIX
+
+    @property
+    def rq_registry(self) -> str:
+        """The set RQ's enqueue adds this run's queue keys to (instead of `rq:queues`)."""
+        return self._prefix + "rq-queues"
 
     @property
     def index(self) -> str:
@@ -182,16 +212,12 @@ class RunKeys:
     def acl_user(self, user: str | None = None, password: str = "<PASSWORD>") -> str:
         """A Redis ACL user (an ACL file or redis.conf line) that can do this run's work
         (enqueue, workers, status/requeue/verify/recover/audit/purge of this run) and cannot
-        read, write or list another run's keys. The shared sets of run and queue names may
-        only be added to and removed from (SADD/SREM, also from a script), not read."""
+        read, write or list another run's keys, nor touch a shared key (no `rq:queues`:
+        RQ's enqueue writes the run's own registry, `rq_registry`)."""
         name = user or f"hsq-{self.run}"
         keys = " ".join("~" + k for k in self.acl_key_patterns())
-        # A selector: the shared sets with SADD/SREM only, and EVALSHA for the script that
-        # creates the run (it declares the run's config and hsq:runs: one selector must
-        # allow all of a command's keys). Commands inside a script are checked one by one.
-        shared = f"(~{self._prefix}* ~{RUNS} ~{RQ_QUEUES} +sadd +srem +evalsha)"
         perms = f"resetkeys resetchannels -@all {ACL_COMMANDS}"
-        return f"user {name} on >{password} {perms} {keys} {shared}"
+        return f"user {name} on >{password} {perms} {keys}"
 
     def all_static(self) -> list[str]:
         """Keys `purge` deletes besides wip/worker keys and job hashes."""
@@ -207,6 +233,7 @@ class RunKeys:
             self.workers,
             self.enqueue_lock,
             self.reaper,
+            self.rq_registry,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

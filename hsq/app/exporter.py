@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from hsq.app.ops import run_figures
 from hsq.errors import ConfigError, StoreError
 from hsq.runstore import RunStore
-from hsq.store import Client, connect, list_runs
+from hsq.store import Client, connect, scan_runs
 
 log = structlog.get_logger("hsq.app.exporter")
 
@@ -53,7 +53,7 @@ class RedisCollector(Collector):
         yield dur
 
     def _runs(self) -> Iterator[Metric]:
-        runs = list_runs(self.client)
+        listing = scan_runs(self.client)
         jobs = GaugeMetricFamily(
             "hsq_queue_jobs", "Jobs waiting in a queue", labels=["run", "queue"]
         )
@@ -79,11 +79,12 @@ class RedisCollector(Collector):
             "Free bytes on the run's output filesystem, where the exporter can see it",
             labels=["run"],
         )
-        for run in runs:
+        for run in listing.runs:
             try:
                 fig = run_figures(RunStore(self.client, run))
-            except ConfigError:
-                continue  # a run name that is not ours (Redis is untrusted)
+            except ConfigError as exc:  # purged meanwhile, or its config cannot be read
+                listing.skip(f"run {run!r}: {exc}")
+                continue
             # The same figures `hsq status` prints (hsq.app.ops.run_figures).
             jobs.add_metric([run, "main"], fig.queued_jobs)
             jobs.add_metric([run, "retry"], fig.retry_jobs)
@@ -100,7 +101,14 @@ class RedisCollector(Collector):
                 # Skipped where the output filesystem is not mounted on the exporter's host.
                 with contextlib.suppress(OSError):
                     free.add_metric([run], shutil.disk_usage(fig.out).free)
-        yield from (jobs, samples, tokens, written, workers, held, free)
+        skipped = GaugeMetricFamily(
+            "hsq_runs_skipped",
+            "Keys that look like a run's config but could not be read as one (last scrape)",
+        )
+        skipped.add_metric([], listing.skipped_total)
+        if listing.skipped:
+            log.warning("runs_skipped", count=listing.skipped_total, first=listing.skipped[:3])
+        yield from (jobs, samples, tokens, written, workers, held, free, skipped)
 
 
 def run_exporter(redis_url: str, host: str, port: int) -> None:
