@@ -24,6 +24,7 @@ from hsq.errors import ConfigError, HsqError
 from hsq.outputs.check import check_output, file_checksum
 from hsq.outputs.format import SUFFIX, output_relpath
 from hsq.outputs.manifest import ManifestEntry
+from hsq.states import PRENORM_TENSOR
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
@@ -38,8 +39,6 @@ def detect_store_dtype(out_root: Path) -> str | None:
 def detect_prenorm(out_root: Path) -> bool | None:
     """Whether most output files under out_root store the pre-norm state; None without
     files, a ConfigError on a tie (`--prenorm` decides)."""
-    from hsq.states import PRENORM_TENSOR
-
     found = _majority(
         out_root, lambda h: "yes" if PRENORM_TENSOR in h.tensors else "no", "--prenorm"
     )
@@ -127,11 +126,18 @@ def adopt_output(
         return None, where
     try:
         size = path.stat().st_size
-        meta = read_header(path).metadata
+        header = read_header(path)
     except FileNotFoundError:
         return None, "missing"
     except (OSError, ValueError) as exc:
         return None, f"unreadable header: {exc}"
+    meta = header.metadata
+    if (PRENORM_TENSOR in header.tensors) != prenorm:  # a run keeps one layout (D8)
+        return None, (
+            f"no pre-norm state ({PRENORM_TENSOR}), which the run stores"
+            if prenorm
+            else f"holds the pre-norm state ({PRENORM_TENSOR}), which the run does not store"
+        )
     n = len(sample.input_ids)
     wanted = {
         "sample_id": sample.id,

@@ -186,7 +186,10 @@ def _plan_recovery(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
+            # The run's layout (pre-norm or not) and format: a run keeps one (D8).
+            manifest, why = adopt_output(
+                out_root, sample, cfg.run, cfg.store_dtype, prenorm=cfg.prenorm
+            )
             if manifest is None:
                 if why != "missing":
                     report.rejected_files[sid] = why
