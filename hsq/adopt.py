@@ -24,7 +24,7 @@ from hsq.errors import ConfigError, HsqError
 from hsq.outputs.check import check_output, file_checksum
 from hsq.outputs.format import SUFFIX, output_relpath
 from hsq.outputs.manifest import ManifestEntry
-from hsq.states import PRENORM_TENSOR
+from hsq.states import DUMP_DTYPES, PRENORM_TENSOR
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
@@ -84,6 +84,23 @@ def file_identity(path: Path) -> tuple[str, list[int]] | None:
     ):
         return None
     return model, layers
+
+
+def file_states(path: Path) -> tuple[str, int] | None:
+    """(dtype, hidden size) of the states an output file stores as computed: the dtype by
+    torch's name, as the worker pins it (RunConfig.dump_dtype). None for an fp8-e4m3 file,
+    which no longer says what its states were computed in, or one that does not say."""
+    from hsq.outputs.format import read_header
+    from hsq.states import LAST_TENSOR
+    from hsq.stfile.header import DTYPE_NAMES
+
+    info = read_header(path).tensors.get(LAST_TENSOR)
+    if info is None or len(info.shape) != 2:
+        return None
+    name = DTYPE_NAMES.get(info.dtype)
+    if name is None or name not in DUMP_DTYPES:
+        return None
+    return name, info.shape[1]
 
 
 def placement_problem(out_root: Path, rel: str) -> str:

@@ -268,6 +268,7 @@ def _recover_finish_verify(
     assert deep.returncode == 0 and "ok 12" in deep.stdout, deep.stdout + deep.stderr
 
 
+@pytest.mark.timeout(300)  # two servers, three burst workers, a deep verify
 def test_recover_rejects_files_without_the_runs_prenorm_state(
     tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
 ) -> None:
@@ -279,3 +280,21 @@ def test_recover_rejects_files_without_the_runs_prenorm_state(
     why = "no pre-norm state (last_hidden_state_prenorm), which the run stores"
     _recover_finish_verify(tmp_path, "pre", full, pre, redis_url, why)
     assert store(redis_url, "pre").require_config().prenorm
+
+
+@pytest.mark.timeout(300)  # two servers, three burst workers, a deep verify
+def test_recover_rejects_files_of_another_states_dtype(
+    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+) -> None:
+    """Issue 33 D9: 4 float32-state files and 8 bf16, same model and layers. Old code:
+    recover marked all 12 done ("majority: 12 of 12"), a mixed-dtype run the worker's dtype
+    pin forbids. Now the dtype is part of the identity: the 4 are rejected and redone, and
+    the run's dtype is pinned as the worker pins it."""
+    f32 = server_factory("--dump-dtype", "float32", name="recf32").wait_ready()
+    full = _two_extractions(tmp_path, "dt", redis_url, (f32, ()), (server, ()))
+    why = "states stored as float32, the run's are bfloat16"
+    _recover_finish_verify(tmp_path, "dt", full, server, redis_url, why)
+    cfg = store(redis_url, "dt").require_config()
+    assert cfg.dump_dtype == "bfloat16" and cfg.hidden_size is not None
+    for f in (tmp_path / "out" / "dt").rglob("*.safetensors"):
+        assert load_file(str(f))["last_hidden_state"].dtype == torch.bfloat16
