@@ -187,5 +187,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         metrics_port=worker.metrics_port,
         node=f.node_name or socket.gethostname().split(".")[0],
         max_restarts=f.max_server_restarts, json=f.json, verify=f.verify, stay=f.stay,
+        url_file=f.access.redis_url_file,
     )  # fmt: skip
     sys.exit(run_node(job))

@@ -56,6 +56,8 @@ class NodeJob:
     verify: bool = False
     stay: bool = False
     """Workers without --burst: they wait for more work until stopped."""
+    url_file: Path | None = None
+    """The --redis-url-file given, named in the commands printed at the end."""
 
 
 class Interrupts:
@@ -81,7 +83,15 @@ class Interrupts:
 
 def _pairs(sup: Supervisor) -> list[PairView]:
     return [
-        PairView(p.spec.index, p.spec.kind, p.url, p.server_state, p.name, p.worker_rc)
+        PairView(
+            p.spec.index,
+            p.spec.kind,
+            p.url,
+            p.server_state,
+            p.name,
+            p.worker_rc,
+            sup.stopping or p.given_up,
+        )
         for p in sup.pairs
     ]
 
@@ -187,7 +197,8 @@ def run_node(job: NodeJob) -> int:
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
     elapsed = time.monotonic() - t0
     rc = _exit_code(st, stop, verified)
-    auth = f" --redis-url-file {url_file}" if url_file is not None else ""
+    hint = url_file or job.url_file
+    auth = f" --redis-url-file {hint}" if hint is not None else ""
     if job.json:
         summary = {
             "run": job.run, "exit_code": rc, "elapsed_s": round(elapsed, 1),

@@ -36,6 +36,7 @@ from hsq.harness.procs import (
     hsq_command,
     worker_process,
 )
+from hsq.harness.sglang import low_port
 
 SHM = Path("/dev/shm")
 
@@ -98,7 +99,9 @@ class Supervisor:
             d = dump_dir_for(self.state, self.run, spec.index)
             d.mkdir(mode=0o700, exist_ok=True)
             d.chmod(0o700)
-            pair = Pair(spec, d, free_port(), f"{self.node}-{spec.index}")
+            # SGLang derives more ports from its own (gRPC: port + 10000): a low one.
+            port = free_port() if spec.kind == REFERENCE else low_port()
+            pair = Pair(spec, d, port, f"{self.node}-{spec.index}")
             self.pairs.append(pair)
             self._start_server(pair)
             self._start_worker(pair)

@@ -25,6 +25,8 @@ class PairView:
     server_state: str
     worker_name: str
     worker_rc: int | None
+    stopped: bool = False
+    """The worker was told to stop (Ctrl-C, its server given up): exit 0 is not `finished`."""
 
 
 def duration(seconds: float | None) -> str:
@@ -41,9 +43,15 @@ def _cause(w: WorkerStatus) -> str:
     return f" ({cause})" if cause else ""
 
 
-def _worker_text(w: WorkerStatus | None, rc: int | None) -> str:
-    if rc is not None:
-        return "finished" if rc == 0 else f"exited {rc}"
+def _ended(p: PairView) -> str:
+    if p.worker_rc == 0:
+        return "stopped" if p.stopped else "finished"
+    return f"exited {p.worker_rc}"
+
+
+def _worker_text(w: WorkerStatus | None, p: PairView | None) -> str:
+    if p is not None and p.worker_rc is not None:
+        return _ended(p)
     if w is None:
         return "[starting]"
     return f"[{w.state}]{_cause(w)} done {w.done}, {w.tokens_per_s:,.0f} tokens/s" + (
@@ -69,9 +77,7 @@ def render(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> list[s
     for p in pairs:
         w = by_name.get(p.worker_name)
         server = f"server {p.index} {p.kind} {p.url} [{p.server_state}]"
-        lines.append(
-            f"  {server:<52} worker {p.worker_name:<{width}} {_worker_text(w, p.worker_rc)}"
-        )
+        lines.append(f"  {server:<52} worker {p.worker_name:<{width}} {_worker_text(w, p)}")
     others = [w for w in st.workers if w.name not in ours]
     for w in others:
         lines.append(f"  {'(another node)':<52} worker {w.name or w.id} {_worker_text(w, None)}")
@@ -84,11 +90,10 @@ def log_line(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> str:
     states = []
     for p in pairs:
         w = by_name.get(p.worker_name)
-        state = (
-            ("finished" if p.worker_rc == 0 else f"exited-{p.worker_rc}")
-            if p.worker_rc is not None
-            else (w.state if w is not None else "starting")
-        )
+        if p.worker_rc is not None:
+            state = _ended(p).replace(" ", "-")
+        else:
+            state = w.state if w is not None else "starting"
         states.append(f"{p.worker_name}={state}{_cause(w) if w else ''}")
     dead = ",".join(f"{r}:{n}" for r, n in sorted(st.dead_by_reason.items())) or "-"
     return (
