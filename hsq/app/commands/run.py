@@ -27,9 +27,7 @@ and reaches each `hsq worker` as given (--metrics-port: worker i gets PORT + i).
 @dataclass(frozen=True)
 class RunFlags:
     out: Path = setting(path="dir", help="output root: files in OUT/RUN/, hsq's state in OUT/.hsq/")
-    run_name: str | None = setting(
-        None, flag="--run", env=("HSQ_RUN",), default_text="DATASET's name", help="run name"
-    )
+    run: str | None = setting(None, default_text="DATASET's name", help="run name")
     join: bool = setting(
         False,
         flag_only=True,
@@ -158,7 +156,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     run_cfg = {name: values.pop(name) for name in RUN_SETTINGS}
     chat = take(TokenizeSettings, values, tokenizer=str(f.tokenizer)) if f.tokenizer else None
     dataset, server_args = split_args(args, join=f.join)
-    name = f.run_name or (run_name_of(dataset) if dataset is not None else None)
+    name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
         raise click.UsageError("--join needs --run")
     url = f.access.resolve(f.redis_url)
@@ -177,7 +175,13 @@ def run(args: tuple[str, ...], **values: Any) -> None:
             store, dataset, f.out, run_cfg, chat=chat, tokens=f.tokens, strict=f.strict,
             progress=False,
         )  # fmt: skip
-        return [*report.lines_out(), *(f"invalid: {p}" for p in report.problems[:10])]
+        bad = sum(report.invalid.values())
+        line = (
+            f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
+            f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
+            f"{report.dead} dead)"
+        )
+        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
 
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,

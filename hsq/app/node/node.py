@@ -139,11 +139,17 @@ def _exit_code(st: RunStatus, stop: Interrupts, verified: Any) -> int:
 
 
 def _summary_lines(
-    job: NodeJob, st: RunStatus, stop: Interrupts, elapsed: float, verified: Any, auth: str
+    job: NodeJob,
+    st: RunStatus,
+    stop: Interrupts,
+    elapsed: float,
+    verified: Any,
+    auth: str,
+    tokens_before: int,
 ) -> list[str]:
-    rate = f"{st.tokens_per_s:,.0f} tokens/s at the end" if st.tokens_per_s else ""
+    made = st.tokens_done - tokens_before
     lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
-             + (f" ({rate})" if rate else "")]  # fmt: skip
+             f" ({made:,} tokens here, {made / max(elapsed, 1e-9):,.0f} tokens/s)"]  # fmt: skip
     if stop.count:
         lines.append("interrupted: the workers handed their jobs back; the same command resumes")
     elif st.done + st.dead < st.total:
@@ -192,6 +198,7 @@ def run_node(job: NodeJob) -> int:
         )  # fmt: skip
         stop.install(stack)
         stack.callback(sup.shutdown)
+        tokens_before = run_status(store).tokens_done
         sup.start()
         st = _supervise(store, sup, Screen(), stop)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
@@ -210,7 +217,7 @@ def run_node(job: NodeJob) -> int:
         }  # fmt: skip
         echo(json.dumps(summary, sort_keys=True))
         return rc
-    for line in _summary_lines(job, st, stop, elapsed, verified, auth):
+    for line in _summary_lines(job, st, stop, elapsed, verified, auth, tokens_before):
         echo(line)
     echo(f"outputs  {run_dir}")
     echo("next")
