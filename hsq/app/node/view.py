@@ -93,7 +93,7 @@ def log_line(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> str:
         if p.worker_rc is not None:
             state = _ended(p).replace(" ", "-")
         else:
-            state = w.state if w is not None else "starting"
+            state = (w.state or "?") if w is not None else "starting"
         states.append(f"{p.worker_name}={state}{_cause(w) if w else ''}")
     dead = ",".join(f"{r}:{n}" for r, n in sorted(st.dead_by_reason.items())) or "-"
     return (
