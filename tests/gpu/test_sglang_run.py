@@ -32,7 +32,7 @@ def test_hsq_run_with_sglang_on_one_gpu(
     argv = hsq_command(
         "--log-format", "json", "run", str(ds), "--out", str(out), "--server", "sglang",
         "--gpus", "0", "--model", str(model.served), "--json", "--verify",
-        "--", "--layers", model.layers, "--mem-fraction-static", "0.5", *SGLANG_FLAGS,
+        "--", "--layers", model.layers, "--mem-fraction-static", "0.12", *SGLANG_FLAGS,
     )  # fmt: skip
     t = time.monotonic()
     r = subprocess.run(argv, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)

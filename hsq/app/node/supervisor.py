@@ -97,8 +97,10 @@ class Supervisor:
     def start(self) -> None:
         for spec in self.plan.servers:
             d = dump_dir_for(self.state, self.run, spec.index)
-            d.mkdir(mode=0o700, exist_ok=True)
-            d.chmod(0o700)
+            # Left by a killed run: its dumps and its server's readiness marker (a worker
+            # that saw it would start before the new server is up) go before anything starts.
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(mode=0o700)
             # SGLang derives more ports from its own (gRPC: port + 10000): a low one.
             port = free_port() if spec.kind == REFERENCE else low_port()
             pair = Pair(spec, d, port, f"{self.node}-{spec.index}")
