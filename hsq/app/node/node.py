@@ -197,7 +197,7 @@ def run_node(job: NodeJob) -> int:
             job.metrics_port, job.max_restarts, burst=not job.stay,
         )  # fmt: skip
         stop.install(stack)
-        stack.callback(sup.shutdown)
+        stack.callback(sup.shutdown, lambda: stop.count >= 2)
         tokens_before = run_status(store).tokens_done
         sup.start()
         st = _supervise(store, sup, Screen(), stop)

@@ -23,7 +23,8 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +128,12 @@ class Supervisor:
                 *self.server_args,
             )  # fmt: skip
             env = {"CUDA_VISIBLE_DEVICES": ",".join(pair.spec.gpus)}
-            pair.server = ManagedProcess(argv, log, env, parent_death_signal=signal.SIGTERM)
+            # Its own process group: SGLang forks schedulers, which a stop (or a kill) of
+            # the group reaches; a terminal's Ctrl-C does not, so it is stopped after its
+            # worker has handed back. If hsq dies, the launcher's SIGTERM ends SGLang.
+            pair.server = ManagedProcess(
+                argv, log, env, new_session=True, parent_death_signal=signal.SIGTERM
+            )
         pair.server_state = "starting" if not pair.restarts else f"restarted ({pair.restarts})"
 
     def _start_worker(self, pair: Pair) -> None:
@@ -201,18 +207,32 @@ class Supervisor:
         self.stopping = True
         for p in self.pairs:
             for child in (p.worker, p.server):
-                if child is not None:
+                if child is None:
+                    continue
+                if child.new_session:
+                    child.signal_group(signal.SIGKILL)
+                else:
                     child.signal(signal.SIGKILL)
 
-    def shutdown(self) -> None:
+    def shutdown(self, urgent: Callable[[], bool] = lambda: False) -> None:
         """Stop what still runs (workers first, so none sees its server vanish), then
-        remove the dump dirs."""
+        remove the dump dirs; once `urgent()` (a second Ctrl-C), kill what is left."""
         self.stopping = True
-        for p in self.pairs:
-            if p.worker is not None:
-                p.worker.stop(timeout=60)
-        for p in self.pairs:
-            if p.server is not None:
-                p.server.stop(timeout=30)
+        workers = [p.worker for p in self.pairs if p.worker is not None]
+        servers = [p.server for p in self.pairs if p.server is not None]
+        for group, timeout in ((workers, 60.0), (servers, 30.0)):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while any(c.alive() for c in group) and time.monotonic() < deadline:
+                if urgent():
+                    break
+                time.sleep(0.1)
+            if any(c.alive() for c in group):
+                self.kill_all()
+        for child in servers:
+            if child.new_session:
+                child.signal_group(signal.SIGKILL)  # what outlived the launcher
+            child.proc.wait(10)
         for p in self.pairs:
             shutil.rmtree(p.dump_dir, ignore_errors=True)
