@@ -150,7 +150,12 @@ def _summary_lines(
     made = st.tokens_done - tokens_before
     lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
              f" ({made:,} tokens here, {made / max(elapsed, 1e-9):,.0f} tokens/s)"]  # fmt: skip
-    if stop.count:
+    if stop.count >= 2:
+        lines.append(
+            "killed: what the workers held goes back to the queue once their heartbeats "
+            "expire; the same command resumes"
+        )
+    elif stop.count:
         lines.append("interrupted: the workers handed their jobs back; the same command resumes")
     elif st.done + st.dead < st.total:
         lines.append(
