@@ -12,6 +12,7 @@ import pytest
 from hsq.app.commands.run import PER_WORKER, run_name_of
 from hsq.app.node.node import Interrupts
 from hsq.app.node.plan import parse_gpus, plan_node, split_gpus, visible_gpus
+from hsq.app.node.supervisor import should_restart
 from hsq.app.node.view import PairView, Screen, log_line, render
 from hsq.app.ops.status import RunStatus, WorkerStatus
 from hsq.app.options import as_argv
@@ -161,3 +162,9 @@ def test_plain_lines_when_stdout_is_not_a_terminal() -> None:
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and all(x.startswith("progress run=r") for x in lines)
     assert "\x1b" not in out.getvalue()
+
+
+def test_a_server_is_restarted_unless_it_refused_or_used_its_restarts() -> None:
+    assert should_restart(1, 0, 3) and should_restart(-9, 2, 3) and should_restart(0, 0, 1)
+    assert not should_restart(2, 0, 3)  # a refusal (launch-sglang's exit 2) would repeat
+    assert not should_restart(1, 3, 3) and not should_restart(-9, 0, 0)

@@ -54,6 +54,12 @@ def dump_dir_for(state: Path, run: str, index: int) -> Path:
     return dump_root() / f"hsq-{run}-{tag}-{index}"
 
 
+def should_restart(rc: int | None, restarts: int, max_restarts: int) -> bool:
+    """A server that exited is started again unless it refused (exit 2: its flags, no hook;
+    it would refuse again) or it has used its restarts."""
+    return rc != EXIT_USAGE and restarts < max_restarts
+
+
 @dataclass
 class Pair:
     spec: ServerSpec
@@ -169,7 +175,7 @@ class Supervisor:
             rc = p.server.proc.returncode
             if self.stopping or p.given_up:
                 continue
-            if rc == EXIT_USAGE or p.restarts >= self.max_restarts:
+            if not should_restart(rc, p.restarts, self.max_restarts):
                 p.given_up = True
                 p.server_state = f"exited {rc}, given up"
                 why = "refused to start" if rc == EXIT_USAGE else f"{p.restarts} restarts"
