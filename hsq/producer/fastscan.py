@@ -107,9 +107,11 @@ class ScanBatch:
 class Piece:
     """What scanning one byte range found, line numbers counted from 1 at its first line.
     Plain values only (it crosses a process boundary): `bad` holds (line, message, reason,
-    id) and `line_nos` the line of each valid sample."""
+    id) and `line_nos` the line of each valid sample (`ids`)."""
 
-    valid: list[tuple[str, str]] = field(default_factory=list)
+    ids: list[str] = field(default_factory=list)
+    entries: list[str] = field(default_factory=list)
+    """The encoded index entry of each valid sample (flat lists: cheaper to pickle)."""
     line_nos: list[int] = field(default_factory=list)
     tokens: int = 0
     bad: list[tuple[int, str, str, str | None]] = field(default_factory=list)
@@ -171,7 +173,8 @@ def scan_piece(
                     continue
                 got = (sample.id, len(sample.input_ids))
             sid, n = got
-            out.valid.append((sid, f"{at}:{len(body)}:{crc32(body)}:{n}"))
+            out.ids.append(sid)
+            out.entries.append(f"{at}:{len(body)}:{crc32(body)}:{n}")
             out.line_nos.append(line_no)
             out.tokens += n
         out.physical = line_no
@@ -219,11 +222,11 @@ def scan_batches(
     for p in _pieces(path, max_tokens, piece, procs):
         out = ScanBatch(lines=p.lines, bytes=p.bytes)
         out.bad = [(f"line:{base + n}", DatasetError(msg, why), sid) for n, msg, why, sid in p.bad]
-        firsts = dict(zip((sid for sid, _ in p.valid), p.line_nos, strict=True))
-        if len(firsts) == len(p.valid) and seen.keys().isdisjoint(firsts):
+        firsts = dict(zip(p.ids, p.line_nos, strict=True))
+        if len(firsts) == len(p.ids) and seen.keys().isdisjoint(firsts):
             # No duplicate: every id is new (the usual case, settled at C speed).
-            seen.update((sid, base + n) for sid, n in firsts.items())
-            valid, out.tokens = p.valid, p.tokens
+            seen.update(zip(p.ids, map(base.__add__, p.line_nos), strict=True))
+            valid, out.tokens = list(zip(p.ids, p.entries, strict=True)), p.tokens
         else:
             valid = _drop_duplicates(p, base, seen, out)
         base += p.physical
@@ -240,7 +243,7 @@ def _drop_duplicates(
 ) -> list[tuple[str, str]]:
     """The piece's valid samples less the ids met before (each a `duplicate_id`)."""
     valid: list[tuple[str, str]] = []
-    for (sid, entry), n in zip(p.valid, p.line_nos, strict=True):
+    for sid, entry, n in zip(p.ids, p.entries, p.line_nos, strict=True):
         line_no = base + n
         first = seen.setdefault(sid, line_no)
         if first != line_no:
