@@ -376,7 +376,7 @@ def test_the_scale_benchmark_smoke_run(tmp_path: Path) -> None:
     """bench/scale.py at CI size: every step runs and status adds up at each state."""
     argv = [sys.executable, "-m", "bench.scale", "--samples", "3000", "--verify-files", "300"]
     argv += ["--recover-files", "10", "--cap-samples", "1000", "--cap-chunks", "16"]
-    argv += ["--cap-procs", "2", "--work", str(tmp_path / "w")]
+    argv += ["--cap-procs", "2", "--repeat", "1", "--work", str(tmp_path / "w")]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]
