@@ -188,11 +188,12 @@ def test_a_worker_auditing_continuously_dead_letters_exactly_the_mixed_samples(
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3"])
 def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str) -> None:
     """The bound in numbers: batched-forward noise (1e-3 relative, far above CPU fp32's)
-    passes in both storage formats; another token's states fail."""
+    passes in both storage formats; another token's states fail. (Every encoding pair and
+    the pre-norm state: tests/test_audit_encodings.py.)"""
     from types import SimpleNamespace
 
     from hsq import quant
-    from hsq.closeness import compare_states
+    from hsq.closeness import States, compare_states
 
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(16, 3 * 64, generator=gen)
@@ -209,14 +210,17 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
             last_hidden_state=b.to(torch.bfloat16),
         )
 
+    def fresh(a: torch.Tensor, b: torch.Tensor) -> States:
+        return States({"aux_hidden_states": a, "last_hidden_state": b}, "plain")
+
     ids = list(range(16))
     kept = stored(aux, last)
-    noisy = (aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
-    assert compare_states(kept, ids, *noisy).ok
-    swapped = (aux.roll(1, dims=0), last)  # token i holds token i-1's states
-    verdict = compare_states(kept, ids, *swapped)
+    noisy = fresh(aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
+    assert compare_states(kept, ids, noisy).ok
+    swapped = fresh(aux.roll(1, dims=0), last)  # token i holds token i-1's states
+    verdict = compare_states(kept, ids, swapped)
     assert not verdict.ok and "aux_hidden_states" in verdict.detail
-    assert not compare_states(kept, [*ids[:-1], 99], aux, last).ok
+    assert not compare_states(kept, [*ids[:-1], 99], fresh(aux, last)).ok
 
 
 # ---------------------------------------------------------------------------- expectations
