@@ -282,3 +282,34 @@ def test_the_audit_checks_each_dump_as_the_worker_does(
     assert "do not fit the run" in text, text
     assert ("pre-norm final state" if prenorm else "quantized this dump to fp8-e4m3") in text
     assert st.count(st.keys.done) == 4  # nothing requeued, no output removed
+
+
+def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_message(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 33 D12: against a closed port the audit waited for a hook marker for 30
+    minutes (`waiting_for_hook`, timeout_s 1800). Now: exit 2 naming the server, and
+    nothing of the run changes. (The subprocess limit is only a guard: the audit's own
+    bound is its --request-timeout.)"""
+    from hsq.harness.procs import free_port
+
+    run = "unreach"
+    srv = HostileServer(tmp_path / "dumps")
+    try:
+        ds = tmp_path / "data.jsonl"
+        write_synthetic(ds, 3, seed=43, min_len=4, max_len=12)
+        enqueue(ds, run, tmp_path / "out", redis_url)
+        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        assert w.proc.wait(120) == 0, w.log_tail()
+    finally:
+        srv.stop()
+    st = store(redis_url, run)
+    assert st.count(st.keys.done) == 3
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
+              "--server", closed, "--dump-dir", str(tmp_path / "audit-dumps"),
+              "--request-timeout", "30", "--requeue", "--no-progress", timeout=110)  # fmt: skip
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, text
+    assert f"the audit server {closed} cannot be reached" in text, text
+    assert st.count(st.keys.done) == 3

@@ -42,11 +42,12 @@ from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
-from hsq.workers.readiness import require_hook
+from hsq.workers.readiness import await_hook
 from hsq.workers.runview import RunView
 from hsq.workers.startup import check_dump_dir
 
 log = structlog.get_logger("hsq.audit")
+CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -112,11 +113,23 @@ def run_audit(
         return report
     if check_dump_dir(dump_dir, dump_dir_force):
         dump_dir.mkdir(parents=True, mode=0o700)
+    _require_reachable(server, request_timeout_s)
     lock = DumpDirLock(dump_dir)
     lock.acquire(f"hsq-audit:{socket.gethostname()}:{os.getpid()}")  # refuses a worker's
     client = ServerClient(server, request_timeout=request_timeout_s)
     try:
-        require_hook(dump_dir, client.healthy, cfg, threading.Event())
+        # Not a worker's 30 minutes for a starting checkpoint: the audit's own request
+        # timeout bounds the wait for a server that answers but is not healthy yet.
+        await_hook(
+            dump_dir,
+            client.healthy,
+            layer_ids=cfg.layer_ids,
+            model_id=cfg.model_id,
+            store_dtype=cfg.store_dtype,
+            prenorm=cfg.prenorm,
+            timeout_s=request_timeout_s,
+            stop=threading.Event(),
+        )
         clear_dump_dir(dump_dir)
         target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
         index = store.get_index(chosen)
@@ -162,6 +175,20 @@ def run_audit(
     if do_requeue and bad:
         report.requeued = _requeue(store, out_root, bad)
     return report
+
+
+def _require_reachable(server: str, timeout_s: float) -> None:
+    """ConfigError (exit 2) at once when nothing answers at `server` (issue 33 D12: the
+    audit waited 30 minutes for a closed port); any HTTP answer will do here."""
+    import httpx
+
+    try:
+        httpx.get(server.rstrip("/") + "/health", timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"the audit server {server} cannot be reached ({type(exc).__name__}: {exc}): "
+            "start it, or give the right --server"
+        ) from exc
 
 
 def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) -> Verdict:

@@ -98,6 +98,12 @@ class AuditFlags:
     dump_timeout_s: float = setting(
         60.0, help="seconds to wait for a dump's `done` after the server answered"
     )
+    audit_request_timeout_s: float = setting(
+        600.0,
+        flag="--request-timeout",
+        help="seconds a request to --server may take; also the longest wait for it to "
+        "become healthy (a server that cannot be reached fails at once)",
+    )
     dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
 
 
@@ -137,6 +143,7 @@ def audit(**values: Any) -> None:
             seed=f.audit_seed,
             do_requeue=f.requeue,
             dump_timeout_s=f.dump_timeout_s,
+            request_timeout_s=f.audit_request_timeout_s,
             dump_dir_force=f.dump_dir_force,
             on_progress=bar.update,
         )
