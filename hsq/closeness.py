@@ -94,9 +94,11 @@ def tolerance(fp8_sides: int = 0, width: int = 0) -> Tolerance:
     )
 
 
-FP8_TOLERANCE = tolerance(1, 4096)
-"""fp8 vs plain for an 8B-shape row (the GPU equality checks use it)."""
-FP8_MAX_ABS_OF_NORM = FP8_TOLERANCE.max_abs_of_norm
+FP8_MAX_ABS_OF_NORM = 0.1
+"""The GPU equality checks' absolute bound (tests/gpu/equality.py) for an fp8 output
+against reference states quantized the same way (the cosine bound stays 0.999 there): a
+value near a rounding step lands one step, up to 1/14 of the row's largest, away. The
+audit uses tolerance() instead, which also covers two independent roundings."""
 
 
 @dataclass(frozen=True)
