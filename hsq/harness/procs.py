@@ -189,10 +189,18 @@ class ReferenceServer(DumpServer):
         port: int | None = None,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        parent_death_signal: int | None = None,
         admin: bool = True,
     ) -> None:
         extra = ["--admin"] if admin and "--admin" not in args else []
-        super().__init__(dump_dir, log_path, port=port, args=[*extra, *args], env=env)
+        super().__init__(
+            dump_dir,
+            log_path,
+            port=port,
+            args=[*extra, *args],
+            env=env,
+            parent_death_signal=parent_death_signal,
+        )
 
 
 class NullServer(DumpServer):
