@@ -16,7 +16,18 @@ from typing import Any
 import click
 
 from hsq import __version__
-from hsq.app.commands import admin, demo, export, produce, recover, serve, sglang, status, verify
+from hsq.app.commands import (
+    admin,
+    demo,
+    export,
+    produce,
+    recover,
+    serve,
+    sglang,
+    status,
+    verify,
+    vllm,
+)
 from hsq.app.exits import EXIT_PROBLEMS, EXIT_REDIS, EXIT_USAGE
 from hsq.app.flags import LogFlags
 from hsq.app.options import settings_options, take
@@ -38,6 +49,7 @@ for _command in (
     serve.worker,
     serve.exporter,
     sglang.launch_sglang,
+    vllm.launch_vllm,
     produce.tokenize,
     produce.enqueue,
     recover.recover,

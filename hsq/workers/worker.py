@@ -41,7 +41,7 @@ from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
 from hsq.workers.claims import Claims
-from hsq.workers.client import ServerClient
+from hsq.workers.client import ServerClient, make_client
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
 from hsq.workers.extract import SendStage
@@ -373,7 +373,12 @@ def _peak_rss_mb() -> float:
 def run_worker(settings: WorkerSettings) -> int:
     worker_id = new_worker_id(settings.name)
     started = startup(settings, worker_id)
-    client = ServerClient(settings.server, request_timeout=settings.request_timeout_s)
+    client = make_client(
+        settings.server_kind,
+        settings.server,
+        request_timeout=settings.request_timeout_s,
+        model=settings.served_model,
+    )
     worker = Worker(settings, started, client, worker_id)
     if settings.metrics_port is not None:
         worker.metrics.serve(settings.metrics_port, settings.metrics_host)
