@@ -149,3 +149,23 @@ def test_the_server_kind_picks_the_client() -> None:
 
 def test_the_rid_key_is_the_connectors() -> None:
     assert vllm_client.RID_PARAM == connector_config.RID_PARAM
+
+
+def test_the_marker_decides_which_client_is_right() -> None:
+    from hsq.dump.format import ModelIdentity
+    from hsq.dump.ready import ReadyMarker
+    from hsq.errors import HookInactiveError
+    from hsq.vllm_server.writer import SERVER
+    from hsq.workers.readiness import check_server_kind
+
+    def marker(server: str) -> ReadyMarker:
+        model = ModelIdentity("m", "LlamaForCausalLM", 4, 16, "0" * 64)
+        return ReadyMarker((1,), model, server, "0.26.0", "0", 1, 0.0)
+
+    check_server_kind(marker(SERVER), "vllm")
+    check_server_kind(marker("sglang"), "sglang")
+    check_server_kind(marker("hsq-reference"), "sglang")
+    with pytest.raises(HookInactiveError, match="--server-kind vllm"):
+        check_server_kind(marker(SERVER), "sglang")
+    with pytest.raises(HookInactiveError, match="--server-kind sglang"):
+        check_server_kind(marker("sglang"), "vllm")

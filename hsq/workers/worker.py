@@ -54,7 +54,7 @@ from hsq.workers.pauses import Pauses
 from hsq.workers.persist import Lease, PersistStage
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
-from hsq.workers.readiness import require_hook
+from hsq.workers.readiness import check_server_kind, require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.runwatch import RunWatch
 from hsq.workers.settings import WorkerSettings
@@ -144,7 +144,11 @@ class Worker:
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         # A server without an active dump hook would time every sample out: refuse at once.
-        require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
+        marker = require_hook(
+            self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
+        )
+        if marker is not None:
+            check_server_kind(marker, self.settings.server_kind)
         self.dispatcher.start()
         self.heartbeat.start()
         log.info(
