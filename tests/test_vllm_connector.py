@@ -304,3 +304,13 @@ def test_settings_round_trip() -> None:
     extra = cfg.to_extra()
     assert extra["use_synchronization_lock"] is False
     assert ConnectorConfig.from_extra(extra) == cfg
+
+
+def test_a_request_whose_prompt_was_not_all_computed_is_not_dumped() -> None:
+    from hsq.vllm_server.core import prompt_computed
+
+    assert prompt_computed(5, 6, "RequestStatus.FINISHED_LENGTH_CAPPED")
+    assert prompt_computed(5, 5, "RequestStatus.FINISHED_LENGTH_CAPPED")
+    assert not prompt_computed(5, 3, "RequestStatus.FINISHED_LENGTH_CAPPED")
+    assert not prompt_computed(5, 5, "RequestStatus.FINISHED_ABORTED")
+    assert not prompt_computed(0, 0, "RequestStatus.FINISHED_LENGTH_CAPPED")

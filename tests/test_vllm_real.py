@@ -131,7 +131,15 @@ def test_vllm_loads_the_connector_and_a_request_becomes_an_hsq_dump(
     assert type(sched).__name__ == CONNECTOR_CLASS and sched.use_lock is False
     ours = request("cmpl-hsq-3-a0-00-0-abcdef12", [5, 6, 7], {"hsq_rid": "hsq-3-a0-00"})
     warmup = request("cmpl-warmup-0-12345678", [1, 2], None)
-    schedule(sched, ours, warmup)
+    cut = request("cmpl-hsq-4-a0-00-0-abcdef12", [5, 6, 7, 8], {"hsq_rid": "hsq-4-a0-00"})
+    schedule(sched, ours, warmup, cut)
+    from vllm.v1.request import RequestStatus
+
+    for r in (ours, warmup, cut):  # as the engine leaves them: prefill done, one token out
+        r.num_computed_tokens = len(r.prompt_token_ids)
+        r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    cut.num_computed_tokens, cut.status = 2, RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(cut, [2]) == (False, None)  # aborted mid-prefill
     assert sched.request_finished(ours, [0]) == (True, {"hsq_rid": "hsq-3-a0-00"})
     assert sched.request_finished(warmup, [1]) == (False, None)  # never copied, never dumped
     meta = pickle.loads(pickle.dumps(schedule(sched)))  # to the worker (multiproc executors)

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from hsq.vllm_server.config import ConnectorConfig
-from hsq.vllm_server.core import ConnectorCore, rid_of
+from hsq.vllm_server.core import ConnectorCore, prompt_computed, rid_of
 from hsq.vllm_server.identity import model_identity
 from hsq.vllm_server.refusals import ServingFacts
 
@@ -95,8 +95,13 @@ class HsqConnector(ExampleHiddenStatesConnector):  # type: ignore[misc,unused-ig
             mc.hf_config.to_dict(),
         )
         self._hsq = ConnectorCore(cfg, facts, ident, str(mc.model))
-        if role == KVConnectorRole.WORKER and _tp_rank() == 0:
-            self._hsq.forget_marker()
+        if role == KVConnectorRole.WORKER:
+            try:
+                first = _tp_rank() == 0
+            except Exception:  # no TP group yet: register_kv_caches writes the marker anyway
+                first = False
+            if first:
+                self._hsq.forget_marker()
 
     # -------------------------------------------------------------- scheduler side
 
@@ -107,7 +112,14 @@ class HsqConnector(ExampleHiddenStatesConnector):  # type: ignore[misc,unused-ig
         req_id = request.request_id
         rid = rid_of(request.kv_transfer_params)
         pending = self._pending_saves.pop(req_id, None)
-        if rid is None or pending is None:
+        computed = prompt_computed(
+            len(request.prompt_token_ids or ()),
+            int(getattr(request, "num_computed_tokens", 0)),
+            str(getattr(request, "status", "")),
+        )
+        if rid is None or pending is None or not computed:
+            if rid is not None:
+                log.warning("hsq_vllm: %s ended before its prompt was computed: no dump", rid)
             return False, None  # nothing to copy: free the blocks now
         fields = {f.name: getattr(pending, f.name) for f in dataclasses.fields(PendingSave)}
         self._pending_saves[req_id] = HsqPendingSave(**fields, hsq_rid=rid)

@@ -43,6 +43,13 @@ def rid_of(kv_transfer_params: Mapping[str, object] | None) -> str | None:
     return None
 
 
+def prompt_computed(num_prompt: int, num_computed: int, status: str) -> bool:
+    """Whether every prompt row reached the capture cache: a request aborted mid-prefill
+    (its client gone, a preemption that gave up) leaves rows never written, and a dump
+    of them would carry the right rid, count and fingerprint over wrong states."""
+    return num_prompt > 0 and num_computed >= num_prompt and "ABORTED" not in status
+
+
 class ConnectorCore:
     """One per connector instance (the scheduler's and each worker's)."""
 
