@@ -3,8 +3,8 @@
 # registry: install the bundle of scripts/vllm_wheelhouse.sh, then run the phases, each
 # writing RESULTS/<phase>.json as it ends (a device call ends hard at its limit, so the
 # most important check runs first):
-#   one       a tiny random Llama served by `hsq launch-vllm` (extract_hidden_states and
-#             hsq's connector); one short and one 1500-token prompt (3 chunks of
+#   one       a small random Llama (8 layers, hidden 512, head_dim 128) served by
+#             `hsq launch-vllm` (extract_hidden_states, hsq's connector); one short and one 1500-token prompt (3 chunks of
 #             --max-num-batched-tokens 512): each dump, read back by hsq, equals a float32
 #             transformers forward within hsq.closeness (aux per layer, post-norm, pre-norm)
 #   worker    a run through `hsq worker --server-kind vllm --inflight K`, stored samples
@@ -57,7 +57,7 @@ done
 mkdir -p "$results" "$WORK"
 results=$(cd "$results" && pwd)
 export RESULTS=$results
-LAYERS=2,4,5   # hsq's convention for the tiny Llama (L = 8); vLLM is asked for 2,4,5,8
+LAYERS=2,4,5   # hsq's convention for the small Llama (L = 8); vLLM is asked for 2,4,5,8
 if [ "$dry" = 1 ]; then
   PY=${PY:-$ROOT/.venv/bin/python}; [ -x "$PY" ] || PY=python3
   N_WORKER=12 N_RESTART=16 N_CAP=16 CAP_K=4 MAX_LEN=300
@@ -100,7 +100,7 @@ export PYTHONUNBUFFERED=1
 CHECK=("$PY" "$ROOT/scripts/vllm_live_check.py")
 HSQ=("$PY" -m hsq)
 
-MODEL=$WORK/tiny-llama
+MODEL=$WORK/llama-8x512
 [ -f "$MODEL/config.json" ] || "${CHECK[@]}" tiny "$MODEL"
 DUMPS=$WORK/dumps
 URL=http://127.0.0.1:$PORT

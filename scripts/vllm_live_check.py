@@ -41,16 +41,28 @@ def emit(name: str, result: dict[str, Any]) -> None:
 
 
 def tiny(out: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    """8 layers (the run's 2,4,5; vLLM's 2,4,5,8), hidden 512 and head_dim 128: vLLM's
+    TRITON_ATTN needs head_dim >= 32 (v1/attention/backends/triton_attn.py:386), so the
+    tests' 64-wide tiny model would not start. A final norm weight not all ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hsq.harness.tinymodel import build
-
-    build(out)
-    weights = load_file(out / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    shape = weights["model.norm.weight"].shape
-    weights["model.norm.weight"] = 1 + 0.3 * torch.randn(shape, generator=g)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(1 + 0.3 * torch.randn(512))
+    model.save_pretrained(out)
 
 
 _MODELS: dict[str, Any] = {}
