@@ -22,6 +22,7 @@ from hsq.app.commands import (
     export,
     produce,
     recover,
+    run,
     serve,
     sglang,
     status,
@@ -62,6 +63,7 @@ for _command in (
     verify.audit,
     export.export,
     demo.demo,
+    run.run,
 ):
     cli.add_command(_command)
 
