@@ -210,6 +210,13 @@ class NullServer(DumpServer):
     module = ("hsq.harness.nullserver",)
 
 
+class FakeVllmServer(DumpServer):
+    """The vLLM-shaped server (hsq.harness.fakevllm: completions API, hsq's connector core)
+    as a child process on a free port; args take --model and --layers."""
+
+    module = ("hsq.harness.fakevllm",)
+
+
 class RedisServer(ManagedProcess):
     """A private redis-server: free port, its own directory, optional password and AOF."""
 
