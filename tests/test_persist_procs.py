@@ -5,6 +5,7 @@ SIGSTOP and SIGCONT."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -205,3 +206,26 @@ def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(
         sb.stop()
     print(f"seed {seed}")
     assert_every_done_file_is_on_disk("d4", redis_url, n, out)
+
+
+@pytest.mark.timeout(300)
+def test_server_made_fp8_from_the_null_server_through_persist_processes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The null server's `--dump-encoding fp8-e4m3` (issue 35 item 3): its dumps pass the
+    worker's checks in an fp8 run, through persist processes, and verify --deep holds."""
+    n = 12
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, n, seed=4, min_len=32, max_len=300)
+    out = tmp_path / "out"
+    enqueue(ds, "nf8", out, redis_url, "--store-dtype", "fp8-e4m3")
+    srv = null_server(tmp_path / "s", "--shape", "tiny", "--dump-encoding", "fp8-e4m3")
+    try:
+        srv.wait_ready()
+        w = worker("nf8", srv, redis_url, tmp_path / "w.log", "--burst", "--persist-procs", "2")
+        assert w.proc.wait(240) == 0, w.log_tail()
+    finally:
+        srv.stop()
+    assert_every_done_file_is_on_disk("nf8", redis_url, n, out)
+    marker = json.loads((srv.dump_dir / "hsq-ready.json").read_text())
+    assert marker["encoding"] == "fp8-e4m3"

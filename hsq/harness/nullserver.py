@@ -140,7 +140,7 @@ class NullApp:
             index=index,
         )
         if m.encoding != PLAIN:
-            meta = replace(meta, encoding=m.encoding, tensors=m.shapes(n))
+            meta = replace(meta, encoding=m.encoding, tensors=m.shapes(n), format_version=0)
         write_dump(self.dump_dir, index, meta, m.tensors(n), fsync=self.fsync)
         with self._lock:
             self.requests += 1
