@@ -262,6 +262,10 @@ def run_cases(
                                 res["persist_threads"] = threads or "default"
                                 rows.append(res)
                                 print(json.dumps(res), flush=True)
+                                if args.json_out is not None:  # a killed run keeps its rows
+                                    args.json_out.write_text(
+                                        json.dumps({"partial": True, "rows": rows}, indent=1)
+                                    )
                 finally:
                     server.stop()
     finally:
@@ -397,10 +401,16 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tag = f"{shape} procs={procs}"
         short = find(shape, "short", "bf16", procs)
         long_ = find(shape, "long", "bf16", procs)
-        add(f"{tag} short bf16 samples/s", short and short["samples_s"], TARGET_SHORT_SAMPLES_S)
+        add(
+            f"{tag} short bf16 samples/s",
+            None if short is None else float(short["samples_s"]),
+            TARGET_SHORT_SAMPLES_S,
+        )
         add(
             f"{tag} long bf16 GB/s / disk best",
-            long_ and long_["ratio_to_disk"],
+            None
+            if long_ is None or long_["ratio_to_disk"] is None
+            else float(long_["ratio_to_disk"]),
             TARGET_LONG_RATIO_TO_DISK,
         )
         for wl in WORKLOADS:

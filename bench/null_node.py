@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
     finally:
         redis_srv.stop()
-    disk = probe(out_root / "bw", args.disk_mb) if args.disk_mb > 0 else {}
+    disk: dict[str, Any] = dict(probe(out_root / "bw", args.disk_mb)) if args.disk_mb > 0 else {}
     best = float(disk.get("best_bytes_s", 0.0)) / 1e9
     print(
         f"\nhsq node (null-model servers): {platform.node()} {cpus} cpus, disk best {best:.3f} GB/s"

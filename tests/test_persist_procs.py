@@ -130,7 +130,7 @@ def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_
                     continue
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
-                    wait_until(lambda p=pid: state(p) in ("", "T", "t", "Z", "X"), 10, 0.01)
+                    wait_until(lambda: state(pid) in ("", "T", "t", "Z", "X"), 10, 0.01)  # noqa: B023
                     if state(pid) in ("T", "t") and temps_of(out, pid):  # before its rename
                         os.kill(pid, signal.SIGKILL)
                         kills += 1

@@ -322,8 +322,8 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
 ) -> None:
     ds, refs = dataset
     import hsq.workers.persist
+    from hsq.workers.persist_work import write_staged as real  # the name persist calls
 
-    real = hsq.workers.persist.write_staged  # the name persist calls
     boom = iter([True])
 
     def flaky(*a: Any, **kw: Any) -> Any:
