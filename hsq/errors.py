@@ -79,6 +79,14 @@ class OutputError(HsqError):
         return (type(self), (str(self),), {"reason": self.reason})
 
 
+class PersistProcessError(HsqError):
+    """A persist process (hsq/workers/persist_procs.py) died with a sample in hand (killed,
+    out of memory): not the sample's fault. Retried without using an attempt; a sample
+    that kills its process --max-server-crashes times is dead-lettered with this reason."""
+
+    reason = "persist_process_died"
+
+
 class DumpDirError(HsqError):
     """The dump dir was removed, replaced or made unusable under a running worker: the
     environment's fault, never the sample's. The worker hands its work back and takes the

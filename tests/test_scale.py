@@ -156,6 +156,27 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
     assert st.client.keys("hsq:run:many:*") == []
 
 
+def test_a_worker_whose_job_was_reaped_marks_none_of_its_samples(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 33 D4: the done marks are fenced by ownership, in the marking script itself."""
+    st = new_run(redis_url, "held", tmp_path, 8)
+    st.register("wa", {"state": "x"})
+    job = st.claim("wa", 1)
+    assert job is not None
+    (s0, _), (s1, _) = job.samples[:2]
+    assert st.mark_held_done("wa", [(s0, job.job_id, manifest(s0))]) == [True]
+    assert st.mark_held_done("wa", [(s0, job.job_id, manifest(s0))]) == [False]
+    st.client.delete(st.keys.worker("wa"))  # its heartbeat expired (SIGSTOP)
+    assert st.reap() == {"wa": 1}
+    assert st.mark_held_done("wa", [(s1, job.job_id, manifest(s1))]) == [None]
+    assert st.done_among([s0, s1]) == {s0}
+    assert st.stats()["tokens"] == 3  # only s0 counted
+    other = st.claim("wb", 1)
+    assert other is not None and other.job_id == job.job_id
+    assert st.mark_held_done("wb", [(s1, job.job_id, manifest(s1))]) == [True]
+
+
 def test_one_reaper_at_a_time(tmp_path: Path, redis_url: str) -> None:
     a = new_run(redis_url, "reap", tmp_path, 8)
     b = store(redis_url, "reap")
@@ -182,6 +203,11 @@ class MarkStore:
         self.calls.append(len(entries))
         return [True] * len(entries)
 
+    def mark_held_done(
+        self, _worker_id: str, entries: Sequence[tuple[str, str, ManifestEntry]]
+    ) -> list[bool | None]:
+        return list(self.mark_done_many([(sid, e) for sid, _job, e in entries]))
+
 
 def item(i: int) -> WorkItem:
     return WorkItem((f"s{i}", E), 0, "job")
@@ -191,7 +217,7 @@ def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch
     events: queue.Queue[Event] = queue.Queue()
     ms = MarkStore()
     marked: list[bool] = []
-    c = Committer(ms, events, max_batch=4, max_delay_s=3600)
+    c = Committer(ms, events, "w", max_batch=4, max_delay_s=3600)
     for i in range(10):
         c.add(item(i), manifest(f"s{i}"), marked.append)
     assert ms.calls == [4, 4]  # full batches go at once; the rest waits for its time
@@ -201,7 +227,7 @@ def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch
     c.close()
 
     failing = MarkStore(fail=RunChangedError("purged"))
-    c = Committer(failing, events, max_batch=64, max_delay_s=0.01)
+    c = Committer(failing, events, "w", max_batch=64, max_delay_s=0.01)
     c.add(item(1), manifest("s1"), marked.append)
     c.add(item(2), manifest("s2"), marked.append)
     got = [events.get(timeout=30), events.get(timeout=30)]  # flushed by the timer

@@ -8,8 +8,8 @@ retried and, after ``max_attempts``, dead-lettered with its message.
     Kind         example                                  outcome
     SAMPLE       bad dump, wrong length, NaN, unknown bug RETRY, DEAD after max_attempts
     PERMANENT    4xx, bad dataset line, dataset changed   DEAD now
-    SERVER_FAIL  server died mid-request, 5xx answer       RETRY (no attempt used) / HAND_BACK,
-                                                           DEAD after max_server_crashes
+    SERVER_FAIL  server died mid-request, 5xx answer,      RETRY (no attempt used) / HAND_BACK,
+                 a persist process died                   DEAD after max_server_crashes
     PAUSE        server down, dataset unreadable (EIO,    HAND_BACK the chunk untouched and
                  missing), disk full, Redis unreachable,  back off: never the sample's fault
                  dump dir replaced, hook not live, a bug  (the last three: take the dir again /
@@ -31,6 +31,7 @@ from hsq.errors import (
     HsqError,
     InternalError,
     OutputError,
+    PersistProcessError,
     RunChangedError,
     ServerRejectedError,
     ServerUnavailableError,
@@ -139,6 +140,8 @@ def classify(exc: BaseException) -> Failure:
         return Failure(Kind.SERVER_FAIL, "server_error", msg, Pause.SERVER_ERRORS)
     if isinstance(exc, OutputError) and exc.reason == OUTPUT_READ_ONLY:
         return Failure(Kind.PAUSE, OUTPUT_READ_ONLY, msg, Pause.OUTPUT_READ_ONLY)
+    if isinstance(exc, PersistProcessError):  # counted as a crash: retried, no attempt used
+        return Failure(Kind.SERVER_FAIL, exc.reason, msg)
     for kind, reason, pause in _PAUSES:
         if isinstance(exc, kind):
             return Failure(Kind.PAUSE, reason, msg, pause)

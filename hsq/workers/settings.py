@@ -52,6 +52,12 @@ class WorkerSettings:
         help="threads writing outputs: many small files are bound by fsync latency, which "
         "threads overlap (BENCHMARKS.md, issue 22)",
     )
+    persist_procs: int | None = setting(
+        None,
+        help="persist processes doing each sample's checks, quantizing and writing outside "
+        "the worker's interpreter (0: threads only) [default: half the usable cores, at most "
+        "8; 0 below 4 cores]",
+    )
     direct_io: bool = setting(
         True,
         help="write output files of 1 MiB or more with O_DIRECT where the filesystem allows "
@@ -107,6 +113,8 @@ class WorkerSettings:
             raise ConfigError("--inflight must be within [1, 256]")
         if self.max_inflight_tokens is not None and self.max_inflight_tokens < 1:
             raise ConfigError("--max-inflight-tokens must be >= 1")
+        if self.persist_procs is not None and not 0 <= self.persist_procs <= 64:
+            raise ConfigError("--persist-procs must be within [0, 64]")
         if min(self.persist_depth, self.persist_threads, self.max_server_crashes) < 1:
             raise ConfigError(
                 "--persist-depth, --persist-threads and --max-server-crashes must be >= 1"

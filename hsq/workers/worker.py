@@ -4,7 +4,9 @@ Stages (each in its own module):
   claim    (main thread)  chunk jobs from Redis into the ChunkBook (hsq/workers/chunks.py)
   send     (K threads)    read the sample, send it with a fresh rid, get the dump the
                           dispatcher matched to that rid, check its meta (hsq/workers/extract.py)
-  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py)
+  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py);
+                          with --persist-procs N the CPU work runs in N child processes
+                          (persist_procs.py), the rename's decision and the marks stay here
   ack      (main thread)  every stage reports Events on one queue; the failure policy
                           (hsq/workers/policy.py) turns an exception into retry, dead letter or
                           hand back; a chunk finishes when all its samples are settled
@@ -52,6 +54,7 @@ from hsq.workers.notices import Notices, OutputDirMoved, StateChanged, Tally
 from hsq.workers.outcomes import Outcomes
 from hsq.workers.pauses import Pauses
 from hsq.workers.persist import Lease, PersistStage
+from hsq.workers.persist_procs import default_procs
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
 from hsq.workers.readiness import check_server_kind, require_hook
@@ -106,6 +109,7 @@ class Worker:
             on_done=self.rate.add,
             lease=lease,
             direct_io=s.direct_io,
+            procs=default_procs() if s.persist_procs is None else s.persist_procs,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, s.inflight
