@@ -168,3 +168,12 @@ def test_a_server_is_restarted_unless_it_refused_or_used_its_restarts() -> None:
     assert should_restart(1, 0, 3) and should_restart(-9, 2, 3) and should_restart(0, 0, 1)
     assert not should_restart(2, 0, 3)  # a refusal (launch-sglang's exit 2) would repeat
     assert not should_restart(1, 3, 3) and not should_restart(-9, 0, 0)
+
+
+def test_persist_processes_share_the_host_between_the_workers() -> None:
+    from hsq.app.node.plan import persist_procs_each
+
+    assert persist_procs_each(8, cpus=16) == 0  # 2 cores a worker: threads
+    assert persist_procs_each(1, cpus=16) == 8
+    assert persist_procs_each(2, cpus=16) == 4
+    assert persist_procs_each(1, cpus=2) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 from dataclasses import dataclass, field
@@ -143,7 +144,12 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     import socket
 
     from hsq.app.node.node import NodeJob, run_node, serve_redis_only
-    from hsq.app.node.plan import plan_node, sglang_importable, visible_gpus
+    from hsq.app.node.plan import (
+        persist_procs_each,
+        plan_node,
+        sglang_importable,
+        visible_gpus,
+    )
 
     f = take(RunFlags, values)
     if f.redis_only:
@@ -183,6 +189,8 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         )
         return [line, *(f"invalid: {p}" for p in report.problems[:10])]
 
+    if worker.persist_procs is None:  # the host's cores shared by this node's workers
+        worker = dataclasses.replace(worker, persist_procs=persist_procs_each(len(plan.servers)))
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,
         enqueue=None if f.join else enqueue,

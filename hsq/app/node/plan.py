@@ -141,3 +141,15 @@ def plan_node(
         raise ConfigError("--servers must be >= 1")
     specs = tuple(ServerSpec(i, kind, ()) for i in range(n))
     return NodePlan(kind, model or TINY_MODEL, 1, specs, why)
+
+
+def persist_procs_each(workers: int, cpus: int | None = None) -> int:
+    """Persist processes per worker when the user gave none: the host's cores shared by the
+    node's workers (hsq.workers.persist_procs.default_procs would give each worker half the
+    host, 64 processes for 8 workers on 16 cores). Threads (0) below 4 cores a worker."""
+    import os
+
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = (cpus or 1) // max(1, workers)
+    return 0 if share < 4 else min(8, share // 2)
