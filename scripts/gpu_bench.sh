@@ -50,7 +50,7 @@ CEIL=(--shapes 8b --procs 0,8 --short-samples 800 --long-samples 100 --disk-mb 1
       --out-root "${OUT_DISK:-/root}" --label h200-issue35)
 NODE=(--null --workers 8 --shape 8b --workload long --samples-per-worker 12 --inflight 4
       --disk-mb 512 --out-root "${OUT_DISK:-/root}")
-T_CEIL=150 T_NODE=75
+T_CEIL=${T_CEIL:-150} T_NODE=${T_NODE:-75}
 PY=${PY:-python3}
 [ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
 if [ "$mode" = --small ]; then
