@@ -41,8 +41,8 @@ def make_run(tmp: Path, run: str, redis_url: str, n: int, *extra: str) -> Path:
     return ds
 
 
-def status(run: str, redis_url: str) -> dict[str, Any]:
-    proc = hsq("status", "--run", run, "--redis", redis_url, "--json", check=True)
+def status(run: str, redis_url: str, *extra: str) -> dict[str, Any]:
+    proc = hsq("status", "--run", run, "--redis", redis_url, "--json", *extra, check=True)
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
@@ -173,6 +173,16 @@ def test_requeue_failed_by_reason_and_by_sample(
     assert st["dead"] == 1 and st["dead_by_reason"] == {"wrong_length": 1}
     text = hsq("status", "--run", "rq", "--redis", redis_url, check=True).stdout
     assert "dead letter by reason: wrong_length: 1" in text
+    # Each dead sample by id, with its reason and the error's message.
+    failed = hsq("status", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
+    line = next(ln for ln in failed.splitlines() if poison["id"] in ln)
+    assert "wrong_length" in line and "token" in line, failed
+    js = status("rq", redis_url, "--failed")["failed"]
+    assert [(d["id"], d["reason"], d["attempts"]) for d in js] == [
+        (poison["id"], "wrong_length", 2)
+    ]
+    assert js[0]["message"] and js[0]["worker"]
+    assert "failed" not in status("rq", redis_url)  # the stable keys, unless asked
 
     dry = hsq(
         "requeue",
@@ -186,8 +196,13 @@ def test_requeue_failed_by_reason_and_by_sample(
         check=True,
     )
     assert "would requeue 1" in dry.stdout and status("rq", redis_url)["dead"] == 1
+    assert f"  {poison['id']}" in dry.stdout.splitlines()  # the ids it would take
     none = hsq("requeue", "--run", "rq", "--reason", "stale_dump", "--redis", redis_url, check=True)
-    assert "selected 0, requeued 0" in none.stdout
+    assert "selected 0, requeued 0" in none.stdout  # a reason hsq records, none here
+    typo = hsq("requeue", "--run", "rq", "--reason", "wrong_lenght", "--redis", redis_url)
+    assert typo.returncode == 1 and "no such failure reason 'wrong_lenght'" in typo.stderr
+    assert "wrong_length (1)" in typo.stderr and "stale_dump" in typo.stderr
+    assert "Traceback" not in typo.stderr and status("rq", redis_url)["dead"] == 1
     odd = hsq(
         "requeue",
         "--run",
@@ -198,9 +213,9 @@ def test_requeue_failed_by_reason_and_by_sample(
         json.loads(ds.read_text().splitlines()[0])["id"],
         "--redis",
         redis_url,
-        check=True,
     )
     assert "unknown sample id: no-such-id" in odd.stdout and "already done" in odd.stdout
+    assert odd.returncode == 1 and "1 unknown sample id" in odd.stderr
 
     httpx.delete(fresh.url + "/admin/faults").raise_for_status()  # the server is fixed
     assert "requeued 1" in requeue("rq", redis_url, "--failed")

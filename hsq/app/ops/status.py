@@ -136,6 +136,50 @@ def _worker_status(wid: str, info: dict[str, str], now: float) -> WorkerStatus:
     )
 
 
+@dataclass(frozen=True)
+class DeadSample:
+    """One dead-letter entry, as `hsq status --failed` lists it."""
+
+    id: str
+    reason: str
+    message: str
+    attempts: int | None = None
+    worker: str | None = None
+    time: float | None = None
+
+
+def dead_samples(store: RunStore) -> list[DeadSample]:
+    """Every dead-letter entry (samples and invalid dataset lines, `line:<n>`), sorted by
+    id. O(dead): read only when asked for (`--failed`)."""
+    out = []
+    for key, entry in store.dead_entries().items():  # typed there; fields checked here
+        attempts, worker, at = entry.get("attempts"), entry.get("worker"), entry.get("time")
+        out.append(
+            DeadSample(
+                id=key,
+                reason=str(entry.get("reason", "?")),
+                message=str(entry.get("message", "")),
+                attempts=attempts if isinstance(attempts, int) else None,
+                worker=worker if isinstance(worker, str) else None,
+                time=float(at) if isinstance(at, int | float) else None,
+            )
+        )
+    return sorted(out, key=lambda d: d.id)
+
+
+def dead_text(dead: list[DeadSample], width: int = 160) -> list[str]:
+    """One line per dead sample: id, reason, the first line of its message."""
+    if not dead:
+        return ["  dead letter: empty"]
+    lines = [f"  dead samples ({len(dead)}): id, reason, message"]
+    for d in dead:
+        first = d.message.splitlines()[0] if d.message else ""
+        if len(first) > width:
+            first = first[: width - 3] + "..."
+        lines.append(f"    {d.id}  {d.reason}  {first}")
+    return lines
+
+
 def recount(store: RunStore) -> int:
     """Re-derive a run's counters (`hsq status --recount`; status does it by itself when
     they are missing, as in a run made by an older hsq, or disagree with the queues): the
