@@ -561,6 +561,7 @@ def speculators(run: str, url: str, dest: Path) -> list[str]:
 def test_speculators_export_refuses_a_run_without_the_prenorm_state(walk: dict[str, Any]) -> None:
     res = hsq(*speculators(RUN, walk["url"], walk["base"] / "spec-refused"))
     assert res.returncode == 2 and "no pre-norm final state" in res.stderr
+    assert "hsq enqueue --prenorm" in res.stderr and "serve-reference --prenorm" in res.stderr
 
 
 @needs_speculators
