@@ -32,6 +32,10 @@ FLAG_ONLY = {
     ("requeue", "--missing"),
     ("enqueue", "--tokenizer"),
     ("enqueue", "--tokens"),
+    ("run", "--tokenizer"),
+    ("run", "--tokens"),
+    ("run", "--join"),  # adds servers to a run instead of enqueueing a dataset
+    ("run", "--redis-only"),  # serves the Redis instead of running anything
 }
 SHARED = ("--run", "--redis", "--redis-url-file", "--redis-ca", "--redis-cert", "--redis-key")
 

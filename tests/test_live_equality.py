@@ -53,6 +53,37 @@ def test_correct_states_pass_and_every_planted_fault_fails() -> None:
     assert not shift.ok and shift.bad_rows == 1
 
 
+def test_moe_rule_allows_routing_flips_past_the_dense_prefix_and_catches_every_fault() -> None:
+    """Without the server's expert choices (equality.compare_moe): aux id 1 is strict,
+    ids 2 and 4 and the final states may differ on a few rows (routing flips)."""
+    ids = [1, 2, 4]
+    a, b = _states(0), _states(1)
+    want_a = eq.expected_tensors(a, ids, prenorm=False, fp8=False)
+    want_b = eq.expected_tensors(b, ids, prenorm=False, fp8=False)
+    stored_a, stored_b = _noisy(want_a), _noisy(want_b)
+
+    def judge(got: dict[str, Any], want: dict[str, Any]) -> eq.Comparison:
+        return eq.compare_moe(got, want, aux_layers=len(ids), dense_aux=1)
+
+    flipped = {k: v.clone() for k, v in stored_a.items()}
+    flipped[eq.AUX][2, H:] = want_b[eq.AUX][2, H:]  # token 2 routed elsewhere past layer 1
+    flipped[eq.LAST_NAME][2] = want_b[eq.LAST_NAME][2]
+    assert not eq.compare(flipped, want_a).ok  # the strict rule calls it a fault
+    c = judge(flipped, want_a)
+    assert c.ok and c.bad_rows == 1
+    many = {k: v.clone() for k, v in stored_a.items()}
+    many[eq.LAST_NAME][: T // 2] = want_b[eq.LAST_NAME][: T // 2]  # past the allowance
+    assert not judge(many, want_a).ok
+    dense_flip = {k: v.clone() for k, v in stored_a.items()}
+    dense_flip[eq.AUX][2, :H] = want_b[eq.AUX][2, :H]  # a row no routing can reach
+    assert not judge(dense_flip, want_a).ok
+    off = eq.expected_tensors(a, eq.shifted(ids, LAYERS), prenorm=False, fp8=False)
+    assert not judge({eq.AUX: stored_a[eq.AUX]}, {eq.AUX: off[eq.AUX]}).ok
+    assert not judge(stored_b, want_a).ok
+    assert not judge(eq.with_row(stored_a, stored_b, 5, 5), want_a).ok
+    assert not judge(eq.with_row(stored_a, stored_a, 5, 4), want_a).ok
+
+
 def test_fp8_outputs_are_held_to_the_reference_quantized() -> None:
     from hsq import quant
 
@@ -100,7 +131,17 @@ class _Upstream:
                 self.wfile.write(b"ok")
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Type") != "application/json":
+                    # SGLang (FastAPI) reads a body without it as bytes: 400, every sample
+                    # dead (the 2026-12-01 live run through the proxy)
+                    data = b'{"message": "Input should be a dictionary"}'
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                body = json.loads(raw)
                 up.bodies.append(body)
                 n = len(body["input_ids"])
                 experts = np.arange(n * layers * k, dtype=np.int32) % 8

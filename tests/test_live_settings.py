@@ -101,3 +101,10 @@ def test_launch_command_passes_the_tp_size_once() -> None:
         with pytest.raises(ValueError, match="give the tensor-parallel size once"):
             launch_command("/m", "/d", sglang_version="0.5.15", tp_size=2, extra_args=extra)
     assert tp_problems(8) == [] and tp_problems(1, ["--tp-size-x", "1"]) == []
+
+
+def test_routing_is_proxy_or_free() -> None:
+    assert LiveSettings.from_env({}).routing == "proxy"
+    assert LiveSettings.from_env({"HSQ_LIVE_ROUTING": "free"}).routing == "free"
+    with pytest.raises(LiveSettingsError, match="HSQ_LIVE_ROUTING"):
+        LiveSettings.from_env({"HSQ_LIVE_ROUTING": "replay"})

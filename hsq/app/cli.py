@@ -16,7 +16,18 @@ from typing import Any
 import click
 
 from hsq import __version__
-from hsq.app.commands import admin, demo, export, produce, recover, serve, sglang, status, verify
+from hsq.app.commands import (
+    admin,
+    demo,
+    export,
+    produce,
+    recover,
+    run,
+    serve,
+    sglang,
+    status,
+    verify,
+)
 from hsq.app.exits import EXIT_PROBLEMS, EXIT_REDIS, EXIT_USAGE
 from hsq.app.flags import LogFlags
 from hsq.app.options import settings_options, take
@@ -50,6 +61,7 @@ for _command in (
     verify.audit,
     export.export,
     demo.demo,
+    run.run,
 ):
     cli.add_command(_command)
 

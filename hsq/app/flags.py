@@ -55,7 +55,8 @@ class RedisAccess:
     redis_url_file: Path | None = setting(
         None,
         path="file",
-        help="read the Redis URL from this file (its first line; e.g. a Docker secret)",
+        help="read the Redis URL from this file (its first line; e.g. a Docker secret); "
+        "refused if its group or other users may read or write it (chmod 600)",
     )
     redis_ca: Path | None = setting(
         None,

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hsq.dataset import MAX_LINE_BYTES, parse_line
+from hsq.dataset import MAX_LINE_BYTES, duplicate_id_error, parse_line
 from hsq.dataset import _best_effort_id as _best_effort_id  # the id scan_dataset records
 from hsq.errors import DatasetError
 
@@ -79,6 +79,18 @@ def _fast_count(line: bytes, max_tokens: int | None) -> tuple[str, int] | None:
     return sid.decode(), n
 
 
+_ID_START = re.compile(rb'\{"id": ?(?:(")|(?=[0-9]))')
+
+
+def _id_form(body: bytes, sid: str) -> str:
+    """How a valid line wrote its id, as scan_dataset's message names it (id_text): `1` for
+    an integer, `'1'` for a string. Only for the duplicate message and digit-only ids."""
+    m = _ID_START.match(body)
+    if m is None or body.count(b'"id"') != 1:  # off the usual shape: ask the parser
+        return parse_line(body).id_text
+    return repr(sid) if m.group(1) else sid
+
+
 @dataclass
 class ScanBatch:
     """One batch of a scan: valid samples (id, encoded index entry), their tokens, and the
@@ -99,6 +111,7 @@ def scan_batches(
     out = ScanBatch()
     offset = 0
     line_no = 0
+    numeric: dict[str, str] = {}  # ids first written as a JSON integer (their spelling)
     crc32 = zlib.crc32
     fast = _fast_count
     with open(path, "rb") as f:
@@ -135,9 +148,13 @@ def scan_batches(
             sid, n = got
             first = seen.setdefault(sid, line_no)
             if first != line_no:
-                err = DatasetError(f"duplicate id {sid!r} (first on line {first})", "duplicate_id")
+                # Both spellings, as scan_dataset says it (issue 33 D14).
+                first_form = numeric.get(sid, repr(sid))
+                err = duplicate_id_error(sid, _id_form(body, sid), first, first_form)
                 out.bad.append((f"line:{line_no}", err, None))
                 continue
+            if sid.isdigit() and _id_form(body, sid) == sid:  # only digits can be a number
+                numeric[sid] = sid
             out.valid.append((sid, f"{start}:{len(body)}:{crc32(body)}:{n}"))
             out.tokens += n
             if len(out.valid) >= batch:

@@ -246,12 +246,11 @@ return 1
 )
 
 # Creates a run's config if there is none (one enqueue wins); 0 if it exists. Its counters
-# start exact (a new run has no job): KEYS[3] is the stats hash.
+# start exact (a new run has no job): KEYS[2] is the stats hash. ARGV: field, value pairs.
 CREATE = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[3], 'counters', {COUNTERS_VERSION})
+for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[2], 'counters', {COUNTERS_VERSION})
 return 1
 """
 

@@ -53,7 +53,7 @@ def alone_dump(url: str, dump_dir: Path, ids: list[int], rid: str) -> Any:
 def batched_vs_alone(
     phase: Any,
     server: SGLangServer,
-    proxy: RoutingProxy,
+    proxy: RoutingProxy | None,
     data: dict[str, list[int]],
     out_dir: Path,
 ) -> dict[str, Any]:
@@ -74,7 +74,7 @@ def batched_vs_alone(
     for sid in chosen:
         ids = data[sid]
         rid = f"hsq-alone-{sid}-{secrets.token_hex(3)}"
-        dump = alone_dump(proxy.url, server.dump_dir, ids, rid)
+        dump = alone_dump(proxy.url if proxy else server.url, server.dump_dir, ids, rid)
         alone[sid] = dump
         stored = open_output(out_dir / output_relpath(sid))
         got = eq.stored_tensors(stored)
@@ -85,8 +85,8 @@ def batched_vs_alone(
         dist.add(c)
         rows_outside += c.bad_rows
         rows_differ += sum(1 for x in c.cosines if x < 1.0)
-        batched = [r for r in proxy.for_input(ids) if r.rid != rid]
-        if batched and rid in proxy.by_rid:
+        batched = [r for r in proxy.for_input(ids) if r.rid != rid] if proxy else []
+        if proxy is not None and batched and rid in proxy.by_rid:
             a, b = proxy.by_rid[rid].experts, batched[-1].experts
             sa, sb = np.sort(a, axis=-1), np.sort(b, axis=-1)
             differ = (sa != sb).any(axis=-1)  # [T, layers]: another expert set

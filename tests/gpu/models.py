@@ -11,7 +11,7 @@ from typing import Any
 
 VOCAB = 32000
 DEEPSEEK_LAYERS = 6
-DEEPSEEK_FIRST_DENSE = 1
+DEEPSEEK_FIRST_DENSE = 2  # aux id 2 (the input of layer 2) sees no routing
 # What DeepSeek-V3's own config.json has and transformers 5's DeepseekV3Config does not
 # write: without moe_layer_freq SGLang 0.5.15 fails building the model (AttributeError:
 # 'DeepseekV3Config' object has no attribute 'moe_layer_freq', seen live 2026-12-01).

@@ -22,7 +22,8 @@ def llama(root: Path, device: str = "cuda") -> Model:
 def deepseek(root: Path, device: str = "cuda") -> Model:
     path = m.write_deepseek(root / "deepseek", seed=0, device=device)
     # First id 1: DeepSeek's rule adds 1 to each (sglang >= 0.5.13): effective [2, 3, 5].
-    return Model("deepseek", path, path, "deepseek", m.DEEPSEEK_LAYERS, "1,2,4", moe_top_k=2)
+    return Model("deepseek", path, path, "deepseek", m.DEEPSEEK_LAYERS, "1,2,4", moe_top_k=2,
+                 dense_layers=m.DEEPSEEK_FIRST_DENSE)  # fmt: skip
 
 
 def kimi(root: Path, device: str = "cuda") -> Model:
@@ -31,7 +32,8 @@ def kimi(root: Path, device: str = "cuda") -> Model:
     env = {"SGLANG_EXTERNAL_MM_PROCESSOR_PACKAGE": "tests.gpu.kimi_mm"}
     # First id not 1: as given, effective [2, 3, 5] again, so it is the other branch of
     # the rule that picks the same layers.
-    return Model("kimi", path, text, "deepseek", m.DEEPSEEK_LAYERS, "2,3,5", 2, env)
+    return Model("kimi", path, text, "deepseek", m.DEEPSEEK_LAYERS, "2,3,5", 2, env,
+                 dense_layers=m.DEEPSEEK_FIRST_DENSE)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -85,6 +85,17 @@ class RoutingProxy:
         with self._lock:
             self.by_rid[rid] = routed
 
+    def _relay(self, body: dict[str, Any], r: httpx.Response) -> tuple[int, bytes]:
+        """The answer without its routing (recorded); a 502 when it cannot be read: the
+        sample dies with the reason, never retried unseen."""
+        try:
+            answer = r.json()
+            self._record(body, answer)
+        except Exception as exc:
+            self.errors.append(f"{body.get('rid')}: {type(exc).__name__}: {exc}")
+            return 502, json.dumps({"error": f"proxy: {exc!r}"}).encode()
+        return 200, json.dumps(answer).encode()
+
     def _rewrite(self, body: dict[str, Any]) -> dict[str, Any]:
         sent = dict(body, return_routed_experts=True)
         params = dict(sent.get("sampling_params") or {})
@@ -111,7 +122,11 @@ class RoutingProxy:
 
             def _forward(self, method: str, body: bytes | None) -> httpx.Response | None:
                 try:
-                    return proxy._client.request(method, proxy.upstream + self.path, content=body)
+                    # FastAPI reads a body without its content type as bytes (400)
+                    headers = {"Content-Type": "application/json"} if body is not None else {}
+                    return proxy._client.request(
+                        method, proxy.upstream + self.path, content=body, headers=headers
+                    )
                 except (httpx.ConnectError, httpx.ConnectTimeout):
                     self._answer(503, b'{"error": "upstream unreachable"}')
                 except httpx.HTTPError:
@@ -137,8 +152,7 @@ class RoutingProxy:
                 if r.status_code != 200:
                     self._answer(r.status_code, r.content)
                     return
-                answer = r.json()
-                proxy._record(body, answer)
-                self._answer(200, json.dumps(answer).encode())
+                status, data = proxy._relay(body, r)
+                self._answer(status, data)
 
         return Handler

@@ -38,6 +38,10 @@ class LiveSettings:
     chunk: int = 1024
     kill: bool = True
     start_timeout: float = 600.0
+    routing: str = "proxy"
+    """MoE equality: "proxy" replays the server's expert choices (recorded by
+    tests/gpu/proxy.py); "free": the dense prefix row by row, the rest under hsq's MoE
+    allowance (tests/gpu/equality.compare_moe), no proxy between worker and server."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveSettings:
@@ -67,6 +71,7 @@ class LiveSettings:
             chunk=_int(e, "CHUNK", 1024, low=1024, high=65536),
             kill=_flag(e, "KILL", True),
             start_timeout=float(_int(e, "START_TIMEOUT", 600, low=30, high=3600)),
+            routing=_choice(e, "ROUTING", "proxy", ("proxy", "free")),
         )
         return s
 
@@ -85,6 +90,7 @@ _KNOWN = {
     "CHUNK",
     "KILL",
     "START_TIMEOUT",
+    "ROUTING",
 }
 
 
@@ -104,6 +110,13 @@ def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int
     if not low <= value <= high:
         raise LiveSettingsError(f"{PREFIX}{name}={value}: expected {low}..{high}")
     return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(PREFIX + name) or default
+    if raw not in choices:
+        raise LiveSettingsError(f"{PREFIX}{name}={raw!r}: expected one of {list(choices)}")
+    return raw
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -7,6 +7,7 @@ figures go to HSQ_LIVE_RESULTS as they are measured (BENCHMARKS.md section 8).""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,30 @@ def test_extract_kill_restart_equal(
         assert a["mixed_pairs"] > 0 and a["mixed_pairs_caught_moe_rule"] == a["mixed_pairs"], a
 
 
+@pytest.mark.parametrize("name", ["deepseek", "kimi"])
+def test_moe_without_routing_replay(
+    name: str,
+    live: LiveSettings,
+    results: Results,
+    models_root: Path,
+    fresh: tuple[Path, Path],
+    redis: RedisServer,
+) -> None:
+    """The MoE check with no proxy between worker and server (what a user's run looks
+    like): the aux layer before the first MoE layer row by row, the rest under hsq's MoE
+    allowance; the planted faults must still fail on every sample, and the audit (each
+    sample again alone) must raise no false alarm and catch every mixed pair."""
+    model = BUILDERS[name](models_root)
+    samples = live.moe_samples
+    fig = _phase(model, replace(live, routing="free"), results, fresh, redis, f"{name}-free",
+                 samples, audit=True)  # fmt: skip
+    assert_phase(fig, samples=samples, moe=True)
+    assert fig["equality"]["routing_replayed"] is False
+    a = fig["audit"]
+    assert a["false_alarms_moe_rule"] == 0, a
+    assert a["mixed_pairs"] > 0 and a["mixed_pairs_caught_moe_rule"] == a["mixed_pairs"], a
+
+
 @pytest.mark.parametrize("name", ["llama", "deepseek"])
 def test_server_fp8_dumps_with_prenorm(
     name: str,
@@ -69,6 +94,7 @@ def test_server_fp8_dumps_with_prenorm(
     input like the other states."""
     model = BUILDERS[name](models_root)
     samples = max(10, live.moe_samples // 2)
+    live = replace(live, routing="free")  # the proxy's replay is the kill test's
     fig = _phase(model, live, results, fresh, redis, f"{name}-fp8-prenorm", samples,
                  fp8_prenorm=True, kill=False)  # fmt: skip
     assert_phase(fig, samples=samples, moe=model.moe)

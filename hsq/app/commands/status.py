@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
+
+if TYPE_CHECKING:
+    from hsq.store import RunListing
 
 
 @dataclass(frozen=True)
@@ -48,20 +51,33 @@ def status(**values: Any) -> None:
     dead_by_reason, workers; with --failed also failed (docs/operations.md).
     """
     from hsq.app.ops import dead_samples, dead_text, dumps_json, run_status, status_text
+    from hsq.errors import ConfigError
     from hsq.runstore import RunStore
-    from hsq.store import list_runs
+    from hsq.store import scan_runs
 
     flags = take(StatusFlags, values)
     client = take(RedisFlags, values).client()
-    runs = [flags.run] if flags.run else list_runs(client)
     if flags.run:
         RunStore(client, flags.run).require_config()  # an unknown run: exit 2, in words
     first = True
     while True:
-        stores = [RunStore(client, r) for r in runs]
-        reports = [run_status(st, recount_first=flags.recount and first) for st in stores]
-        dead = [dead_samples(st) if flags.failed else [] for st in stores]
+        # Every run, listed again each round; one that cannot be read is skipped and
+        # reported, never hides the others (issue 33 D7).
+        listing = None if flags.run else scan_runs(client)
+        runs = listing.runs if listing is not None else [flags.run] if flags.run else []
+        reports, dead = [], []
+        for r in runs:
+            try:
+                st = RunStore(client, r)
+                reports.append(run_status(st, recount_first=flags.recount and first))
+                dead.append(dead_samples(st) if flags.failed else [])
+            except ConfigError as exc:
+                if listing is None:
+                    raise
+                listing.skip(f"run {r!r}: {exc}")
         first = False
+        if listing is not None:
+            report_skipped(listing)
         if flags.json:
             out = "\n".join(
                 dumps_json(
@@ -95,13 +111,29 @@ def runs(**values: Any) -> None:
       hsq runs --redis-url-file /run/secrets/redis_url
     """
     from hsq.app.ops import run_figures
+    from hsq.errors import ConfigError
     from hsq.runstore import RunStore
-    from hsq.store import list_runs
+    from hsq.store import scan_runs
 
     client = take(RedisFlags, values).client()
-    names = list_runs(client)
-    if not names:
-        click.echo("no runs")
-    for name in names:
-        fig = run_figures(RunStore(client, name))
+    listing = scan_runs(client)
+    shown = 0
+    for name in listing.runs:
+        try:
+            fig = run_figures(RunStore(client, name))
+        except ConfigError as exc:  # purged meanwhile, or a config that cannot be read
+            listing.skip(f"run {name!r}: {exc}")
+            continue
         click.echo(f"{name}  done {fig.done}/{fig.total}  dead {fig.dead}")
+        shown += 1
+    if not shown:
+        click.echo("no runs")
+    report_skipped(listing)
+
+
+def report_skipped(listing: RunListing) -> None:
+    """What looked like a run but could not be listed, on stderr (stdout stays parseable)."""
+    for why in listing.skipped:
+        click.echo(f"skipped: {why}", err=True)
+    if listing.skipped_total > len(listing.skipped):
+        click.echo(f"skipped: {listing.skipped_total - len(listing.skipped)} more", err=True)
