@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
 from hsq.app.export.common import (
     ExportReport,
@@ -67,7 +67,7 @@ def _save(dest: Path, rel: str, tensors: dict[str, Any]) -> int:
         with open(fd, "wb", closefd=False) as f:
             sink = _Sink(f)
             try:
-                torch.save(tensors, sink)
+                torch.save(tensors, cast("IO[bytes]", sink))  # write and flush are enough
             except RuntimeError:
                 # torch.save turns a failed write (ENOSPC: "unexpected pos ...") into a
                 # RuntimeError: raise the OSError it hid, so a full disk reads as one.
