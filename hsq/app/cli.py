@@ -27,6 +27,7 @@ from hsq.app.commands import (
     sglang,
     status,
     verify,
+    vllm,
 )
 from hsq.app.exits import EXIT_PROBLEMS, EXIT_REDIS, EXIT_USAGE
 from hsq.app.flags import LogFlags
@@ -49,6 +50,7 @@ for _command in (
     serve.worker,
     serve.exporter,
     sglang.launch_sglang,
+    vllm.launch_vllm,
     produce.tokenize,
     produce.enqueue,
     recover.recover,

@@ -176,9 +176,31 @@ class DumpServer(ManagedProcess):
 
 
 class ReferenceServer(DumpServer):
-    """`hsq serve-reference` as a child process on a free port."""
+    """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
+    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
 
     module = ("hsq", "serve-reference")
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        parent_death_signal: int | None = None,
+        admin: bool = True,
+    ) -> None:
+        extra = ["--admin"] if admin and "--admin" not in args else []
+        super().__init__(
+            dump_dir,
+            log_path,
+            port=port,
+            args=[*extra, *args],
+            env=env,
+            parent_death_signal=parent_death_signal,
+        )
 
 
 class NullServer(DumpServer):
@@ -186,6 +208,13 @@ class NullServer(DumpServer):
     valid dumps of a chosen shape at once, so a worker runs at its own ceiling."""
 
     module = ("hsq.harness.nullserver",)
+
+
+class FakeVllmServer(DumpServer):
+    """The vLLM-shaped server (hsq.harness.fakevllm: completions API, hsq's connector core)
+    as a child process on a free port; args take --model and --layers."""
+
+    module = ("hsq.harness.fakevllm",)
 
 
 class RedisServer(ManagedProcess):

@@ -89,16 +89,16 @@ class ConfigIndex:
     # ------------------------------------------------------------------ the index
     def put_index(self, entries: Iterable[AnyRef], batch: int = 5000) -> int:
         n = 0
-        buf: dict[str, str] = {}
+        buf: list[str] = []  # field, value, field, value...: HSET's arguments as they go
         for sid, e in entries:
-            buf[sid] = e if isinstance(e, str) else e.encode()
-            if len(buf) >= batch:
-                self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
-                n += len(buf)
-                buf = {}
+            buf += (sid, e if isinstance(e, str) else e.encode())
+            if len(buf) >= 2 * batch:
+                self.client.hset(self.keys.index, items=buf)
+                n += len(buf) // 2
+                buf = []
         if buf:
-            self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
-            n += len(buf)
+            self.client.hset(self.keys.index, items=buf)
+            n += len(buf) // 2
         return n
 
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:

@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from hsq.errors import (
+    OUTPUT_READ_ONLY,
     DatasetError,
     DumpDirError,
     DumpError,
@@ -76,6 +77,9 @@ class Pause(enum.Enum):
     SERVER_DOWN = "server_down"
     DATASET_UNAVAILABLE = "dataset_unavailable"
     OUTPUT_UNWRITABLE = "output_unwritable"
+    OUTPUT_READ_ONLY = "output_read_only"
+    """The output filesystem is read-only (e.g. remounted so after an error): hand back,
+    retry until it is writable again."""
     STORE_DOWN = "store_down"
     SERVER_ERRORS = "server_errors"
     DUMP_DIR = "dump_dir_changed"
@@ -137,6 +141,8 @@ def classify(exc: BaseException) -> Failure:
         if 400 <= exc.status_code < 500:
             return Failure(Kind.PERMANENT, "rejected", msg)
         return Failure(Kind.SERVER_FAIL, "server_error", msg, Pause.SERVER_ERRORS)
+    if isinstance(exc, OutputError) and exc.reason == OUTPUT_READ_ONLY:
+        return Failure(Kind.PAUSE, OUTPUT_READ_ONLY, msg, Pause.OUTPUT_READ_ONLY)
     for kind, reason, pause in _PAUSES:
         if isinstance(exc, kind):
             return Failure(Kind.PAUSE, reason, msg, pause)

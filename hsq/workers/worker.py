@@ -41,7 +41,7 @@ from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
 from hsq.workers.claims import Claims
-from hsq.workers.client import ServerClient
+from hsq.workers.client import ServerClient, make_client
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
 from hsq.workers.extract import SendStage
@@ -54,7 +54,7 @@ from hsq.workers.pauses import Pauses
 from hsq.workers.persist import Lease, PersistStage
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
-from hsq.workers.readiness import require_hook
+from hsq.workers.readiness import check_server_kind, require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.runwatch import RunWatch
 from hsq.workers.settings import WorkerSettings
@@ -145,7 +145,11 @@ class Worker:
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         # A server without an active dump hook would time every sample out: refuse at once.
-        require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
+        marker = require_hook(
+            self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
+        )
+        if marker is not None:
+            check_server_kind(marker, self.settings.server_kind)
         self.dispatcher.start()
         self.heartbeat.start()
         log.info(
@@ -376,7 +380,12 @@ def _peak_rss_mb() -> float:
 def run_worker(settings: WorkerSettings) -> int:
     worker_id = new_worker_id(settings.name)
     started = startup(settings, worker_id)
-    client = ServerClient(settings.server, request_timeout=settings.request_timeout_s)
+    client = make_client(
+        settings.server_kind,
+        settings.server,
+        request_timeout=settings.request_timeout_s,
+        model=settings.served_model,
+    )
     worker = Worker(settings, started, client, worker_id)
     if settings.metrics_port is not None:
         worker.metrics.serve(settings.metrics_port, settings.metrics_host)
