@@ -35,7 +35,9 @@ REDIS_URL_HELP = (
 class LogFlags:
     """`hsq`'s own options, before the command."""
 
-    log_level: str = setting("INFO", help="DEBUG, INFO, WARNING or ERROR")
+    log_level: str = setting(
+        "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the least severe level logged"
+    )
     log_format: str = setting(
         "json", choices=("json", "console"), help="one JSON object a line, or text for a console"
     )

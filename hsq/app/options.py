@@ -38,7 +38,7 @@ def _plain_type(hint: Any) -> tuple[Any, bool]:
 
 def _click_type(hint: Any, doc: SettingDoc) -> Any:
     if doc.choices is not None:
-        return click.Choice(doc.choices)
+        return click.Choice(doc.choices, case_sensitive=False)  # --log-level info too
     if hint is Path or (hint is str and doc.path is not None):
         return click.Path(
             exists=doc.exists,

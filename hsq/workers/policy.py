@@ -48,6 +48,10 @@ STORE_DOWN: tuple[type[BaseException], ...] = (StoreUnavailableError,)
 STORE_DOWN_OR_RUN_CHANGED: tuple[type[BaseException], ...] = (*STORE_DOWN, RunChangedError)
 STORE_TROUBLE: tuple[type[BaseException], ...] = (HsqError, *STORE_DOWN)
 
+# The reasons classify gives itself (the others are the exceptions' `reason`): `hsq requeue
+# --reason` accepts them (hsq/app/ops/requeue.py:known_reasons).
+POLICY_REASONS = ("rejected", "server_error", "internal_error")
+
 # Dataset reasons that mean "the file is not there or not readable right now".
 DATASET_TRANSIENT = {"dataset_unreadable"}
 

@@ -128,6 +128,7 @@ class Worker:
             self._stop,
             self.state,
             self.notices,
+            lambda: self.tally.counts["done"],
         )
         self.outcomes = Outcomes(
             self.store,
@@ -369,6 +370,8 @@ class Worker:
             "rss_mb": _peak_rss_mb(),
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
+            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+            **self.pauses.cause(),
             **self.tally.counts,
             **self.audit.counts,
         }

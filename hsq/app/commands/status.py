@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 class StatusFlags:
     run: str | None = setting(None, default_text="every run", help="one run")
     json: bool = setting(False, help="one JSON object per run (stable keys)")
+    failed: bool = setting(
+        False,
+        help="also list each dead sample: id, reason, message (JSON: key `failed`)",
+    )
     watch: bool = setting(False, help="refresh in place until Ctrl-C")
     interval_s: float = setting(2.0, help="seconds between refreshes (--watch)")
     recount: bool = setting(
@@ -41,11 +45,12 @@ def status(**values: Any) -> None:
     Example:
       hsq status --run kimi-v1 --watch
       hsq status --json | jq .done
+      hsq status --run kimi-v1 --failed
     JSON keys: run, total, done, queued, in_progress, retry, dead, missing, invalid_lines,
     tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
-    dead_by_reason, workers (docs/operations.md).
+    dead_by_reason, workers; with --failed also failed (docs/operations.md).
     """
-    from hsq.app.ops import dumps_json, run_status, status_text
+    from hsq.app.ops import dead_samples, dead_text, dumps_json, run_status, status_text
     from hsq.errors import ConfigError
     from hsq.runstore import RunStore
     from hsq.store import scan_runs
@@ -60,12 +65,12 @@ def status(**values: Any) -> None:
         # reported, never hides the others (issue 33 D7).
         listing = None if flags.run else scan_runs(client)
         runs = listing.runs if listing is not None else [flags.run] if flags.run else []
-        reports = []
+        reports, dead = [], []
         for r in runs:
             try:
-                reports.append(
-                    run_status(RunStore(client, r), recount_first=flags.recount and first)
-                )
+                st = RunStore(client, r)
+                reports.append(run_status(st, recount_first=flags.recount and first))
+                dead.append(dead_samples(st) if flags.failed else [])
             except ConfigError as exc:
                 if listing is None:
                     raise
@@ -74,9 +79,18 @@ def status(**values: Any) -> None:
         if listing is not None:
             report_skipped(listing)
         if flags.json:
-            out = "\n".join(dumps_json(r.to_dict()) for r in reports)
+            out = "\n".join(
+                dumps_json(
+                    r.to_dict() | ({"failed": [asdict(d) for d in ds]} if flags.failed else {})
+                )
+                for r, ds in zip(reports, dead, strict=True)
+            )
         else:
-            out = "\n".join("\n".join(status_text(r)) for r in reports) or "no runs"
+            out = "\n".join(
+                "\n".join(status_text(r) + (dead_text(ds) if flags.failed else []))
+                for r, ds in zip(reports, dead, strict=True)
+            )
+            out = out or "no runs"
         if not flags.watch:
             click.echo(out)
             return

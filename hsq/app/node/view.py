@@ -39,7 +39,7 @@ def duration(seconds: float | None) -> str:
 def _cause(w: WorkerStatus) -> str:
     # `hsq status` names causes (server down since T, disk full) where it knows them; the
     # field is optional so this view works with the status of any version.
-    cause = getattr(w, "cause", None)
+    cause = getattr(w, "cause_text", None) or getattr(w, "cause", None)
     return f" ({cause})" if cause else ""
 
 
