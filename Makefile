@@ -28,6 +28,7 @@ demo:
 bench:
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.ceiling --small
+	$(PY) -m bench.scale --preset ci
 
 # Seconds, no figures asserted: CI runs it so the benchmarks cannot rot unnoticed.
 bench-smoke:

@@ -15,12 +15,18 @@ real worker process extracts it to --out-root. Per run (shape x workload x store
              write, fsync (file and directory), mark done in Redis
 
 and, once per invocation, the output disk's best durable rate (bench/disk.py) with the
-ratio of each run's GB/s to it.
+ratio of each run's GB/s to it. Each case runs once per `--procs` value (the worker's
+`--persist-procs`: 0 is one interpreter, persist threads only), side by side; `cpu_s` is
+the worker's CPU time (its persist processes included) beside its wall time.
+
+Store dtypes: bf16, fp8-e4m3 (quantized by the worker) and fp8-server (fp8-e4m3 made by
+the null server, `--dump-encoding fp8-e4m3`, copied by the worker).
 
     .venv/bin/python -m bench.ceiling --small                  # CPU machine (make bench)
     python -m bench.ceiling --out-root /root --dump-root /dev/shm  # H200: see BENCHMARKS.md
 
-Prints a table and one JSON line per run.
+Prints a table and one JSON line per run; `--json-out` writes them with the targets
+(issue 35: >= 400 samples/s short and >= 0.9 of the disk's best on long, bf16).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import statistics
@@ -50,8 +57,13 @@ from hsq.producer.enqueue import enqueue_run
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls
+from hsq.workers.persist_procs import default_procs
 
 WORKLOADS = {"short": (64, 512), "long": (1024, 4096)}
+FP8_SERVER = "fp8-server"
+"""A case's dtype: the run stores fp8-e4m3 that the null server made (not the worker)."""
+TARGET_SHORT_SAMPLES_S = 400.0
+TARGET_LONG_RATIO_TO_DISK = 0.9
 STAGES = (
     "request_ms",
     "wait_ms",
@@ -75,6 +87,7 @@ class Case:
     store_dtype: str
     samples: int
     inflight: int
+    procs: int = 0
 
 
 def _ts(stamp: str) -> float:
@@ -103,13 +116,14 @@ def run_case(
 ) -> dict[str, Any]:
     lo, hi = WORKLOADS[case.workload]
     shape = case.shape.replace(".", "")  # run names hold no dots (kimi-k2.5)
-    run = f"ceil-{shape}-{case.workload}-{case.store_dtype}-{secrets.token_hex(2)}"
+    store_dtype = "fp8-e4m3" if case.store_dtype == FP8_SERVER else case.store_dtype
+    run = f"ceil-{shape}-{case.workload}-{case.store_dtype}-p{case.procs}-{secrets.token_hex(2)}"
     ds = work / f"{run}.jsonl"
     write_synthetic(ds, case.samples, seed=11, min_len=lo, max_len=hi, vocab=32000)
     client = connect(redis_url)
     store = RunStore(client, run)
     out = out_root / run
-    cfg = RunConfig(run=run, dataset=str(ds), out=str(out), store_dtype=case.store_dtype)
+    cfg = RunConfig(run=run, dataset=str(ds), out=str(out), store_dtype=store_dtype)
     enqueue_run(store, cfg, progress=False)
     httpx.post(server.url + "/admin/reset", timeout=10).raise_for_status()
     log = work / f"{run}.log"
@@ -126,6 +140,8 @@ def run_case(
         "--burst",
         "--inflight",
         str(case.inflight),
+        "--persist-procs",
+        str(case.procs),
         *extra,
     )
     if profile is not None:  # py-spy samples the worker: collapsed stacks, one file per run
@@ -135,6 +151,7 @@ def run_case(
         rec += ["--gil"] if os.environ.get("HSQ_PROFILE_GIL") == "1" else []
         argv = [*rec, "-o", str(profile / f"{run}.txt"), "--", *argv]
     c0 = redis_calls(client)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t_spawn = time.time()
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -142,6 +159,8 @@ def run_case(
         )
         rc = proc.wait(3600)
     t_exit = time.time()
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the worker and its persist procs
+    cpu_s = ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
     calls = redis_calls(client) - c0 - 1  # less the INFO of the second look
     info = httpx.get(server.url + "/server_info", timeout=10).json()
     events = _events(log)
@@ -173,6 +192,10 @@ def run_case(
         "samples": case.samples,
         "done": len(done),
         "inflight": case.inflight,
+        "persist_procs": case.procs,
+        "wall_s": round(t_exit - t_spawn, 2),
+        "cpu_s": round(cpu_s, 2),
+        "cpu_ms_per_sample": round(cpu_s * 1e3 / len(done), 2),
         "tok_s": round(tokens / window, 1),
         "samples_s": round(len(steady) / window, 2),
         "gb_s": round(nbytes / window / 1e9, 3),
@@ -188,11 +211,84 @@ def run_case(
     }
 
 
+def run_cases(
+    args: argparse.Namespace, work: Path, dump_root: Path, out_root: Path
+) -> list[dict[str, Any]]:
+    """Every case, each with every --procs value; one null server per shape and encoding."""
+    shapes = [s for s in args.shapes.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    extra = list(args.worker_arg)
+    if args.persist_threads:
+        extra += ["--persist-threads", str(args.persist_threads)]
+    procs_list = [int(p) for p in args.procs.split(",") if p]
+    redis_srv = RedisServer(work / "redis", password=secrets.token_hex(8)).wait_ready()
+    rows: list[dict[str, Any]] = []
+    threads = args.persist_threads
+    # One server per shape and dump encoding: plain (bf16, fp8 by the worker), fp8 made there.
+    groups = [
+        (enc, [d for d in dtypes if (d == FP8_SERVER) == (enc == "fp8-e4m3")])
+        for enc in ("plain", "fp8-e4m3")
+    ]
+    try:
+        for shape in shapes:
+            max_tokens = max(hi for w, (_lo, hi) in WORKLOADS.items() if w in workloads)
+            for enc, enc_dtypes in groups:
+                if not enc_dtypes:
+                    continue
+                server = NullServer(
+                    dump_root / f"d-{shape}-{enc}",
+                    work / f"server-{shape}-{enc}.log",
+                    args=[
+                        "--shape",
+                        shape,
+                        "--max-tokens",
+                        str(max_tokens),
+                        "--dump-encoding",
+                        enc,
+                    ],
+                )
+                try:
+                    server.wait_ready(timeout=300)
+                    for wl in workloads:
+                        for dtype in enc_dtypes:
+                            for nprocs in procs_list:
+                                n = args.short_samples if wl == "short" else args.long_samples
+                                k = args.short_inflight if wl == "short" else args.long_inflight
+                                case = Case(shape, wl, dtype, n, k, nprocs)
+                                res = run_case(
+                                    case, server, redis_srv.url, work, out_root, extra, args.profile
+                                )
+                                res["persist_threads"] = threads or "default"
+                                rows.append(res)
+                                print(json.dumps(res), flush=True)
+                                if args.json_out is not None:  # a killed run keeps its rows
+                                    args.json_out.write_text(
+                                        json.dumps({"partial": True, "rows": rows}, indent=1)
+                                    )
+                finally:
+                    server.stop()
+    finally:
+        redis_srv.stop()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8b,kimi-k2.5", help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--workloads", default="short,long", help="short (64-512), long (1024-4096)")
-    ap.add_argument("--dtypes", default="bf16,fp8-e4m3", help="store dtypes")
+    ap.add_argument(
+        "--dtypes",
+        default=f"bf16,fp8-e4m3,{FP8_SERVER}",
+        help="store dtypes (fp8-server: made by the server)",
+    )
+    ap.add_argument(
+        "--procs",
+        default=f"0,{max(2, default_procs())}",
+        help="--persist-procs values to run each case with, side by side [default: 0 and the "
+        "worker's default on this machine, at least 2]",
+    )
+    ap.add_argument("--json-out", type=Path, default=None, help="write rows and targets here")
     ap.add_argument("--short-samples", type=int, default=800)
     ap.add_argument("--long-samples", type=int, default=200)
     ap.add_argument("--short-inflight", type=int, default=16)
@@ -225,43 +321,10 @@ def main() -> None:
         args.disk_mb = min(args.disk_mb, 256)
     if args.smoke:
         args.shapes, args.short_samples, args.long_samples, args.disk_mb = "tiny", 12, 6, 0
-    shapes = [s for s in args.shapes.split(",") if s]
-    workloads = [w for w in args.workloads.split(",") if w]
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    extra = list(args.worker_arg)
-    if args.persist_threads:
-        extra += ["--persist-threads", str(args.persist_threads)]
     work = Path(tempfile.mkdtemp(prefix="hsq-ceiling-"))
     dump_root = Path(tempfile.mkdtemp(prefix="hsq-ceiling-dumps-", dir=args.dump_root))
     out_root = Path(tempfile.mkdtemp(prefix="hsq-ceiling-out-", dir=args.out_root))
-    redis_srv = RedisServer(work / "redis", password=secrets.token_hex(8)).wait_ready()
-    rows: list[dict[str, Any]] = []
-    threads = args.persist_threads
-    try:
-        for shape in shapes:
-            max_tokens = max(hi for w, (_lo, hi) in WORKLOADS.items() if w in workloads)
-            server = NullServer(
-                dump_root / f"d-{shape}",
-                work / f"server-{shape}.log",
-                args=["--shape", shape, "--max-tokens", str(max_tokens)],
-            )
-            try:
-                server.wait_ready(timeout=300)
-                for wl in workloads:
-                    for dtype in dtypes:
-                        n = args.short_samples if wl == "short" else args.long_samples
-                        k = args.short_inflight if wl == "short" else args.long_inflight
-                        case = Case(shape, wl, dtype, n, k)
-                        res = run_case(
-                            case, server, redis_srv.url, work, out_root, extra, args.profile
-                        )
-                        res["persist_threads"] = threads or "default"
-                        rows.append(res)
-                        print(json.dumps(res), flush=True)
-            finally:
-                server.stop()
-    finally:
-        redis_srv.stop()
+    rows = run_cases(args, work, dump_root, out_root)
     disk: dict[str, Any] = {}
     if args.disk_mb > 0:
         disk = probe(out_root / "bw", args.disk_mb)
@@ -273,31 +336,94 @@ def main() -> None:
         "disk_best_gb_s": round(best, 3) if best else None,
         "disk_best_design": disk.get("best"),
     }
+    print_table(rows, disk, stamp, best)
+    verdicts = targets(rows)
+    for v in verdicts:
+        print(f"  target {v['what']}: {v['value']} (target {v['target']}) {v['verdict']}")
+    shutil.rmtree(out_root, ignore_errors=True)
+    shutil.rmtree(dump_root, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    for r in rows:
+        print(json.dumps(r))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps({**stamp, "rows": rows, "targets": verdicts}, indent=1))
+
+
+def print_table(
+    rows: list[dict[str, Any]], disk: dict[str, Any], stamp: dict[str, Any], best: float
+) -> None:
     print(f"\nhsq ceiling (null-model server, one worker): {stamp['machine']}")
     if disk:
         print("  disk, durable GB/s:", ", ".join(f"{k} {v}" for k, v in disk["gb_s"].items()))
     print(
-        f"  {'shape':<10} {'workload':<10} {'dtype':<9} {'tok/s':>9} {'samples/s':>9} "
-        f"{'GB/s':>6} {'/disk':>6} {'start s':>7} {'exit s':>6} {'Redis/s.':>8} {'RSS MB':>7}"
+        f"  {'shape':<10} {'workload':<10} {'dtype':<10} {'procs':>5} {'tok/s':>10} "
+        f"{'samples/s':>9} "
+        f"{'GB/s':>6} {'/disk':>6} {'cpu s':>6} {'wall s':>6} {'start s':>7} {'exit s':>6} "
+        f"{'Redis/s.':>8} {'RSS MB':>7}"
     )
     for r in rows:
         r.update(stamp)
         r["ratio_to_disk"] = round(r["gb_s"] / best, 3) if best else None
         print(
-            f"  {r['shape']:<10} {r['workload']:<10} {r['store_dtype']:<9} {r['tok_s']:>9,.0f} "
-            f"{r['samples_s']:>9.1f} {r['gb_s']:>6.3f} {r['ratio_to_disk'] or 0:>6.3f} "
+            f"  {r['shape']:<10} {r['workload']:<10} {r['store_dtype']:<10} "
+            f"{r['persist_procs']:>5} "
+            f"{r['tok_s']:>10,.0f} {r['samples_s']:>9.1f} {r['gb_s']:>6.3f} "
+            f"{r['ratio_to_disk'] or 0:>6.3f} {r['cpu_s']:>6.1f} {r['wall_s']:>6.1f} "
             f"{r['startup_s'] or 0:>7.2f} {r['exit_s']:>6.2f} "
             f"{r['redis_cmds_per_sample']:>8.2f} {r['worker_peak_rss_mb'] or 0:>7.0f}"
         )
     print("  stage medians, ms per sample:")
     for r in rows:
         st = ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in r["stage_median_ms"].items())
-        print(f"    {r['shape']} {r['workload']} {r['store_dtype']}: {st}")
-    shutil.rmtree(out_root, ignore_errors=True)
-    shutil.rmtree(dump_root, ignore_errors=True)
-    shutil.rmtree(work, ignore_errors=True)
-    for r in rows:
-        print(json.dumps(r))
+        print(f"    {r['shape']} {r['workload']} {r['store_dtype']} p{r['persist_procs']}: {st}")
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 35's worker-ceiling targets, per shape and --persist-procs, beside the figures."""
+    out: list[dict[str, Any]] = []
+
+    def find(shape: str, wl: str, dtype: str, procs: int) -> dict[str, Any] | None:
+        lo, hi = WORKLOADS[wl]
+        for r in rows:
+            key = (r["shape"], r["workload"], r["store_dtype"], r["persist_procs"])
+            if key == (shape, f"{lo}-{hi}", dtype, procs):
+                return r
+        return None
+
+    def add(what: str, value: float | None, target: float) -> None:
+        if value is not None:
+            verdict = "met" if value >= target else "MISSED"
+            out.append(
+                {"what": what, "value": value, "target": f">= {target:g}", "verdict": verdict}
+            )
+
+    for shape, procs in sorted({(r["shape"], r["persist_procs"]) for r in rows}):
+        tag = f"{shape} procs={procs}"
+        short = find(shape, "short", "bf16", procs)
+        long_ = find(shape, "long", "bf16", procs)
+        add(
+            f"{tag} short bf16 samples/s",
+            None if short is None else float(short["samples_s"]),
+            TARGET_SHORT_SAMPLES_S,
+        )
+        add(
+            f"{tag} long bf16 GB/s / disk best",
+            None
+            if long_ is None or long_["ratio_to_disk"] is None
+            else float(long_["ratio_to_disk"]),
+            TARGET_LONG_RATIO_TO_DISK,
+        )
+        for wl in WORKLOADS:
+            base = find(shape, wl, "bf16", procs)
+            for dtype in ("fp8-e4m3", FP8_SERVER):
+                r = find(shape, wl, dtype, procs)
+                if base and r:
+                    add(
+                        f"{tag} {wl} {dtype} tok/s / bf16 tok/s",
+                        round(r["tok_s"] / base["tok_s"], 3),
+                        1.0,
+                    )
+    return out
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ dashboard's queries return from Prometheus. `--inflight K` goes to the workers w
 
     python -m bench.node --model llama-8b --samples-per-gpu 60 --out-root /root \\
         --prometheus .prom/prometheus
+
+`python -m bench.node --null ...` is the node with null-model servers instead
+(bench/null_node.py: N servers and N workers on one host, one output disk, no GPU).
 """
 
 from __future__ import annotations
@@ -179,6 +182,13 @@ def dashboard_values(prom: str) -> list[str]:
 
 
 def main() -> None:
+    import sys
+
+    if "--null" in sys.argv[1:]:  # the null-model node: no GPU, no torch model
+        from bench.null_node import main as null_main
+
+        null_main(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())

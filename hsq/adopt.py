@@ -24,6 +24,7 @@ from hsq.errors import ConfigError, HsqError
 from hsq.outputs.check import check_output, file_checksum
 from hsq.outputs.format import SUFFIX, output_relpath
 from hsq.outputs.manifest import ManifestEntry
+from hsq.states import DUMP_DTYPES, PRENORM_TENSOR
 
 
 def detect_store_dtype(out_root: Path) -> str | None:
@@ -38,8 +39,6 @@ def detect_store_dtype(out_root: Path) -> str | None:
 def detect_prenorm(out_root: Path) -> bool | None:
     """Whether most output files under out_root store the pre-norm state; None without
     files, a ConfigError on a tie (`--prenorm` decides)."""
-    from hsq.states import PRENORM_TENSOR
-
     found = _majority(
         out_root, lambda h: "yes" if PRENORM_TENSOR in h.tensors else "no", "--prenorm"
     )
@@ -87,6 +86,23 @@ def file_identity(path: Path) -> tuple[str, list[int]] | None:
     return model, layers
 
 
+def file_states(path: Path) -> tuple[str, int] | None:
+    """(dtype, hidden size) of the states an output file stores as computed: the dtype by
+    torch's name, as the worker pins it (RunConfig.dump_dtype). None for an fp8-e4m3 file,
+    which no longer says what its states were computed in, or one that does not say."""
+    from hsq.outputs.format import read_header
+    from hsq.states import LAST_TENSOR
+    from hsq.stfile.header import DTYPE_NAMES
+
+    info = read_header(path).tensors.get(LAST_TENSOR)
+    if info is None or len(info.shape) != 2:
+        return None
+    name = DTYPE_NAMES.get(info.dtype)
+    if name is None or name not in DUMP_DTYPES:
+        return None
+    return name, info.shape[1]
+
+
 def placement_problem(out_root: Path, rel: str) -> str:
     """Why out_root/rel is not a file hsq itself would have written there ("" if it is):
     lstat, never followed, so a symlink to a valid copy elsewhere is refused."""
@@ -127,11 +143,18 @@ def adopt_output(
         return None, where
     try:
         size = path.stat().st_size
-        meta = read_header(path).metadata
+        header = read_header(path)
     except FileNotFoundError:
         return None, "missing"
     except (OSError, ValueError) as exc:
         return None, f"unreadable header: {exc}"
+    meta = header.metadata
+    if (PRENORM_TENSOR in header.tensors) != prenorm:  # a run keeps one layout (D8)
+        return None, (
+            f"no pre-norm state ({PRENORM_TENSOR}), which the run stores"
+            if prenorm
+            else f"holds the pre-norm state ({PRENORM_TENSOR}), which the run does not store"
+        )
     n = len(sample.input_ids)
     wanted = {
         "sample_id": sample.id,

@@ -86,6 +86,16 @@ def id_text(raw: Any) -> str:
     return repr(raw) if isinstance(raw, str) else str(raw)
 
 
+def duplicate_id_error(sid: str, form: str, first_line: int, first_form: str) -> DatasetError:
+    """The one message for an id met again (both scans): it names both spellings (id_text),
+    since `1` and `"1"` are one id (docs/queue.md)."""
+    return DatasetError(
+        f"duplicate id {sid!r}: this line's id {form} and line {first_line}'s id {first_form} "
+        f"are the same id (ids are compared as text); the sample of line {first_line} is kept",
+        "duplicate_id",
+    )
+
+
 def parse_line(line: bytes, max_tokens: int | None = None) -> Sample:
     obj = load_row(line)
     if not isinstance(obj, dict):
@@ -141,12 +151,7 @@ def scan_dataset(path: Path, max_tokens: int | None = None) -> Iterator[ScannedL
                 continue
             if sample.id in seen:
                 first, form = seen[sample.id]
-                err = DatasetError(
-                    f"duplicate id {sample.id!r}: this line's id {sample.id_text} and line "
-                    f"{first}'s id {form} are the same id (ids are compared as text); the "
-                    f"sample of line {first} is kept",
-                    "duplicate_id",
-                )
+                err = duplicate_id_error(sample.id, sample.id_text, first, form)
                 yield ScannedLine(line_no, None, None, err)
                 continue
             seen[sample.id] = (line_no, sample.id_text)

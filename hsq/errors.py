@@ -31,6 +31,8 @@ letter and metrics labels.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HsqError(Exception):
     """Root of every error hsq raises deliberately."""
@@ -45,6 +47,9 @@ class DatasetError(HsqError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps `reason` through a process pool
+        return (type(self), (str(self),), {"reason": self.reason})
+
 
 class StoreError(HsqError):
     """Redis is unreachable (or answers errors); not the sample's fault."""
@@ -58,8 +63,28 @@ class RunChangedError(StoreError):
     """The run was purged or re-created since this process read its config (generation changed)."""
 
 
+OUTPUT_READ_ONLY = "output_read_only"
+
+
 class OutputError(HsqError):
-    """Writing an output failed (e.g. ENOSPC); the sample is handed back, not failed."""
+    """Writing an output failed (e.g. ENOSPC); the sample is handed back, not failed.
+    `reason` names the cause where it is known (``output_read_only``: the filesystem is
+    read-only, e.g. remounted so after an error); ``output_unwritable`` otherwise."""
+
+    def __init__(self, message: str, *, reason: str = "output_unwritable") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps `reason` through a process pool
+        return (type(self), (str(self),), {"reason": self.reason})
+
+
+class PersistProcessError(HsqError):
+    """A persist process (hsq/workers/persist_procs.py) died with a sample in hand (killed,
+    out of memory): not the sample's fault. Retried without using an attempt; a sample
+    that kills its process --max-server-crashes times is dead-lettered with this reason."""
+
+    reason = "persist_process_died"
 
 
 class DumpDirError(HsqError):

@@ -8,6 +8,7 @@ written once, and a fault in it is fixed once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from hsq.errors import CorruptDumpError, OutputError
+from hsq.errors import OUTPUT_READ_ONLY, CorruptDumpError, OutputError
 
 T = TypeVar("T")
 
@@ -180,9 +181,17 @@ def write_atomically(
             stats["fsync_s"] = stats.get("fsync_s", 0.0) + t1 - t0 + time.perf_counter() - t2
             stats["check_s"] = stats.get("check_s", 0.0) + t2 - t1
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)  # never in place of the error that got us here
         raise
     return result
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a failed write's temp, best effort: on a filesystem gone read-only the
+    unlink itself raises EROFS, which must not replace the write's own error (the temp
+    stays; the next write of that sample removes it once this process is gone)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 def write_durably(
@@ -193,16 +202,26 @@ def write_durably(
     before_rename: Callable[[], None] | None = None,
 ) -> T:
     """write_atomically for the files a run produces (outputs, exports): the directory is
-    made if missing, a disk that refuses (full, read-only, ...) is an OutputError, and the
-    temps that killed writers left of `path` are removed afterwards (sweep_dead_temps)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    made if missing, a disk that refuses (full, read-only, ...) is an OutputError (making
+    the directory too: a new shard's mkdir is the first write to fail on a filesystem
+    remounted read-only), and the temps that killed writers left of `path` are removed
+    afterwards (sweep_dead_temps)."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         result = write_atomically(path, fill, stats=stats, before_rename=before_rename)
     except OSError as exc:
-        what = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
-        raise OutputError(f"cannot write {path}: {what}") from exc
+        raise output_error(f"cannot write {path}", exc) from exc
     sweep_dead_temps(path)
     return result
+
+
+def output_error(what: str, exc: OSError) -> OutputError:
+    """The OutputError for a filesystem that refused a write, named by its cause: a full
+    disk, a read-only filesystem (reason ``output_read_only``), or the OS's words."""
+    if exc.errno == errno.EROFS:
+        return OutputError(f"{what}: read-only file system", reason=OUTPUT_READ_ONLY)
+    cause = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+    return OutputError(f"{what}: {cause}")
 
 
 def sweep_dead_temps(path: Path) -> None:

@@ -2,10 +2,11 @@
 
 Per run R (a name matching RUN_NAME_RE):
 
-    hsq:runs                      SET   names of all runs
     hsq:run:R:config              HASH  the run's config (dataset, out, layers, model, ...)
                                         and its `generation`: a random token made when the
-                                        run is created; every write of a worker is fenced on it
+                                        run is created; every write of a worker is fenced on
+                                        it. Its existence is the run's: the list of runs is
+                                        these keys, found by SCAN (RUN_CONFIG_GLOB)
     hsq:run:R:enqueue-lock        STRING holder of the running `hsq enqueue`/`recover` (expires)
     hsq:run:R:reaper              STRING the worker reaping dead workers' jobs now (expires, 1 s)
     hsq:run:R:index               HASH  sample id -> "offset:length:crc32:num_tokens" (dataset)
@@ -30,16 +31,29 @@ Per run R (a name matching RUN_NAME_RE):
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
     rq:job:hsq-R-<16 hex>-n<count> HASH RQ job (JSON serializer): the chunk's samples; the
                                         id carries the job's sample count (counters)
-    rq:queues                     SET   RQ's registry of queue keys (RQ adds ours to it)
+    hsq:run:R:rq-queues           SET   where RQ's enqueue adds the run's queue keys (RQ
+                                        writes its registry on every enqueue; ours is per run)
+    rq:queues                     SET   RQ's registry of queue keys, which `rq info` reads:
+                                        hsq adds the run's two queues where its user may write
+                                        it (an admin or the shared user), never a run's user
+
+No key is shared between runs' users (issue 33 D6): a run's user can neither remove nor
+forge another run's entry in a listing, since the listing is each run's own config key.
+`hsq:runs`, the set of run names hsq 0.2.0 kept, is no longer read or written.
 
 Everything a queue may lose is recoverable: the dataset index minus `done`, `dead`, the
 queues and the wip lists is exactly what `requeue --missing` puts back.
 
 Per-run isolation: every key of run R matches one of `RunKeys(R).acl_key_patterns()` and no
-key of another run does (run names hold no `:`, a job id's random part has a fixed length,
-and a run name may not end in `-retry`, which would make its main queue another run's retry
-queue). `RunKeys.acl_user` turns them into a Redis ACL user that can do run R's work and
-cannot read, write or list another run's keys (docs/operations.md).
+key of another legal run does. Run names hold no `:`, so `hsq:run:R:*` is R's alone; a run
+name may not end in `-retry`, which would make its main queue another run's retry queue; and
+the job patterns have no `*`: one exact-length pattern per width of the sample count
+(`rq:job:hsq-R-` + 16 hex + `-n` + 1..9 digits). A key matching one is `hsq-R-T-nN` with T
+and N of fixed form, and since N is the id's whole trailing run of digits and T the 16
+characters before `-n`, the name left in front is R itself (issue 33 D5: with `-n*` run
+`qa` matched the jobs of run `qa-0123456789abcdef-nightly`). `RunKeys.acl_user` turns
+them into a Redis ACL user that can do run R's work and cannot read, write or list another
+run's keys (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -48,7 +62,11 @@ import re
 from dataclasses import dataclass
 
 RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-RUNS = "hsq:runs"
+RUN_PREFIX = "hsq:run:"
+CONFIG_SUFFIX = ":config"
+RUN_CONFIG_GLOB = RUN_PREFIX + "*" + CONFIG_SUFFIX
+"""SCAN pattern of every run's config key; a match that is not `hsq:run:<legal name>:config`
+(a run's user may make `hsq:run:R:x:config`) is not a run (run_of_config_key)."""
 RQ_QUEUE_PREFIX = "rq:queue:"
 RQ_JOB_PREFIX = "rq:job:"
 RQ_QUEUES = "rq:queues"
@@ -59,6 +77,8 @@ HEARTBEAT_TTL_S = 10
 beats well within it (hsq.workers.settings checks its interval)."""
 JOB_TOKEN_HEX = 16
 """Hex digits of a job id's random part: fixed, so a run's job-key pattern is exact."""
+JOB_COUNT_DIGITS = 9
+"""A job id's sample count is 1..999999999: at most this many digits."""
 ACL_COMMANDS = (
     "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
     "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
@@ -66,6 +86,18 @@ ACL_COMMANDS = (
 )
 """What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
 the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""
+
+
+def run_of_config_key(key: str) -> str:
+    """The run whose config key this is; ValueError, in words, if it is not one."""
+    name = key.removeprefix(RUN_PREFIX).removesuffix(CONFIG_SUFFIX)
+    if not (key.startswith(RUN_PREFIX) and key.endswith(CONFIG_SUFFIX)):
+        raise ValueError(f"{key[:120]!r} is not a run's config key")
+    try:
+        RunKeys(name)
+    except ValueError as exc:
+        raise ValueError(f"{key[:120]!r} is not a run's config key: {exc}") from None
+    return name
 
 
 def rq_queue_key(queue_name: str) -> str:
@@ -93,11 +125,16 @@ class RunKeys:
 
     @property
     def _prefix(self) -> str:
-        return f"hsq:run:{self.run}:"
+        return f"{RUN_PREFIX}{self.run}:"
 
     @property
     def config(self) -> str:
-        return self._prefix + "config"
+        return RUN_PREFIX + self.run + CONFIG_SUFFIX
+
+    @property
+    def rq_registry(self) -> str:
+        """The set RQ's enqueue adds this run's queue keys to (instead of `rq:queues`)."""
+        return self._prefix + "rq-queues"
 
     @property
     def index(self) -> str:
@@ -159,31 +196,28 @@ class RunKeys:
         (the count the store's scripts keep counters with)."""
         if len(token) != JOB_TOKEN_HEX or any(c not in "0123456789abcdef" for c in token):
             raise ValueError(f"a job token is {JOB_TOKEN_HEX} lowercase hex digits")
-        if not 0 < samples < 10**9:
+        if not 0 < samples < 10**JOB_COUNT_DIGITS:
             raise ValueError(f"a job holds 1..999999999 samples, not {samples}")
         return f"hsq-{self.run}-{token}-n{samples}"
 
     def acl_key_patterns(self) -> list[str]:
         """Redis ACL key patterns matching every key of this run and no other run's."""
-        # The fixed-length hex token cannot be followed by another run's name: a longer
-        # run name sharing this prefix puts a `-` where the pattern wants a hex digit.
-        job = rq_job_key(f"hsq-{self.run}-" + "[0-9a-f]" * JOB_TOKEN_HEX + "-n*")
+        # No `*` in a job pattern (module docstring): a trailing one let a longer run name
+        # that carries a token and `-n` (`qa-<16 hex>-nightly`) match run `qa`'s pattern.
+        job = rq_job_key(f"hsq-{self.run}-" + "[0-9a-f]" * JOB_TOKEN_HEX + "-n")
+        jobs = [job + "[0-9]" * width for width in range(1, JOB_COUNT_DIGITS + 1)]
         queues = [rq_queue_key(self.main_queue), rq_queue_key(self.retry_queue)]
-        return [self._prefix + "*", *queues, job]
+        return [self._prefix + "*", *queues, *jobs]
 
     def acl_user(self, user: str | None = None, password: str = "<PASSWORD>") -> str:
         """A Redis ACL user (an ACL file or redis.conf line) that can do this run's work
         (enqueue, workers, status/requeue/verify/recover/audit/purge of this run) and cannot
-        read, write or list another run's keys. The shared sets of run and queue names may
-        only be added to and removed from (SADD/SREM, also from a script), not read."""
+        read, write or list another run's keys, nor touch a shared key (no `rq:queues`:
+        RQ's enqueue writes the run's own registry, `rq_registry`)."""
         name = user or f"hsq-{self.run}"
         keys = " ".join("~" + k for k in self.acl_key_patterns())
-        # A selector: the shared sets with SADD/SREM only, and EVALSHA for the script that
-        # creates the run (it declares the run's config and hsq:runs: one selector must
-        # allow all of a command's keys). Commands inside a script are checked one by one.
-        shared = f"(~{self._prefix}* ~{RUNS} ~{RQ_QUEUES} +sadd +srem +evalsha)"
         perms = f"resetkeys resetchannels -@all {ACL_COMMANDS}"
-        return f"user {name} on >{password} {perms} {keys} {shared}"
+        return f"user {name} on >{password} {perms} {keys}"
 
     def all_static(self) -> list[str]:
         """Keys `purge` deletes besides wip/worker keys and job hashes."""
@@ -199,6 +233,7 @@ class RunKeys:
             self.workers,
             self.enqueue_lock,
             self.reaper,
+            self.rq_registry,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

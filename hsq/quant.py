@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hsq.errors import NonFiniteDumpError, OutputError
+from hsq.errors import CorruptDumpError, NonFiniteDumpError, OutputError
 from hsq.states import (
     AUX_TENSOR,
     BF16,
@@ -117,31 +117,53 @@ def quantized_problems(q: torch.Tensor, scale: torch.Tensor) -> list[str]:
     """Deep checks of one stored fp8 tensor against its scales (empty list: fine).
 
     Beyond the checksum, this catches a scale tensor that was written wrong: scales must be
-    finite and >= 0, a zero scale must go with an all-zero row, and a row with a scale must
-    reach +-448 (the quantizer maps each row's absmax there)."""
+    finite and >= 0, a zero scale must go with an all-zero row, a row with a scale must
+    reach +-448 (the quantizer maps each row's absmax there), and scale * 448 must be
+    finite (else the values read back as Inf). `verify --deep` reports these; the worker
+    refuses a server-made fp8 dump by the same rules (check_quantized). Pure: tensors in,
+    text out, so any process (a pool's too) can run it."""
+    return [text for _, text in _problems(q, scale)]
+
+
+def check_quantized(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """quantized_problems as a dump's error: NonFiniteDumpError where a value or its
+    dequantization is not finite, CorruptDumpError for the other rules."""
+    found = _problems(q, scale)
+    if not found:
+        return
+    text = f"{name}: " + "; ".join(t for _, t in found)
+    if any(nonfinite for nonfinite, _ in found):
+        raise NonFiniteDumpError(text)
+    raise CorruptDumpError(text)
+
+
+def _problems(q: torch.Tensor, scale: torch.Tensor) -> list[tuple[bool, str]]:
+    """(is it about NaN/Inf, what) for every rule a stored fp8 tensor breaks."""
     import torch
 
     if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
-        return [f"dtypes {q.dtype}/{scale.dtype}, expected float8_e4m3fn/float32"]
+        return [(False, f"dtypes {q.dtype}/{scale.dtype}, expected float8_e4m3fn/float32")]
     t, d = q.shape
     if scale.dim() != 2 or scale.shape[0] != t or scale.shape[1] < 1 or d % scale.shape[1]:
-        return [f"scale shape {list(scale.shape)} does not fit {list(q.shape)}"]
-    problems = []
+        return [(False, f"scale shape {list(scale.shape)} does not fit {list(q.shape)}")]
+    problems: list[tuple[bool, str]] = []
     if not bool(torch.isfinite(scale).all()):
-        problems.append("scale holds NaN or Inf")
+        problems.append((True, "scale holds NaN or Inf"))
     elif bool((scale < 0).any()):
-        problems.append("scale holds negative values")
+        problems.append((False, "scale holds negative values"))
+    elif not bool(torch.isfinite(scale * FP8_MAX).all()):
+        problems.append((True, "scale * 448 overflows float32: the values read back as Inf"))
     bits = q.view(torch.uint8)
     if bool(((bits & 0x7F) == 0x7F).any()):  # e4m3fn's only non-finite encodings
-        return [*problems, "values hold NaN"]
+        return [*problems, (True, "values hold NaN")]
     if problems:
         return problems
     g = scale.shape[1]
     rowmax = q.reshape(t, g, d // g).float().abs().amax(dim=-1)
     if bool(((scale == 0) & (rowmax != 0)).any()):
-        problems.append("a zero scale on a row that is not all zero")
+        problems.append((False, "a zero scale on a row that is not all zero"))
     if bool(((scale > _EXACT_MAX_MIN_SCALE) & (rowmax != FP8_MAX)).any()):
-        problems.append("a row's largest value is not +-448: scale and values disagree")
+        problems.append((False, "a row's largest value is not +-448: scale and values disagree"))
     return problems
 
 

@@ -11,7 +11,9 @@ holds for any password, encoded or not.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
@@ -100,10 +102,21 @@ def scrub(text: str, url: str) -> str:
 
 
 def read_url_file(path: Path) -> str:
-    """The Redis URL from a file (a Docker secret, a mode-600 file): its first non-blank
-    line. Errors never quote the file's content."""
+    """The Redis URL from a file (a mode-600 file, a Docker or Kubernetes secret mounted
+    with mode 0400): its first non-blank line. Errors never quote the file's content.
+
+    A file that its group or other users may read or write is refused, as ssh refuses such
+    a private key (issue 33 D15): the URL carries the Redis password, and a warning scrolls
+    by in a job's log while every local user keeps reading the password."""
     try:
         with open(path, "rb") as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # the file opened, not the name
+            if mode & 0o077:
+                raise ConfigError(
+                    f"--redis-url-file {path} has mode {mode:04o}: other users may read or "
+                    f"change it, and it holds the Redis password; `chmod 600 {path}` (a "
+                    "Docker or Kubernetes secret: mount it with mode 0400)"
+                )
             data = f.read(MAX_URL_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read --redis-url-file {path}: {exc.strerror}") from None

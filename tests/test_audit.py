@@ -188,11 +188,12 @@ def test_a_worker_auditing_continuously_dead_letters_exactly_the_mixed_samples(
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e4m3"])
 def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str) -> None:
     """The bound in numbers: batched-forward noise (1e-3 relative, far above CPU fp32's)
-    passes in both storage formats; another token's states fail."""
+    passes in both storage formats; another token's states fail. (Every encoding pair and
+    the pre-norm state: tests/test_audit_encodings.py.)"""
     from types import SimpleNamespace
 
     from hsq import quant
-    from hsq.closeness import compare_states
+    from hsq.closeness import States, compare_states
 
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(16, 3 * 64, generator=gen)
@@ -209,14 +210,17 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
             last_hidden_state=b.to(torch.bfloat16),
         )
 
+    def fresh(a: torch.Tensor, b: torch.Tensor) -> States:
+        return States({"aux_hidden_states": a, "last_hidden_state": b}, "plain")
+
     ids = list(range(16))
     kept = stored(aux, last)
-    noisy = (aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
-    assert compare_states(kept, ids, *noisy).ok
-    swapped = (aux.roll(1, dims=0), last)  # token i holds token i-1's states
-    verdict = compare_states(kept, ids, *swapped)
+    noisy = fresh(aux * (1 + 1e-3 * torch.randn(aux.shape, generator=gen)), last)
+    assert compare_states(kept, ids, noisy).ok
+    swapped = fresh(aux.roll(1, dims=0), last)  # token i holds token i-1's states
+    verdict = compare_states(kept, ids, swapped)
     assert not verdict.ok and "aux_hidden_states" in verdict.detail
-    assert not compare_states(kept, [*ids[:-1], 99], aux, last).ok
+    assert not compare_states(kept, [*ids[:-1], 99], fresh(aux, last)).ok
 
 
 # ---------------------------------------------------------------------------- expectations
@@ -278,3 +282,34 @@ def test_the_audit_checks_each_dump_as_the_worker_does(
     assert "do not fit the run" in text, text
     assert ("pre-norm final state" if prenorm else "quantized this dump to fp8-e4m3") in text
     assert st.count(st.keys.done) == 4  # nothing requeued, no output removed
+
+
+def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_message(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 33 D12: against a closed port the audit waited for a hook marker for 30
+    minutes (`waiting_for_hook`, timeout_s 1800). Now: exit 2 naming the server, and
+    nothing of the run changes. (The subprocess limit is only a guard: the audit's own
+    bound is its --request-timeout.)"""
+    from hsq.harness.procs import free_port
+
+    run = "unreach"
+    srv = HostileServer(tmp_path / "dumps")
+    try:
+        ds = tmp_path / "data.jsonl"
+        write_synthetic(ds, 3, seed=43, min_len=4, max_len=12)
+        enqueue(ds, run, tmp_path / "out", redis_url)
+        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        assert w.proc.wait(120) == 0, w.log_tail()
+    finally:
+        srv.stop()
+    st = store(redis_url, run)
+    assert st.count(st.keys.done) == 3
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
+              "--server", closed, "--dump-dir", str(tmp_path / "audit-dumps"),
+              "--request-timeout", "30", "--requeue", "--no-progress", timeout=110)  # fmt: skip
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, text
+    assert f"the audit server {closed} cannot be reached" in text, text
+    assert st.count(st.keys.done) == 3

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from hsq import quant  # noqa: E402
 from hsq.audit_moe import MAX_DEVIATING_ROW_FRACTION, allowance, routes_tokens  # noqa: E402
-from hsq.closeness import compare_states  # noqa: E402
+from hsq.closeness import States, compare_states, dump_states  # noqa: E402
 from hsq.dump.find import remove_dump, scan_by_rid  # noqa: E402
 from hsq.dump.format import fingerprint  # noqa: E402
 from hsq.dump.read import Expected, read_dump  # noqa: E402
@@ -39,6 +39,10 @@ def _stored(aux: Any, last: Any, t: int) -> SimpleNamespace:
     return SimpleNamespace(input_ids=torch.arange(t), metadata={quant.META_KEY: "bf16"},
                            aux_hidden_states=aux.to(torch.bfloat16),
                            last_hidden_state=last.to(torch.bfloat16))  # fmt: skip
+
+
+def _fresh(aux: Any, last: Any) -> States:
+    return States({"aux_hidden_states": aux.float(), "last_hidden_state": last.float()}, "plain")
 
 
 def _flip_rows(x: Any, rows: list[int], seed: int = 1) -> Any:
@@ -65,15 +69,15 @@ def test_routing_flips_pass_on_moe_only_and_mixups_fail() -> None:
     kept = _stored(aux, last, t)
     ids = list(range(t))
     flipped = (_flip_rows(aux, [5, 17]), _flip_rows(last, [5, 17]))
-    assert not compare_states(kept, ids, *flipped).ok  # the dense row rule flags them
-    v = compare_states(kept, ids, *flipped, architecture=DS)
+    assert not compare_states(kept, ids, _fresh(*flipped)).ok  # the dense row rule flags them
+    v = compare_states(kept, ids, _fresh(*flipped), architecture=DS)
     assert v.ok and "2 of 32 rows" in v.detail, v.detail
     other = (torch.randn(t, 3 * 64, generator=g), torch.randn(t, 64, generator=g))
-    v = compare_states(kept, ids, *other, architecture=DS)
+    v = compare_states(kept, ids, _fresh(*other), architecture=DS)
     assert not v.ok and "beyond the MoE allowance" in v.detail
     too_many = list(range(0, t, 3))  # 11 of 32 rows > 25 %
     assert len(too_many) > MAX_DEVIATING_ROW_FRACTION * t
-    v = compare_states(kept, ids, _flip_rows(aux, too_many), last, architecture=DS)
+    v = compare_states(kept, ids, _fresh(_flip_rows(aux, too_many), last), architecture=DS)
     assert not v.ok
 
 
@@ -122,7 +126,7 @@ def test_the_reference_servers_mix_fault_is_caught_with_the_moe_allowance(
     for o in outputs:
         ids = o.input_ids.tolist()
         dump = _alone(clean, ids)
-        v = compare_states(o, ids, dump.aux_hidden_states, dump.last_hidden_state, architecture=DS)
+        v = compare_states(o, ids, dump_states(dump), architecture=DS)
         if not v.ok:
             flagged.add(o.sample_id)
     assert flagged == mixed

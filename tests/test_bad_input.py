@@ -296,3 +296,29 @@ def test_tokenize_control_tokens_flag(tok_dir: Path, tmp_path: Path) -> None:
               "--control-tokens", "reject", "--no-progress")  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert [r.reason for r in read_rejects(rejects_path(dst))] == ["control_tokens"]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ['{"id": 1, "input_ids": [1, 2]}', '{"id": "1", "input_ids": [3, 4]}'],  # fast shape
+        ['{"id": "1", "input_ids": [1, 2]}', '{"id": 1, "input_ids": [3, 4]}'],
+        ['{ "id" : 1, "input_ids": [1, 2]}', '{"input_ids": [3, 4], "id": "1"}'],  # parsed
+        ['{"id": 1, "input_ids": [1, 2]}', '{"id": "x", "id": "1", "input_ids": [3]}'],
+    ],
+)
+def test_the_duplicate_message_names_both_spellings_on_every_scan_path(
+    tmp_path: Path, lines: list[str]
+) -> None:
+    """Issue 33 D14: the producer's fast scan said "duplicate id '1' (first on line 1)";
+    now both scans give scan_dataset's message, naming both spellings."""
+    from hsq.producer.fastscan import scan_batches
+
+    ds = tmp_path / "d.jsonl"
+    ds.write_text("\n".join(lines) + "\n")
+    slow = str(next(x.error for x in scan_dataset(ds) if x.error is not None))
+    fast = [str(err) for b in scan_batches(ds, seen={}) for _, err, _ in b.bad]
+    assert fast == [slow], (fast, slow)
+    first, second = (json.loads(line)["id"] for line in lines)
+    forms = [repr(v) if isinstance(v, str) else str(v) for v in (second, first)]
+    assert f"this line's id {forms[0]} and line 1's id {forms[1]} are the same id" in slow

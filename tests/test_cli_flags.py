@@ -32,6 +32,10 @@ FLAG_ONLY = {
     ("requeue", "--missing"),
     ("enqueue", "--tokenizer"),
     ("enqueue", "--tokens"),
+    ("run", "--tokenizer"),
+    ("run", "--tokens"),
+    ("run", "--join"),  # adds servers to a run instead of enqueueing a dataset
+    ("run", "--redis-only"),  # serves the Redis instead of running anything
 }
 SHARED = ("--run", "--redis", "--redis-url-file", "--redis-ca", "--redis-cert", "--redis-key")
 
@@ -111,3 +115,10 @@ def test_demo_reads_redis_url_file(tmp_path: Path) -> None:
                "--redis-url-file", str(url_file), timeout=300, env=env)  # fmt: skip
     assert down.returncode == 3 and "cannot reach Redis" in down.stderr, down.stderr[-2000:]
     assert "private redis-server" not in down.stdout
+
+
+def test_a_bogus_log_level_is_refused_and_any_case_of_a_real_one_accepted() -> None:
+    bad = CliRunner().invoke(cli.cli, ["--log-level", "bogus", "runs", "--help"])
+    assert bad.exit_code == 2 and "bogus" in bad.output
+    ok = CliRunner().invoke(cli.cli, ["--log-level", "debug", "runs", "--help"])
+    assert ok.exit_code == 0, ok.output

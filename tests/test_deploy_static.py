@@ -58,7 +58,7 @@ def test_compose_is_readable_by_compose_1_29_and_safe_by_default() -> None:
 def test_every_compose_worker_waits_for_a_healthy_server_it_shares_a_dump_dir_with() -> None:
     services = compose("docker-compose.yml")["services"]
     workers = {n: s for n, s in services.items() if s.get("command", [None, None])[1] == "worker"}
-    assert {"worker-0", "worker-1", "cpu-worker-0"} <= set(workers)
+    assert {"cpu-worker-0"} <= set(workers)
     for name, svc in workers.items():
         cmd = svc["command"]
         server = cmd[cmd.index("--server") + 1].removeprefix("http://").split(":")[0]
@@ -74,7 +74,10 @@ def test_every_compose_worker_waits_for_a_healthy_server_it_shares_a_dump_dir_wi
         volumes = compose("docker-compose.yml")["volumes"]
         for vol in mine:
             assert "mode=0700" in volumes[vol]["driver_opts"]["o"], vol
-    assert services["sglang-0"]["command"][:2] == ["hsq", "launch-sglang"]
+    # The gpu profile is one `hsq run --join`: it starts its servers and workers itself.
+    node = services["node"]["command"]
+    assert node[:4] == ["hsq", "run", "--join", "--stay"] and "--metrics-host" in node
+    assert node[node.index("--server") + 1] == "sglang"
 
 
 def test_local_override_uses_host_networking_for_what_it_starts() -> None:
@@ -108,12 +111,16 @@ def test_sbatch_recipes_parse(script: str) -> None:
     subprocess.run(["bash", "-n", str(SLURM / script)], check=True)
 
 
-def test_worker_node_starts_sglang_through_the_launcher_and_binds_metrics_explicitly() -> None:
+def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     text = (SLURM / "worker-node.sbatch").read_text()
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert "sglang.launch_server" not in code
-    assert '"$HSQ_VENV/bin/hsq" launch-sglang' in code
+    assert "sglang.launch_server" not in code and "launch-sglang" not in code
+    assert '"$HSQ_VENV/bin/hsq" run --join --stay' in code  # servers and workers: hsq run's
+    assert '--redis-url-file "$STATE/redis-url"' in code
     assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
+    # `hsq run` starts SGLang through the launcher (its refusals and readiness checks).
+    supervisor = (ROOT / "hsq/app/node/supervisor.py").read_text()
+    assert '"launch-sglang"' in supervisor and "sglang.launch_server" not in supervisor
     assert "redis-url" in code and "WAIT_S" in code
     head = (SLURM / "head.sbatch").read_text()
     assert 'HSQ_REDIS_URL=$HSQ_REDIS_URL "$HSQ_VENV/bin/hsq" exporter --metrics-host' in head

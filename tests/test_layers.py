@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hsq",)
 DEPLOYMENT_UNITS = ("workers", "producer", "sglang_server")
-SERVICES = ("hsq.workers", "hsq.producer", "hsq.sglang_server")
+SERVICES = ("hsq.workers", "hsq.producer", "hsq.sglang_server", "hsq.vllm_server")
 
 
 def layer(module: str) -> str:

@@ -77,8 +77,8 @@ def test_compose_references_exist_and_agree_with_the_code() -> None:
     # requirepass in a config file written from the environment: never on a command line
     assert "--appendonly yes" in redis_cmd and "requirepass" in redis_cmd
     declared = set(compose["volumes"])
-    servers = {n: s for n, s in services.items() if n.startswith("sglang-")}
-    workers = {n: s for n, s in services.items() if n.startswith("worker-")}
+    servers = {n: s for n, s in services.items() if n.startswith("reference-")}
+    workers = {n: s for n, s in services.items() if s.get("command", [None, None])[1] == "worker"}
     assert servers and len(servers) == len(workers)
     for name, svc in services.items():
         if "build" in svc:
@@ -95,10 +95,14 @@ def test_compose_references_exist_and_agree_with_the_code() -> None:
             help_text = hsq(cmd[1], "--help", check=True).stdout
             for flag in (c for c in cmd if c.startswith("--")):
                 assert flag in help_text, f"{name}: `hsq {cmd[1]}` has no {flag}"
-    for name, svc in servers.items():
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert devices[0]["capabilities"] == ["gpu"], name
-    worker_targets = json.loads((PROM / "targets/workers/compose.json").read_text())[0]["targets"]
+    node = services["node"]  # the gpu profile: `hsq run`, worker i's metrics on PORT + i
+    assert node["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    base = int(node["command"][node["command"].index("--metrics-port") + 1])
+    gpu_targets = json.loads((PROM / "targets/workers/compose.json").read_text())[0]["targets"]
+    assert gpu_targets == [f"node:{base + i}" for i in range(8)]  # 8 GPUs at TP 1
+    worker_targets = json.loads((PROM / "targets/workers/compose-cpu.json").read_text())[0][
+        "targets"
+    ]
     for name, svc in workers.items():
         cmd = svc["command"]
         server = cmd[cmd.index("--server") + 1]

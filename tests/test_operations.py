@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +20,7 @@ from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
 from hsq.store import connect
-from tests.helpers import enqueue, hsq, start_worker, store
+from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 
 Factory = Callable[..., ReferenceServer]
 SUMMED = ("done", "queued", "in_progress", "retry", "dead", "missing")
@@ -41,8 +44,8 @@ def make_run(tmp: Path, run: str, redis_url: str, n: int, *extra: str) -> Path:
     return ds
 
 
-def status(run: str, redis_url: str) -> dict[str, Any]:
-    proc = hsq("status", "--run", run, "--redis", redis_url, "--json", check=True)
+def status(run: str, redis_url: str, *extra: str) -> dict[str, Any]:
+    proc = hsq("status", "--run", run, "--redis", redis_url, "--json", *extra, check=True)
     return json.loads(proc.stdout)  # type: ignore[no-any-return]
 
 
@@ -159,6 +162,9 @@ def test_status_numbers_add_up_during_a_live_run(
     assert any(s["tokens_per_s"] > 0 for s in live)
     text = hsq("status", "--run", "live", "--redis", redis_url, check=True).stdout
     assert "40/40 done (100.0%)" in text
+    # Finished: no stale rate and "ETA -", an ETA of 0.
+    assert "complete: 40 done, 0 dead" in text and "ETA" not in text
+    assert status("live", redis_url)["eta_s"] == 0.0
 
 
 def test_requeue_failed_by_reason_and_by_sample(
@@ -173,6 +179,16 @@ def test_requeue_failed_by_reason_and_by_sample(
     assert st["dead"] == 1 and st["dead_by_reason"] == {"wrong_length": 1}
     text = hsq("status", "--run", "rq", "--redis", redis_url, check=True).stdout
     assert "dead letter by reason: wrong_length: 1" in text
+    # Each dead sample by id, with its reason and the error's message.
+    failed = hsq("status", "--run", "rq", "--failed", "--redis", redis_url, check=True).stdout
+    line = next(ln for ln in failed.splitlines() if poison["id"] in ln)
+    assert "wrong_length" in line and "token" in line, failed
+    js = status("rq", redis_url, "--failed")["failed"]
+    assert [(d["id"], d["reason"], d["attempts"]) for d in js] == [
+        (poison["id"], "wrong_length", 2)
+    ]
+    assert js[0]["message"] and js[0]["worker"]
+    assert "failed" not in status("rq", redis_url)  # the stable keys, unless asked
 
     dry = hsq(
         "requeue",
@@ -186,8 +202,13 @@ def test_requeue_failed_by_reason_and_by_sample(
         check=True,
     )
     assert "would requeue 1" in dry.stdout and status("rq", redis_url)["dead"] == 1
+    assert f"  {poison['id']}" in dry.stdout.splitlines()  # the ids it would take
     none = hsq("requeue", "--run", "rq", "--reason", "stale_dump", "--redis", redis_url, check=True)
-    assert "selected 0, requeued 0" in none.stdout
+    assert "selected 0, requeued 0" in none.stdout  # a reason hsq records, none here
+    typo = hsq("requeue", "--run", "rq", "--reason", "wrong_lenght", "--redis", redis_url)
+    assert typo.returncode == 1 and "no such failure reason 'wrong_lenght'" in typo.stderr
+    assert "wrong_length (1)" in typo.stderr and "stale_dump" in typo.stderr
+    assert "Traceback" not in typo.stderr and status("rq", redis_url)["dead"] == 1
     odd = hsq(
         "requeue",
         "--run",
@@ -198,9 +219,9 @@ def test_requeue_failed_by_reason_and_by_sample(
         json.loads(ds.read_text().splitlines()[0])["id"],
         "--redis",
         redis_url,
-        check=True,
     )
     assert "unknown sample id: no-such-id" in odd.stdout and "already done" in odd.stdout
+    assert odd.returncode == 1 and "1 unknown sample id" in odd.stderr
 
     httpx.delete(fresh.url + "/admin/faults").raise_for_status()  # the server is fixed
     assert "requeued 1" in requeue("rq", redis_url, "--failed")
@@ -255,3 +276,90 @@ def test_redis_url_comes_from_the_environment(tmp_path: Path, redis_url: str) ->
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total"] == 2
     assert store(redis_url, "env").count(store(redis_url, "env").keys.index) == 2
+
+
+def workers_of(run: str, redis_url: str) -> list[dict[str, Any]]:
+    return status(run, redis_url)["workers"]  # type: ignore[no-any-return]
+
+
+def first_worker(run: str, redis_url: str, key: str) -> object:
+    """The key of the run's first worker record; None before it registered."""
+    ws = workers_of(run, redis_url)
+    return ws[0].get(key) if ws else None
+
+
+def test_status_names_a_dead_server_and_a_killed_worker(
+    tmp_path: Path, server_factory: Factory, redis_url: str
+) -> None:
+    srv = server_factory("--fault", "slow:seconds=0.05", name="downsrv").wait_ready()
+    make_run(tmp_path, "down", redis_url, 200)
+    w = start_worker(tmp_path, "down", srv, redis_url)
+    try:
+        st = store(redis_url, "down")
+        wait_until(lambda: st.count(st.keys.done) >= 2, 120, interval=0.1)
+        srv.signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        wait_until(lambda: first_worker("down", redis_url, "cause") == "server_down", 60)
+        js = status("down", redis_url)
+        assert js["eta_s"] is None and js["done"] < 200  # no ETA from a rate before the pause
+        assert js["workers"][0]["alive"] and js["workers"][0]["cause_since"] > 0
+        text = hsq("status", "--run", "down", "--redis", redis_url, check=True).stdout
+        assert "server unreachable since" in text and "ETA - (paused: server unreachable" in text
+        # A SIGKILLed worker never unregisters: its record goes stale, then expires.
+        w.signal(signal.SIGKILL)
+        w.proc.wait(10)
+        wait_until(lambda: first_worker("down", redis_url, "alive") is False, 60)
+        text = hsq("status", "--run", "down", "--redis", redis_url, check=True).stdout
+        assert "[dead (" in text and "[server_down" not in text and "no live workers" in text
+    finally:
+        w.stop()
+
+
+def test_status_names_a_full_output_disk(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    out = tmp_path / "small"
+    out.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(out)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {mounted.stderr.decode().strip()}")
+    w = None
+    try:
+        ds = tmp_path / "full.jsonl"
+        write_synthetic(ds, 40, seed=5, min_len=32, max_len=40)
+        enqueue(ds, "full", out, redis_url)
+        w = start_worker(tmp_path, "full", fresh, redis_url)
+        wait_until(lambda: first_worker("full", redis_url, "cause") == "output_unwritable", 120)
+        text = hsq("status", "--run", "full", "--redis", redis_url, check=True).stdout
+        assert "output disk full since" in text, text
+        js = status("full", redis_url)
+        assert js["dead"] == 0 and js["eta_s"] is None  # never the samples' fault
+        assert "disk full" in js["workers"][0]["cause_text"]
+    finally:
+        if w is not None:
+            w.stop()
+        subprocess.run(["umount", "-l", str(out)], capture_output=True)
+
+
+def test_worker_figures_from_its_record() -> None:
+    from hsq.app.ops.status import _worker_status, cause_text, eta
+
+    now = 1000.0
+    fresh_rec = {"state": "working", "ts": "999", "heartbeat_interval_s": "2", "tokens_per_s": "5"}
+    assert _worker_status("a", fresh_rec, now).alive
+    stale = _worker_status("a", {**fresh_rec, "ts": "990"}, now)  # 10 s: five beats missed
+    assert not stale.alive and stale.state == "dead (no heartbeat for 10s)"
+    assert stale.tokens_per_s == 0.0
+    gone = _worker_status("a", {}, now)
+    assert not gone.alive and gone.state == "dead (heartbeat expired)"
+    assert cause_text("output_unwritable", "cannot write /o/x: disk full", None).startswith(
+        "output disk full ("
+    )
+    assert cause_text("server_down", "x does not answer", None) == "server unreachable"
+    paused = _worker_status("a", {**fresh_rec, "cause": "server_down", "cause_since": "9"}, now)
+    assert eta(100, 5.0, [paused]) is None and eta(0, 0.0, []) == 0.0
+    assert eta(100, 5.0, [_worker_status("a", fresh_rec, now)]) == 20.0

@@ -322,18 +322,28 @@ def test_sigterm_hands_back_and_loses_nothing(
 ) -> None:
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 40, seed=2, min_len=4, max_len=64)
-    enqueue(ds, "term", tmp_path / "out", redis_url, "--chunk-size", "8")
+    rows = [json.loads(x) for x in ds.read_text().splitlines()]
+    all_ids = {r["id"] for r in rows}
+    # One sample can never finish: every dump of it is a token short, and it has attempts
+    # enough to outlast the test. So the worker is still at work when SIGTERM lands, however
+    # fast it gets through the other 39 (no race between them and the signal).
+    stuck = rows[20]
+    rule = {"mode": "wrong_count", "fingerprint": fingerprint(stuck["input_ids"])}
+    httpx.post(fresh.url + "/admin/faults", json={"rules": [rule]}).raise_for_status()
+    enqueue(
+        ds, "term", tmp_path / "out", redis_url, "--chunk-size", "8", "--max-attempts", "100000"
+    )
     st = store(redis_url, "term")
     w = start_worker(tmp_path, "term", fresh, redis_url)
     wait_until(lambda: st.count(st.keys.done) >= 3, 60, interval=0.05)
     w.signal(signal.SIGTERM)
     assert w.proc.wait(30) == 0
-    done = st.done_among([json.loads(x)["id"] for x in ds.read_text().splitlines()])
+    done = st.done_among(list(all_ids))
     queued = st.outstanding_samples()
     assert all(place in ("main", "retry") for place in queued.values())  # nothing held
-    all_ids = {json.loads(x)["id"] for x in ds.read_text().splitlines()}
-    assert 3 <= len(done) < 40
+    assert 3 <= len(done) < 40 and stuck["id"] not in done
     assert all_ids - done <= set(queued)  # every unfinished sample is back in the queue
+    assert st.dead_entries() == {}
     assert st.worker_ids() == []
 
 

@@ -227,3 +227,74 @@ def test_recover_never_adopts_a_symlink_or_a_symlinked_shard(
     assert copy.read_bytes() == before
     deep = hsq("verify", "--run", "lnk", "--redis", redis_url, "--deep", "--no-progress")
     assert deep.returncode == 0 and "ok 6" in deep.stdout, deep.stdout
+
+
+def _two_extractions(
+    tmp_path: Path,
+    run: str,
+    redis_url: str,
+    first: tuple[ReferenceServer, tuple[str, ...]],
+    rest: tuple[ReferenceServer, tuple[str, ...]],
+) -> Path:
+    """OUT/RUN holding 4 files of one extraction and 8 of another (Redis wiped after each),
+    as when a run name is reused with other settings; returns the whole dataset."""
+    full = tmp_path / "full.jsonl"
+    write_synthetic(full, 12, seed=31, min_len=4, max_len=16)
+    lines = full.read_text().splitlines(keepends=True)
+    parts = [(tmp_path / "a.jsonl", lines[:4], first), (tmp_path / "b.jsonl", lines[4:], rest)]
+    for path, part, (srv, flags) in parts:
+        path.write_text("".join(part))
+        enqueue(path, run, tmp_path / "out", redis_url, *flags)
+        finish_burst(tmp_path, run, srv, redis_url, srv.dump_dir.parent.name)
+        connect(redis_url).flushall()
+    assert len(list((tmp_path / "out" / run).rglob("*.safetensors"))) == 12
+    return full
+
+
+def _recover_finish_verify(
+    tmp_path: Path, run: str, full: Path, srv: ReferenceServer, redis_url: str, why: str
+) -> None:
+    res = hsq("recover", str(full), "--run", run, "--out", str(tmp_path / "out"),
+              "--redis", redis_url, "--no-progress", check=True)  # fmt: skip
+    said = res.stdout
+    assert "recovered       8 " in said and "rejected files  4 " in said, said
+    told = [ln for ln in res.stderr.splitlines() if ln.startswith("  rejected file of ")]
+    assert len(told) == 4 and all(why in ln for ln in told), res.stderr
+    st = store(redis_url, run)
+    assert st.count(st.keys.done) == 8
+    finish_burst(tmp_path, run, srv, redis_url, "after")  # the 4 are redone as the run's
+    assert st.count(st.keys.done) == 12
+    deep = hsq("verify", "--run", run, "--redis", redis_url, "--deep", "--no-progress")
+    assert deep.returncode == 0 and "ok 12" in deep.stdout, deep.stdout + deep.stderr
+
+
+@pytest.mark.timeout(300)  # two servers, three burst workers, a deep verify
+def test_recover_rejects_files_without_the_runs_prenorm_state(
+    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+) -> None:
+    """Issue 33 D8: 4 files without the pre-norm state (an earlier extraction under the run
+    name) and 8 with it; the run is --prenorm. Old code: recover re-marked all 12 done and
+    `verify` then called 4 corrupt. Now the 4 are rejected with the reason and redone."""
+    pre = server_factory("--prenorm", name="recpre").wait_ready()
+    full = _two_extractions(tmp_path, "pre", redis_url, (server, ()), (pre, ("--prenorm",)))
+    why = "no pre-norm state (last_hidden_state_prenorm), which the run stores"
+    _recover_finish_verify(tmp_path, "pre", full, pre, redis_url, why)
+    assert store(redis_url, "pre").require_config().prenorm
+
+
+@pytest.mark.timeout(300)  # two servers, three burst workers, a deep verify
+def test_recover_rejects_files_of_another_states_dtype(
+    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+) -> None:
+    """Issue 33 D9: 4 float32-state files and 8 bf16, same model and layers. Old code:
+    recover marked all 12 done ("majority: 12 of 12"), a mixed-dtype run the worker's dtype
+    pin forbids. Now the dtype is part of the identity: the 4 are rejected and redone, and
+    the run's dtype is pinned as the worker pins it."""
+    f32 = server_factory("--dump-dtype", "float32", name="recf32").wait_ready()
+    full = _two_extractions(tmp_path, "dt", redis_url, (f32, ()), (server, ()))
+    why = "states stored as float32, the run's are bfloat16"
+    _recover_finish_verify(tmp_path, "dt", full, server, redis_url, why)
+    cfg = store(redis_url, "dt").require_config()
+    assert cfg.dump_dtype == "bfloat16" and cfg.hidden_size is not None
+    for f in (tmp_path / "out" / "dt").rglob("*.safetensors"):
+        assert load_file(str(f))["last_hidden_state"].dtype == torch.bfloat16

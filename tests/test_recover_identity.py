@@ -66,3 +66,20 @@ def test_the_recorded_identity_wins_and_a_contradiction_is_refused() -> None:
     assert ident == ("m@1", [2, 5]) and "recorded in the run; 3 of 10 files" in how
     with pytest.raises(ConfigError, match="model_id: recorded 'm@1', given 'm@9'"):
         decide_identity(KNOWN, IdentityHint("m@9"), counts)
+
+
+def test_the_states_dtype_is_the_recorded_pin_else_the_majority_and_a_tie_is_refused() -> None:
+    """Issue 33 D9: the dtype of the states is part of recover's identity."""
+    from dataclasses import replace
+
+    from hsq.producer.identity import decide_states_dtype
+
+    mixed: Counter[str] = Counter({"bfloat16": 8, "float32": 4})
+    assert decide_states_dtype(KNOWN, mixed, 12)[0] == "bfloat16"
+    pinned = replace(KNOWN, dump_dtype="float32")
+    dtype, how = decide_states_dtype(pinned, mixed, 12)
+    assert dtype == "float32" and "recorded in the run; 4 of 12" in how
+    assert decide_states_dtype(KNOWN, Counter(), 3) == (None, "not decided")  # fp8 files
+    tie = r"no majority \(6 files of bfloat16; 6 files of float32\)"
+    with pytest.raises(ConfigError, match=tie):
+        decide_states_dtype(KNOWN, Counter({"bfloat16": 6, "float32": 6}), 12)

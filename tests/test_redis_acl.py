@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path]]:
     """A redis-server whose ACL file holds `hsq acl` users for runs a and b, and an admin."""
     d = tmp_path_factory.mktemp("acl")
-    users = [hsq("acl", "--run", r, check=True).stdout.strip() for r in ("a", "b")]
+    users = [hsq("acl", "--run", r, check=True).stdout.strip() for r in ("a", "b", "c", "d")]
     lines = [u.replace("><PASSWORD>", f">pw-{u.split()[1]}") for u in users]
     (d / "users.acl").write_text("user default on >admin ~* &* +@all\n" + "\n".join(lines) + "\n")
     port = free_port()
@@ -123,6 +124,69 @@ def test_one_runs_user_does_the_whole_run_and_nothing_to_another_run(
     assert admin.exists(kb.config) and admin.exists(kab.config)
 
 
+def test_one_runs_user_can_neither_hide_nor_poison_another_runs_listing(
+    tmp_path: Path, acl_redis: tuple[int, Path]
+) -> None:
+    """D6/D7: run c's user attacks the run listings. Old code: `SREM hsq:runs d` hid run d
+    from `hsq runs`, `hsq status` and the exporter, `SREM rq:queues` from `rq info`, and a
+    hostile `SADD hsq:runs` entry made `hsq runs` and `hsq status` exit 2. Now the listing is
+    each run's own config key (found by SCAN): c's user has no access to the shared sets,
+    and whatever it plants under its own prefix is skipped and reported, never fatal."""
+    from rq import Queue
+
+    from hsq.app.exporter import RedisCollector
+
+    port, _ = acl_redis
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 4, seed=23, min_len=4, max_len=8)
+    admin = redis.Redis.from_url(url(port, None), decode_responses=True)
+    enqueue(ds, "d", tmp_path / "out", url(port, "d"))
+    enqueue(ds, "c", tmp_path / "out", url(port, "c"))
+    enqueue(ds, "e", tmp_path / "out", url(port, None))  # by the admin: RQ's registry has it
+    c = redis.Redis.from_url(url(port, "c"))
+    kd = RunKeys("d")
+    attacks: list[Callable[[], object]] = [
+        lambda: c.srem("hsq:runs", "d"),
+        lambda: c.srem("rq:queues", rq_queue_key(kd.main_queue)),
+        lambda: c.sadd("hsq:runs", "bad name\n", "ghost"),
+        lambda: c.sadd("rq:queues", "junk"),
+        lambda: c.delete("rq:queues"),
+    ]
+    for attack in attacks:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attack()
+    # What c's user can do: keys under its own prefix that look like run configs. The
+    # legacy `hsq:runs` (hsq 0.2.0's listing, no longer read) holds junk too.
+    c.hset("hsq:run:c:x:config", "run", '"x"')
+    c.hset("hsq:run:c:bad name\n:config", "run", '"x"')
+    admin.sadd("hsq:runs", "bad name\n", "ghost")
+    env = {**os.environ, "HSQ_REDIS_URL": url(port, None)}
+    try:
+        runs = hsq("runs", env=env)
+        assert runs.returncode == 0, runs.stderr
+        listed = [line.split()[0] for line in runs.stdout.splitlines()]
+        assert {"d", "e"} <= set(listed) and "ghost" not in listed, runs.stdout
+        assert "skipped: 'hsq:run:c:x:config'" in runs.stderr, runs.stderr
+        assert "'hsq:run:c:bad name\\n:config'" in runs.stderr, runs.stderr
+        status = hsq("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        shown = {json.loads(line)["run"] for line in status.stdout.splitlines()}
+        assert {"c", "d", "e"} <= shown and "ghost" not in shown
+        assert "skipped: 'hsq:run:c:x:config'" in status.stderr, status.stderr
+        metrics = list(RedisCollector(redis.Redis.from_url(url(port, None))).collect())
+        exported = {s.labels.get("run") for m in metrics for s in m.samples}
+        assert {"c", "d", "e"} <= exported
+        skipped = [s.value for m in metrics for s in m.samples if m.name == "hsq_runs_skipped"]
+        assert skipped == [2.0], skipped  # the two key names that are not a run's
+        # RQ's own registry (rq info reads it) holds the admin's run, and RQ can read it.
+        assert rq_queue_key(RunKeys("e").main_queue) in admin.smembers("rq:queues")
+        assert "hsq-e" in {q.name for q in Queue.all(connection=admin)}
+    finally:
+        for key in admin.scan_iter("hsq:run:[cde]:*"):
+            admin.delete(key)
+        admin.delete("hsq:runs")
+
+
 def test_run_names_that_would_share_a_queue_are_refused() -> None:
     with pytest.raises(ValueError, match="retry queue"):
         RunKeys("a-retry")
@@ -150,6 +214,99 @@ def test_acl_key_patterns_match_each_run_and_no_other() -> None:
                 x for x in mine if any(fnmatch.fnmatchcase(x, p) for p in ok.acl_key_patterns())
             ]
             assert hits == (mine if other == r else []), (r, other, hits)
+
+
+# The issue's name (D5): a legal run name holding another run's job-id shape.
+TRICKY = [
+    "qa",
+    "qa-0123456789abcdef-nightly",
+    "qa-0123456789abcdef-n8",
+    "qa-0123456789abcdef-n",
+    "0123456789abcdef-n000000001",
+    "n5",
+    "x-n5",
+    "qa_",
+    "a",
+    "a-b",
+]
+_ALPHABET = "ab0123456789cdef-_nqx"
+
+
+def _legal_names(rng: random.Random, count: int) -> list[str]:
+    """Legal run names biased toward job-id material: hex runs, `-n`, digits."""
+    names = set(TRICKY)
+    pieces = ["0123456789abcdef", "-n", "-n8", "-", "qa", "_", "retry", "9" * 9, "n"]
+    while len(names) < count:
+        parts = [rng.choice(pieces) if rng.random() < 0.5 else rng.choice(_ALPHABET)
+                 for _ in range(rng.randint(1, 6))]  # fmt: skip
+        name = "".join(parts)[:64]
+        try:
+            RunKeys(name)
+        except ValueError:
+            continue
+        names.add(name)
+    return sorted(names)
+
+
+def _keys_of(k: RunKeys, rng: random.Random) -> list[str]:
+    token = "".join(rng.choice("0123456789abcdef") for _ in range(16))
+    return [
+        k.config,
+        k.done,
+        k.wip("w.1"),
+        k.worker("w.1"),
+        rq_queue_key(k.main_queue),
+        rq_queue_key(k.retry_queue),
+        *(rq_job_key(k.job_id(token, n)) for n in (1, 8, 16, 4096, 123456789, 999999999)),
+    ]
+
+
+def test_no_legal_run_names_key_matches_another_legal_runs_patterns() -> None:
+    """D5, as a property over legal names (seeded fuzz plus the crafted ones above): every
+    key of run R matches R's patterns, and no key of any other legal run does."""
+    import fnmatch
+
+    rng = random.Random(33)
+    names = _legal_names(rng, 300)
+    keys = {r: _keys_of(RunKeys(r), rng) for r in names}
+    pats = {r: RunKeys(r).acl_key_patterns() for r in names}
+    for r in names:
+        for other in names:
+            # Redis globs: `[..]` classes and `*`, which fnmatch reads the same way.
+            hits = [x for x in keys[other] if any(fnmatch.fnmatchcase(x, p) for p in pats[r])]
+            assert hits == (keys[r] if other == r else []), (r, other, hits)
+
+
+def test_redis_itself_keeps_the_issues_run_out_of_another_runs_job_keys(
+    acl_redis: tuple[int, Path],
+) -> None:
+    """D5 with Redis's own matcher (ACL DRYRUN) over users `hsq acl` prints: the issue's
+    HGETALL/HSET/EXPIRE/DEL of `qa-0123456789abcdef-nightly`'s job hash as run qa's user,
+    and a sample of the fuzzed names."""
+    port, _ = acl_redis
+    admin = redis.Redis.from_url(url(port, None), decode_responses=True)
+    rng = random.Random(34)
+    names = [*TRICKY, *rng.sample(_legal_names(rng, 120), 30)]
+    printed = hsq("acl", "--run", "qa", "--user", "fz-qa", check=True).stdout.strip()
+    assert printed == RunKeys("qa").acl_user("fz-qa")
+    for r in names:
+        head, _, selector = RunKeys(r).acl_user(f"fz-{r}").partition(" (")
+        rules = ["reset", *head.split()[2:], *(["(" + selector] if selector else [])]
+        admin.execute_command("ACL", "SETUSER", f"fz-{r}", *rules)  # type: ignore[no-untyped-call]
+    try:
+        asked = []
+        p = admin.pipeline(transaction=False)
+        for r in names:
+            for other in names:
+                for key in _keys_of(RunKeys(other), rng):
+                    for cmd in (["HGETALL", key], ["HSET", key, "f", "v"], ["DEL", key]):
+                        p.execute_command("ACL", "DRYRUN", f"fz-{r}", *cmd)  # type: ignore[no-untyped-call]
+                        asked.append((r, other, cmd))
+        for (r, other, cmd), said in zip(asked, p.execute(), strict=True):
+            assert (said == "OK") == (r == other), (r, other, cmd, said)
+    finally:
+        for r in names:
+            admin.execute_command("ACL", "DELUSER", f"fz-{r}")  # type: ignore[no-untyped-call]
 
 
 def test_a_worker_refuses_an_out_changed_under_it_without_a_new_generation(

@@ -15,12 +15,14 @@ import torch
 
 from hsq import errors
 from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
+from hsq.dump.format import TMP_SUFFIX
 from hsq.dump.read import read_dump, read_meta
 from hsq.harness.procs import ReferenceServer
 from hsq.sglang_server.reference.engine import CRASH_EXIT_CODE
 from hsq.sglang_server.reference.model import load_model
 from hsq.sglang_server.reference.tolerance import closeness
 from tests.conftest import expected_for, generate
+from tests.helpers import wait_until
 
 Factory = Callable[..., ReferenceServer]
 IDS = [5, 17, 300, 4000, 12, 9, 31999, 0, 77, 1024, 2048, 3]
@@ -135,11 +137,31 @@ def test_bad_fault_rule_is_400(clean: ReferenceServer) -> None:
 # --------------------------------------------------------------------------- faults
 
 
+def settled(dump_dir: Path, dumps: int, timeout: float = 30.0) -> None:
+    """Wait for the event "the server wrote `dumps` dumps and writes nothing more": the
+    writer renames each dump into place, parts one after another, after its answer."""
+
+    def state() -> tuple[int, int]:
+        s = scan(dump_dir)  # protocol names only (the readiness marker stays out)
+        writing = sum(p.name.endswith(TMP_SUFFIX) for p in s.pending)
+        return len(s.complete) + len(s.pending) - writing, writing
+
+    wait_until(lambda: state() == (dumps, 0), timeout, interval=0.01)
+
+
+# The dumps each fault leaves for one request.
+FAULT_DUMPS = {"split": 2}
+
+
 def _fault_dump_error(srv: ReferenceServer, mode: str) -> errors.DumpError:
     set_faults(srv, {"mode": mode, "times": 1})
     ids = IDS[:10]
     assert generate(srv.url, ids, f"f-{mode}").status_code == 200
+    # Look only once the writer is finished: the first half of a split alone on disk reads
+    # as a short dump, and a dump still being written as no dump at all.
+    settled(srv.dump_dir, FAULT_DUMPS.get(mode, 1))
     with pytest.raises(errors.DumpError) as info:
+        # Only no_done waits out the timeout (its dump never gets the marker).
         path = wait_for_dump(srv.dump_dir, timeout=1.0)
         read_dump(path, expected_for(ids, f"f-{mode}"))
     return info.value
@@ -169,7 +191,7 @@ def test_fault_produces_the_dump_it_claims(
 def test_split_writes_two_halves(clean: ReferenceServer) -> None:
     set_faults(clean, {"mode": "split", "times": 1})
     assert generate(clean.url, IDS, "s").status_code == 200
-    time.sleep(0.5)
+    settled(clean.dump_dir, 2)
     parts = scan(clean.dump_dir).complete
     assert len(parts) == 2
     metas = [read_meta(p) for p in parts]

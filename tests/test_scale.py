@@ -156,6 +156,27 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
     assert st.client.keys("hsq:run:many:*") == []
 
 
+def test_a_worker_whose_job_was_reaped_marks_none_of_its_samples(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """Issue 33 D4: the done marks are fenced by ownership, in the marking script itself."""
+    st = new_run(redis_url, "held", tmp_path, 8)
+    st.register("wa", {"state": "x"})
+    job = st.claim("wa", 1)
+    assert job is not None
+    (s0, _), (s1, _) = job.samples[:2]
+    assert st.mark_held_done("wa", [(s0, job.job_id, manifest(s0))]) == [True]
+    assert st.mark_held_done("wa", [(s0, job.job_id, manifest(s0))]) == [False]
+    st.client.delete(st.keys.worker("wa"))  # its heartbeat expired (SIGSTOP)
+    assert st.reap() == {"wa": 1}
+    assert st.mark_held_done("wa", [(s1, job.job_id, manifest(s1))]) == [None]
+    assert st.done_among([s0, s1]) == {s0}
+    assert st.stats()["tokens"] == 3  # only s0 counted
+    other = st.claim("wb", 1)
+    assert other is not None and other.job_id == job.job_id
+    assert st.mark_held_done("wb", [(s1, job.job_id, manifest(s1))]) == [True]
+
+
 def test_one_reaper_at_a_time(tmp_path: Path, redis_url: str) -> None:
     a = new_run(redis_url, "reap", tmp_path, 8)
     b = store(redis_url, "reap")
@@ -182,6 +203,11 @@ class MarkStore:
         self.calls.append(len(entries))
         return [True] * len(entries)
 
+    def mark_held_done(
+        self, _worker_id: str, entries: Sequence[tuple[str, str, ManifestEntry]]
+    ) -> list[bool | None]:
+        return list(self.mark_done_many([(sid, e) for sid, _job, e in entries]))
+
 
 def item(i: int) -> WorkItem:
     return WorkItem((f"s{i}", E), 0, "job")
@@ -191,7 +217,7 @@ def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch
     events: queue.Queue[Event] = queue.Queue()
     ms = MarkStore()
     marked: list[bool] = []
-    c = Committer(ms, events, max_batch=4, max_delay_s=3600)
+    c = Committer(ms, events, "w", max_batch=4, max_delay_s=3600)
     for i in range(10):
         c.add(item(i), manifest(f"s{i}"), marked.append)
     assert ms.calls == [4, 4]  # full batches go at once; the rest waits for its time
@@ -201,7 +227,7 @@ def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch
     c.close()
 
     failing = MarkStore(fail=RunChangedError("purged"))
-    c = Committer(failing, events, max_batch=64, max_delay_s=0.01)
+    c = Committer(failing, events, "w", max_batch=64, max_delay_s=0.01)
     c.add(item(1), manifest("s1"), marked.append)
     c.add(item(2), manifest("s2"), marked.append)
     got = [events.get(timeout=30), events.get(timeout=30)]  # flushed by the timer
@@ -247,7 +273,19 @@ LINES = [
 ]
 
 
-def compare_scans(path: Path, max_tokens: int | None) -> None:
+SPLITS = [(1, 2**20), (1, 1), (1, 7), (1, 61), (2, 53)]
+"""(processes, piece bytes) for the fast scan: one piece; pieces starting inside lines, at
+line starts and in blank lines; a pool of two processes."""
+
+
+def compare_scans(
+    path: Path, max_tokens: int | None, splits: Sequence[tuple[int, int]] = SPLITS
+) -> None:
+    for procs, piece in splits:
+        compare_scan(path, max_tokens, procs, piece)
+
+
+def compare_scan(path: Path, max_tokens: int | None, procs: int, piece: int) -> None:
     slow = [
         (x.line_no, x.sample_id, x.entry.encode() if x.entry else None, x.error.reason)
         if x.error
@@ -256,11 +294,18 @@ def compare_scans(path: Path, max_tokens: int | None) -> None:
     ]
     fast_valid: list[tuple[str, str]] = []
     fast_bad: list[tuple[int, str | None, str]] = []
-    for b in scan_batches(path, max_tokens, batch=3, seen={}):
+    seen: dict[str, int] = {}
+    lines = size = 0
+    for b in scan_batches(path, max_tokens, batch=3, seen=seen, procs=procs, piece=piece):
+        lines += b.lines
+        size += b.bytes
         fast_valid += b.valid
         fast_bad += [(int(k.split(":")[1]), sid, err.reason) for k, err, sid in b.bad]
     assert fast_valid == [(sid, e) for _, sid, e, reason in slow if reason is None]
     assert fast_bad == [(n, sid, reason) for n, sid, _, reason in slow if reason is not None]
+    assert lines == len(slow) and size == path.stat().st_size
+    first = {sid: n for n, sid, _, reason in reversed(slow) if reason is None}
+    assert seen == first  # every valid id with the line it was first met on
 
 
 @pytest.mark.parametrize("max_tokens", [None, 4])
@@ -287,6 +332,26 @@ def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:
         lines.append(line)
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(lines) + "\n")
+    compare_scans(path, None, [(1, 2**20), (1, 97), (2, 4099)])
+
+
+def test_the_fast_scan_skips_over_long_lines_as_the_dataset_scan_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hsq.dataset
+
+    monkeypatch.setattr(hsq.dataset, "MAX_LINE_BYTES", 60)
+    lines = [
+        '{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}',  # 59 bytes and "\\n"
+        '{"id": "b", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}',  # too long
+        "x" * 200,
+        "",
+        '{"id": "c", "input_ids": [5]}',
+        '{"id": "a", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}',
+        '{"id": "d", "input_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]}',  # no newline
+    ]
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(lines))
     compare_scans(path, None)
 
 
@@ -337,7 +402,7 @@ def test_the_scale_benchmark_smoke_run(tmp_path: Path) -> None:
     """bench/scale.py at CI size: every step runs and status adds up at each state."""
     argv = [sys.executable, "-m", "bench.scale", "--samples", "3000", "--verify-files", "300"]
     argv += ["--recover-files", "10", "--cap-samples", "1000", "--cap-chunks", "16"]
-    argv += ["--cap-procs", "2", "--work", str(tmp_path / "w")]
+    argv += ["--cap-procs", "2", "--repeat", "1", "--work", str(tmp_path / "w")]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"step"')]

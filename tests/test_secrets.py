@@ -85,3 +85,25 @@ def test_redis_url_file_reads_the_url_without_quoting_it(
     f.write_bytes(b"\xff" + password("/").encode())
     res = hsq("runs", "--redis-url-file", str(f))
     assert res.returncode == 2 and leaks(res.stderr) == [], res.stderr
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o666, 0o640, 0o604, 0o602])
+def test_a_redis_url_file_other_users_may_read_is_refused(
+    users: dict[str, str], tmp_path: Path, mode: int
+) -> None:
+    """Issue 33 D15: a --redis-url-file of mode 0644 or 0666 (every local user reads the
+    password in it) was taken without a word. Now it is refused, as ssh refuses such a
+    private key: exit 2, the mode and `chmod 600` named, nothing of the file quoted."""
+    f = tmp_path / "url"
+    f.write_text(users["@"] + "\n")
+    f.chmod(mode)
+    with pytest.raises(ConfigError, match=f"has mode {mode:04o}: other users") as err:
+        read_url_file(f)
+    assert f"chmod 600 {f}" in str(err.value) and leaks(str(err.value)) == []
+    res = hsq("runs", "--redis-url-file", str(f))
+    assert res.returncode == 2 and f"mode {mode:04o}" in res.stderr, res.stderr
+    assert leaks(res.stdout + res.stderr) == []
+    for fine in (0o600, 0o400):
+        f.chmod(fine)
+        assert read_url_file(f) == users["@"]
+    assert hsq("runs", "--redis-url-file", str(f)).returncode == 0

@@ -206,6 +206,34 @@ def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> N
     assert not list(dest.rglob("*.tmp"))
 
 
+def test_export_to_a_full_disk_says_so_in_one_line_and_resumes(walk: dict[str, Any]) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    sizes = sorted(p.stat().st_size for p in walk["export"].rglob("*.ckpt"))
+    assert len(sizes) == 11
+    dest = walk["base"] / "fulldisk"
+    dest.mkdir()
+    small = max(sum(sizes[:4]) // 1024, 64)  # room for a few files, not for all eleven
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={small}k", "tmpfs", str(dest)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        full = hsq(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
+        assert full.returncode == 1, full.stdout + full.stderr
+        assert "Traceback" not in full.stderr and len(full.stderr.strip().splitlines()) == 1
+        assert "disk full" in full.stderr and "run the same command again" in full.stderr
+        kept = len(list(dest.rglob("*.ckpt")))
+        assert 0 < kept < 11 and not list(dest.rglob("*.tmp"))
+        # Space freed: the same command writes only what is missing.
+        bigger = ["mount", "-o", f"remount,size={sum(sizes) // 1024 * 4 + 1024}k", str(dest)]
+        subprocess.run(bigger, check=True, capture_output=True)
+        again = hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
+        assert f"written   {11 - kept} files" in again.stdout, again.stdout
+        assert len(list(dest.rglob("*.ckpt"))) == 11
+    finally:
+        subprocess.run(["umount", "-l", str(dest)], capture_output=True)
+
+
 def test_export_refuses_other_layers_and_an_unfinished_run(walk: dict[str, Any]) -> None:
     url = walk["url"]
     wrong = hsq(*specforge(RUN, url, walk["base"] / "x"), "--expect-layers", "1,3,4")
@@ -533,6 +561,7 @@ def speculators(run: str, url: str, dest: Path) -> list[str]:
 def test_speculators_export_refuses_a_run_without_the_prenorm_state(walk: dict[str, Any]) -> None:
     res = hsq(*speculators(RUN, walk["url"], walk["base"] / "spec-refused"))
     assert res.returncode == 2 and "no pre-norm final state" in res.stderr
+    assert "hsq enqueue --prenorm" in res.stderr and "serve-reference --prenorm" in res.stderr
 
 
 @needs_speculators

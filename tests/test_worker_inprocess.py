@@ -190,6 +190,7 @@ def run_worker(
         "heartbeat_interval_s": 0.5,
     }
     opts.update(kw)
+    opts.setdefault("persist_procs", 0)  # threads: the stages monkeypatched here run here
     settings = WorkerSettings(
         run="r", server="http://srv", dump_dir=dump, redis_url="redis://unused", **opts
     )
@@ -321,8 +322,8 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
 ) -> None:
     ds, refs = dataset
     import hsq.workers.persist
+    from hsq.workers.persist_work import write_staged as real  # the name persist calls
 
-    real = hsq.workers.persist.write_output  # type: ignore[attr-defined]  # the name persist calls
     boom = iter([True])
 
     def flaky(*a: Any, **kw: Any) -> Any:
@@ -330,7 +331,7 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
             raise KeyError("surprise")
         return real(*a, **kw)
 
-    monkeypatch.setattr(hsq.workers.persist, "write_output", flaky)
+    monkeypatch.setattr(hsq.workers.persist, "write_staged", flaky)
     store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
     with structlog.testing.capture_logs() as logs:
         run_worker(tmp_path, store)

@@ -51,6 +51,7 @@ from tests.test_protocol import IDS, make
         (MidRequestFailure("x"), Kind.SERVER_FAIL, "server_crash"),
         (errors.ServerUnavailableError("x"), Kind.PAUSE, "server_unavailable"),
         (errors.OutputError("x"), Kind.PAUSE, "output_unwritable"),
+        (errors.OutputError("x", reason=errors.OUTPUT_READ_ONLY), Kind.PAUSE, "output_read_only"),
         (errors.StoreUnavailableError("x"), Kind.PAUSE, "store_unavailable"),
         (errors.RunChangedError("x"), Kind.RUN_CHANGED, "run_changed"),
         (AttributeError("'int' object has no attribute 'get'"), Kind.SAMPLE, "internal_error"),

@@ -213,7 +213,7 @@ def test_head_and_cpu_worker_node_run_a_run_and_scancel_leaves_nothing(cluster: 
             120, 2,
         )  # fmt: skip
     finally:
-        logs = sorted((state / "logs").glob("*.log")) if state.exists() else []
+        logs = sorted(state.glob("logs/*.log")) + sorted(state.glob("nodes/*/.hsq/logs/*.log"))
         print("\n".join(f"== {p.name}\n{p.read_text()[-1500:]}" for p in logs))
         for f in sorted(cluster.base.glob("hsq-*.log")):
             print(f"== {f.name}\n{f.read_text()[-1500:]}")

@@ -26,8 +26,8 @@ from pathlib import Path
 import structlog
 
 from hsq.app.ops import RequeueResult, requeue, trusted_entry
-from hsq.closeness import Verdict, compare_states
-from hsq.dataset import IndexEntry, read_sample
+from hsq.closeness import States, Verdict, compare, compare_states, confirm, dump_states
+from hsq.dataset import IndexEntry, Sample, read_sample
 from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
 from hsq.dump.read import read_dump
 from hsq.errors import (
@@ -42,11 +42,12 @@ from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
-from hsq.workers.readiness import require_hook
+from hsq.workers.readiness import await_hook
 from hsq.workers.runview import RunView
 from hsq.workers.startup import check_dump_dir
 
 log = structlog.get_logger("hsq.audit")
+CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -112,11 +113,23 @@ def run_audit(
         return report
     if check_dump_dir(dump_dir, dump_dir_force):
         dump_dir.mkdir(parents=True, mode=0o700)
+    _require_reachable(server, request_timeout_s)
     lock = DumpDirLock(dump_dir)
     lock.acquire(f"hsq-audit:{socket.gethostname()}:{os.getpid()}")  # refuses a worker's
     client = ServerClient(server, request_timeout=request_timeout_s)
     try:
-        require_hook(dump_dir, client.healthy, cfg, threading.Event())
+        # Not a worker's 30 minutes for a starting checkpoint: the audit's own request
+        # timeout bounds the wait for a server that answers but is not healthy yet.
+        await_hook(
+            dump_dir,
+            client.healthy,
+            layer_ids=cfg.layer_ids,
+            model_id=cfg.model_id,
+            store_dtype=cfg.store_dtype,
+            prenorm=cfg.prenorm,
+            timeout_s=request_timeout_s,
+            stop=threading.Event(),
+        )
         clear_dump_dir(dump_dir)
         target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
         index = store.get_index(chosen)
@@ -143,6 +156,10 @@ def run_audit(
                 report.failed[sid] = str(exc)
                 log.warning("audit_failed", sample=sid, error=str(exc))
                 continue
+            if not verdict.trusted:  # decides nothing: never counted, never requeued
+                report.failed[sid] = f"comparison not trusted: {verdict.detail}"
+                log.warning("audit_untrusted", sample=sid, detail=verdict.detail)
+                continue
             report.audited += 1
             report.worst_cosine = min(report.worst_cosine, verdict.min_cosine)
             report.worst_abs_over_norm = max(report.worst_abs_over_norm, verdict.max_abs_over_norm)
@@ -160,8 +177,35 @@ def run_audit(
     return report
 
 
+def _require_reachable(server: str, timeout_s: float) -> None:
+    """ConfigError (exit 2) at once when nothing answers at `server` (issue 33 D12: the
+    audit waited 30 minutes for a closed port); any HTTP answer will do here."""
+    import httpx
+
+    try:
+        httpx.get(server.rstrip("/") + "/health", timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"the audit server {server} cannot be reached ({type(exc).__name__}: {exc}): "
+            "start it, or give the right --server"
+        ) from exc
+
+
 def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) -> Verdict:
     sample = read_sample(t.view.dataset, sid, index_entry)
+    fresh, architecture = _extract(t, sid, sample)
+    stored = open_output(out_root / output_relpath(sid), raw=True)
+    first = compare_states(stored, sample.input_ids, fresh, architecture=architecture)
+    if not first.mismatch:
+        return first
+    # Nothing is called a mismatch (and removed with --requeue) on one extraction alone.
+    again, _ = _extract(t, sid, sample)
+    second = compare_states(stored, sample.input_ids, again, architecture=architecture)
+    return confirm(first, second, compare(fresh, again, architecture=architecture))
+
+
+def _extract(t: _Target, sid: str, sample: Sample) -> tuple[States, str | None]:
+    """The sample's states from one request sent alone, checked as a worker checks a dump."""
     n = len(sample.input_ids)
     rid = f"hsq-audit-{sid}-{secrets.token_hex(4)}"
     answer = t.client.prefill(sample.input_ids, rid)
@@ -176,14 +220,7 @@ def _audit_one(t: _Target, sid: str, index_entry: IndexEntry, out_root: Path) ->
         dump = read_dump(path, t.view.expected(rid, sample))
     finally:
         remove_dump(path)
-    stored = open_output(out_root / output_relpath(sid))
-    return compare_states(
-        stored,
-        sample.input_ids,
-        dump.aux_hidden_states,
-        dump.last_hidden_state,
-        architecture=dump.meta.model.architecture,
-    )
+    return dump_states(dump), dump.meta.model.architecture
 
 
 def _requeue(store: RunStore, out_root: Path, bad: dict[str, ManifestEntry]) -> int:

@@ -1,13 +1,16 @@
 """`hsq exporter`: queue-level metrics read from Redis at scrape time.
 
 One exporter per Redis, so the numbers are right when no worker runs. Every scrape costs a
-handful of O(1) commands per run (HLEN, LLEN, HGETALL of the small stats hash). Labels:
+handful of O(1) commands per run (HLEN, LLEN, HGETALL of the small stats hash), plus the
+SCAN that lists the runs (hsq.store.scan_runs: O(keys in Redis), since no shared set of run
+names is kept: issue 33 D6), taken again only as often as RESCAN_FACTOR allows. Labels:
 run, queue, state; never a sample id.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import signal
 import threading
@@ -22,15 +25,33 @@ from prometheus_client.registry import Collector
 from hsq.app.ops import run_figures
 from hsq.errors import ConfigError, StoreError
 from hsq.runstore import RunStore
-from hsq.store import Client, connect, list_runs
+from hsq.store import Client, RunListing, connect, scan_runs
 
 log = structlog.get_logger("hsq.app.exporter")
+
+
+RESCAN_FACTOR = 10
+"""The run list is taken again once it is older than this many times what its SCAN took:
+every scrape on a small Redis, every ~40 s at a million keys (SCAN then holds Redis's one
+thread for under a tenth of the time)."""
 
 
 class RedisCollector(Collector):
     def __init__(self, client: Client) -> None:
         self.client = client
         self.errors = 0
+        self._listing = RunListing()
+        self._listed_at = -math.inf
+        self._scan_s = 0.0
+
+    def _run_listing(self) -> RunListing:
+        now = time.monotonic()
+        if now - self._listed_at >= RESCAN_FACTOR * self._scan_s:
+            self._listing = scan_runs(self.client)
+            self._listed_at = time.monotonic()
+            self._scan_s = self._listed_at - now
+        last = self._listing  # a copy: what this scrape skips is counted for this scrape
+        return RunListing(list(last.runs), list(last.skipped), last.skipped_total)
 
     def collect(self) -> Iterator[Metric]:
         t0 = time.perf_counter()
@@ -53,7 +74,7 @@ class RedisCollector(Collector):
         yield dur
 
     def _runs(self) -> Iterator[Metric]:
-        runs = list_runs(self.client)
+        listing = self._run_listing()
         jobs = GaugeMetricFamily(
             "hsq_queue_jobs", "Jobs waiting in a queue", labels=["run", "queue"]
         )
@@ -79,11 +100,12 @@ class RedisCollector(Collector):
             "Free bytes on the run's output filesystem, where the exporter can see it",
             labels=["run"],
         )
-        for run in runs:
+        for run in listing.runs:
             try:
                 fig = run_figures(RunStore(self.client, run))
-            except ConfigError:
-                continue  # a run name that is not ours (Redis is untrusted)
+            except ConfigError as exc:  # purged meanwhile, or its config cannot be read
+                listing.skip(f"run {run!r}: {exc}")
+                continue
             # The same figures `hsq status` prints (hsq.app.ops.run_figures).
             jobs.add_metric([run, "main"], fig.queued_jobs)
             jobs.add_metric([run, "retry"], fig.retry_jobs)
@@ -100,7 +122,14 @@ class RedisCollector(Collector):
                 # Skipped where the output filesystem is not mounted on the exporter's host.
                 with contextlib.suppress(OSError):
                     free.add_metric([run], shutil.disk_usage(fig.out).free)
-        yield from (jobs, samples, tokens, written, workers, held, free)
+        skipped = GaugeMetricFamily(
+            "hsq_runs_skipped",
+            "Keys that look like a run's config but could not be read as one (last scrape)",
+        )
+        skipped.add_metric([], listing.skipped_total)
+        if listing.skipped:
+            log.warning("runs_skipped", count=listing.skipped_total, first=listing.skipped[:3])
+        yield from (jobs, samples, tokens, written, workers, held, free, skipped)
 
 
 def run_exporter(redis_url: str, host: str, port: int) -> None:

@@ -35,7 +35,9 @@ REDIS_URL_HELP = (
 class LogFlags:
     """`hsq`'s own options, before the command."""
 
-    log_level: str = setting("INFO", help="DEBUG, INFO, WARNING or ERROR")
+    log_level: str = setting(
+        "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the least severe level logged"
+    )
     log_format: str = setting(
         "json", choices=("json", "console"), help="one JSON object a line, or text for a console"
     )
@@ -53,7 +55,8 @@ class RedisAccess:
     redis_url_file: Path | None = setting(
         None,
         path="file",
-        help="read the Redis URL from this file (its first line; e.g. a Docker secret)",
+        help="read the Redis URL from this file (its first line; e.g. a Docker secret); "
+        "refused if its group or other users may read or write it (chmod 600)",
     )
     redis_ca: Path | None = setting(
         None,

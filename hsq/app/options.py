@@ -38,7 +38,7 @@ def _plain_type(hint: Any) -> tuple[Any, bool]:
 
 def _click_type(hint: Any, doc: SettingDoc) -> Any:
     if doc.choices is not None:
-        return click.Choice(doc.choices)
+        return click.Choice(doc.choices, case_sensitive=False)  # --log-level info too
     if hint is Path or (hint is str and doc.path is not None):
         return click.Path(
             exists=doc.exists,
@@ -189,3 +189,33 @@ def on_command_line(param: str) -> bool:
     """Whether `param` was given as a flag (not through its environment variable)."""
     source = click.get_current_context().get_parameter_source(param)
     return source is click.core.ParameterSource.COMMANDLINE
+
+
+def as_argv(obj: DataclassInstance, *, skip: Iterable[str] = ()) -> list[str]:
+    """The flags that give a command the fields of `obj` that differ from their defaults
+    (the inverse of `take`): how `hsq run` hands its worker settings to each `hsq worker`."""
+    skipped = set(skip)
+    argv: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not f.init or f.name in skipped or value == f.default:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            argv += as_argv(value, skip=skip)
+            continue
+        doc = setting_doc(f)
+        if doc is None:
+            raise TypeError(f"settings field {f.name} has no setting() description")
+        flag = doc.flag or "--" + base_name(f.name).replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif value is None:
+            continue  # a None that differs from a default: not expressible as a flag
+        elif isinstance(value, tuple) and doc.parse is None:
+            for item in value:
+                argv += [flag, str(item)]
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv

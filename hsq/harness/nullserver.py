@@ -6,7 +6,9 @@ counts and times /server_info reports), the readiness marker, and one
 valid dump per request written with hsq.protocol.write_dump at once: the hidden states are
 slices of one preallocated buffer of random, finite values of the chosen shape (H, k aux
 layers + the last state, dtype). Everything a worker checks holds: rid, fingerprint, token
-count, layers, model identity, shapes, dtype, finite values.
+count, layers, model identity, shapes, dtype, finite values. `--dump-encoding fp8-e4m3`
+makes server-made fp8 dumps (float8 values and float32 row scales, quantized once at start
+with hsq.quant, as a real server's hook would send them): half the bytes per token.
 
     python -m hsq.harness.nullserver --dump-dir /dev/shm/hsq-null/d0 --port 30000 \\
         --hidden-size 4096 --num-layers 32 --dtype bfloat16
@@ -21,14 +23,16 @@ import json
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hsq.dump.format import ModelIdentity
+from hsq.dump.format import ModelIdentity, expected_shapes
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
 from hsq.harness.fakedump import random_states, request_meta
 from hsq.sglang_server.http_api import ApiServer, Handler, Route, prefill_answer, sglang_routes
+from hsq.states import ENCODINGS, FP8, PLAIN, scale_name, state_tensors
 
 SHAPES = {
     # name: (hidden size, decoder layers)
@@ -56,10 +60,12 @@ class NullModel:
         max_tokens: int,
         name: str,
         seed: int = 0,
+        encoding: str = PLAIN,
     ) -> None:
         self.hidden_size = hidden_size
         self.layer_ids = list(layer_ids)
         self.dtype = dtype
+        self.encoding = encoding
         self.max_tokens = max_tokens
         self.identity = ModelIdentity(
             name=name,
@@ -70,10 +76,21 @@ class NullModel:
             config_digest=f"null-{hidden_size}-{num_layers}-{dtype}".ljust(16, "0"),
         )
         # A request takes the first rows.
-        self.states = random_states(max_tokens, len(self.layer_ids), hidden_size, dtype, seed)
+        states = random_states(max_tokens, len(self.layer_ids), hidden_size, dtype, seed)
+        if encoding == FP8:  # quantized once, row by row: a row's slice stays a valid dump
+            from hsq.quant import quantize
+
+            fp8: dict[str, Any] = {}
+            for tname, groups in state_tensors(len(self.layer_ids), False):
+                fp8[tname], fp8[scale_name(tname)] = quantize(states[tname], groups)
+            states = fp8
+        self.states = states
 
     def tensors(self, n: int) -> dict[str, Any]:
         return {name: t[:n] for name, t in self.states.items()}
+
+    def shapes(self, n: int) -> dict[str, list[int]]:
+        return expected_shapes(n, len(self.layer_ids), self.hidden_size, encoding=self.encoding)
 
 
 class NullApp:
@@ -122,6 +139,8 @@ class NullApp:
             dtype=m.dtype,
             index=index,
         )
+        if m.encoding != PLAIN:
+            meta = replace(meta, encoding=m.encoding, tensors=m.shapes(n), format_version=0)
         write_dump(self.dump_dir, index, meta, m.tensors(n), fsync=self.fsync)
         with self._lock:
             self.requests += 1
@@ -169,6 +188,7 @@ class NullApp:
                 "layer_ids": m.layer_ids,
                 "hidden_size": m.hidden_size,
                 "dump_dtype": m.dtype,
+                "dump_encoding": m.encoding,
             },
         }
 
@@ -183,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-layers", type=int, default=8)
     ap.add_argument("--layers", default=None, help="aux layer ids, comma separated")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--dump-encoding", default=PLAIN, choices=ENCODINGS)
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--name", default=None, help="model name in the identity")
     ap.add_argument("--seed", type=int, default=0)
@@ -207,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens=args.max_tokens,
         name=args.name or f"null-{args.shape or hidden}",
         seed=args.seed,
+        encoding=args.dump_encoding,
     )
     args.dump_dir.mkdir(parents=True, exist_ok=True)
     import hsq
@@ -219,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         hook_version=hsq.__version__,
         pid=os.getpid(),
         created_unix=time.time(),
+        encoding=args.dump_encoding,
     )
     write_ready(args.dump_dir, marker, fsync=args.fsync)  # before /health answers
     app = NullApp(model, args.dump_dir, fsync=args.fsync, answer_delay_s=args.answer_delay_s)

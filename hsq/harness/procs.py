@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -41,7 +41,8 @@ class ManagedProcess:
 
     ``new_session``: the child leads its own process group (a server that forks children,
     as SGLang forks its schedulers): `signal_group` reaches all of them, and `stop` ends
-    the whole group.
+    the whole group. ``parent_death_signal`` (Linux): the signal the child gets when this
+    process dies, even by SIGKILL, so a supervisor's crash leaves no orphan behind.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         *,
         new_session: bool = False,
+        parent_death_signal: int | None = None,
     ):
         self.argv = list(argv)
         self.log_path = log_path
@@ -64,6 +66,9 @@ class ManagedProcess:
                 stderr=subprocess.STDOUT,
                 env=child_env,
                 start_new_session=new_session,
+                preexec_fn=None
+                if parent_death_signal is None
+                else _on_parent_death(parent_death_signal),
             )
 
     @property
@@ -111,6 +116,18 @@ class ManagedProcess:
         self.stop()
 
 
+def _on_parent_death(sig: int) -> Callable[[], None]:
+    """A preexec function: prctl(PR_SET_PDEATHSIG, sig), where the platform has it."""
+
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+    return arm
+
+
 def wait_http_ok(url: str, proc: ManagedProcess, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -139,13 +156,19 @@ class DumpServer(ManagedProcess):
         port: int | None = None,
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        parent_death_signal: int | None = None,
     ) -> None:
         self.port = port or free_port()
         self.dump_dir = dump_dir
         self.url = f"http://127.0.0.1:{self.port}"
         dump_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", *self.module, "--dump-dir", str(dump_dir)]
-        super().__init__([*argv, "--port", str(self.port), *args], log_path, env)
+        super().__init__(
+            [*argv, "--port", str(self.port), *args],
+            log_path,
+            env,
+            parent_death_signal=parent_death_signal,
+        )
 
     def wait_ready(self, timeout: float = 120.0) -> Self:
         wait_http_ok(self.url + "/health", self, timeout)
@@ -153,9 +176,31 @@ class DumpServer(ManagedProcess):
 
 
 class ReferenceServer(DumpServer):
-    """`hsq serve-reference` as a child process on a free port."""
+    """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
+    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
 
     module = ("hsq", "serve-reference")
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        parent_death_signal: int | None = None,
+        admin: bool = True,
+    ) -> None:
+        extra = ["--admin"] if admin and "--admin" not in args else []
+        super().__init__(
+            dump_dir,
+            log_path,
+            port=port,
+            args=[*extra, *args],
+            env=env,
+            parent_death_signal=parent_death_signal,
+        )
 
 
 class NullServer(DumpServer):
@@ -163,6 +208,13 @@ class NullServer(DumpServer):
     valid dumps of a chosen shape at once, so a worker runs at its own ceiling."""
 
     module = ("hsq.harness.nullserver",)
+
+
+class FakeVllmServer(DumpServer):
+    """The vLLM-shaped server (hsq.harness.fakevllm: completions API, hsq's connector core)
+    as a child process on a free port; args take --model and --layers."""
+
+    module = ("hsq.harness.fakevllm",)
 
 
 class RedisServer(ManagedProcess):
@@ -176,6 +228,8 @@ class RedisServer(ManagedProcess):
         appendonly: bool = False,
         port: int | None = None,
         bind: Sequence[str] = ("127.0.0.1",),
+        new_session: bool = False,
+        parent_death_signal: int | None = None,
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -211,7 +265,12 @@ class RedisServer(ManagedProcess):
             argv.insert(1, str(conf))  # redis-server CONF [--options]
         auth = f":{quote(password, safe='')}@" if password else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
-        super().__init__(argv, workdir / "redis.log")
+        super().__init__(
+            argv,
+            workdir / "redis.log",
+            new_session=new_session,
+            parent_death_signal=parent_death_signal,
+        )
 
     def wait_ready(self, timeout: float = 20.0) -> RedisServer:
         import redis
@@ -244,13 +303,19 @@ def worker_process(
     log_path: Path,
     *extra: str,
     prefix: Sequence[str] = (),
+    parent_death_signal: int | None = None,
 ) -> ManagedProcess:
     """`hsq worker` for one server; `prefix` runs it elsewhere (e.g. `ip netns exec NS`).
     The Redis URL (a password) goes in the environment, never on the command line."""
     argv = hsq_command(
         "worker", "--run", run, "--server", server_url, "--dump-dir", str(dump_dir), *extra
     )
-    return ManagedProcess([*prefix, *argv], log_path, env={"HSQ_REDIS_URL": redis_url})
+    return ManagedProcess(
+        [*prefix, *argv],
+        log_path,
+        env={"HSQ_REDIS_URL": redis_url},
+        parent_death_signal=parent_death_signal,
+    )
 
 
 def exporter_process(redis_url: str, port: int, log_path: Path) -> ManagedProcess:

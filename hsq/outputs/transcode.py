@@ -60,8 +60,11 @@ def write_output(
     NonFiniteDumpError or CorruptDumpError for a bad dump, OutputError when the disk
     refuses. `stats` gathers seconds per step; `before_rename` runs after the fsync, right
     before the file takes its name, and may raise to leave nothing behind.
-    An fp8-e4m3 dump (the server quantized it) goes the same way as bf16: its values and
-    scales are checked and copied as they are. `prenorm`: the run stores
+    An fp8-e4m3 dump (the server quantized it) is copied as it is, read the same way: its
+    scales first, then its values a chunk of tokens at a time, each chunk checked against
+    its scales by the rules `verify --deep` applies (hsq.quant.check_quantized: finite
+    values and scales, a zero scale only on an all-zero row, every row reaching +-448,
+    scale * 448 finite) before it is written. `prenorm`: the run stores
     last_hidden_state_prenorm (a dump that has it in a run that does not: left out).
     """
     n = len(sample.input_ids)
@@ -78,7 +81,15 @@ def write_output(
     if meta.encoding == FP8:
         if store_dtype != FP8:  # check_meta refuses it first; never store a mix
             raise MetaMismatchError(f"an {FP8} dump cannot be stored as {store_dtype}")
-        copied = [x for name, _ in states for x in (name, scale_name(name))]
+        copied: list[str] = []
+        for name, _groups in states:  # checked by the rules verify --deep applies
+            info, sinfo = dump.header.tensors[name], dump.header.tensors[scale_name(name)]
+            q, scales = _checked_fp8_copy(dump.fd, info, sinfo, stats)
+            entries += [
+                (info.name, info.dtype, info.shape, info.nbytes),
+                (sinfo.name, sinfo.dtype, sinfo.shape, sinfo.nbytes),
+            ]
+            sources += [q, scales]
     elif store_dtype == FP8:
         copied = []
         for name, groups in states:
@@ -165,6 +176,42 @@ def _fp8_sources(
         yield raw_bytes(scales)
 
     return Produced(make, t * d), Produced(scale_bytes, 4 * t * groups)
+
+
+def _checked_fp8_copy(
+    fd: int, info: TensorInfo, sinfo: TensorInfo, stats: dict[str, float] | None
+) -> tuple[Produced, Produced]:
+    """A server-made fp8 tensor and its scales, copied from bytes read once into buffers of
+    the writer's own and checked there (so the bytes checked are the bytes written): the
+    scales (small, [T, groups]) when the values start, the values a chunk at a time."""
+    import torch
+
+    t, d = info.shape
+    groups = sinfo.shape[1]
+    scales: Any = torch.empty((t, groups), dtype=torch.float32)  # Any: .numpy() as a buffer
+    rows = quant.CHUNK_TOKENS
+    name = info.name
+
+    def make() -> Iterator[memoryview]:
+        _pread_exact(fd, memoryview(scales.numpy()).cast("B"), sinfo.start)
+        raw: Any = torch.empty(min(t, rows) * d, dtype=torch.uint8)
+        for lo in range(0, t, rows):
+            hi = min(t, lo + rows)
+            view = memoryview(raw.numpy())[: (hi - lo) * d]
+            t0 = time.perf_counter()
+            _pread_exact(fd, view, info.start + lo * d)
+            t1 = time.perf_counter()
+            q = raw[: (hi - lo) * d].view(torch.float8_e4m3fn).view(hi - lo, d)
+            quant.check_quantized(q, scales[lo:hi], name)
+            if stats is not None:
+                stats["read_s"] = stats.get("read_s", 0.0) + t1 - t0
+                stats["check_s"] = stats.get("check_s", 0.0) + time.perf_counter() - t1
+            yield view
+
+    def scale_bytes() -> Iterator[memoryview]:
+        yield raw_bytes(scales)  # what make() read and checked
+
+    return Produced(make, t * d), Produced(scale_bytes, sinfo.nbytes)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int) -> None:

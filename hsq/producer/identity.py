@@ -1,4 +1,5 @@
-"""A run's identity for `hsq recover`: the model and effective layers its files must hold.
+"""A run's identity for `hsq recover`: the model and effective layers its files must hold,
+and the dtype of their states (decide_states_dtype).
 
 Never taken from one file (issue 23 item 3). In order: the run's recorded pins; else what
 was given (`--model-id`, `--layers`); else what the run's servers announce in their
@@ -104,6 +105,28 @@ def decide_identity(
         )
     (m, ls), n = ranked[0]
     return (m, list(ls)), f"{m} layers {list(ls)} (majority: {n} of {total} files)"
+
+
+def decide_states_dtype(cfg: RunConfig, found: Counter[str], total: int) -> tuple[str | None, str]:
+    """The dtype the run's states are stored in (issue 33 D9: the worker pins it, so a run
+    never mixes float32 and bf16 files): the recorded pin, else what most of the files of
+    the run's identity hold (`found`: files per dtype; a tie is refused). None when nothing
+    says (fp8-e4m3 files do not keep it): the first valid dump pins it, as usual."""
+    if cfg.dump_dtype is not None:
+        n = found.get(cfg.dump_dtype, 0)
+        return cfg.dump_dtype, f"{cfg.dump_dtype} (recorded in the run; {n} of {total} files)"
+    ranked = found.most_common()
+    if not ranked:
+        return None, "not decided"
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        tied = "; ".join(f"{n} files of {d}" for d, n in ranked)
+        raise ConfigError(
+            f"the run's files disagree on the states' dtype with no majority ({tied}): move "
+            "the files of the dtype the run does not use out of its directory; nothing was "
+            "changed"
+        )
+    dtype, n = ranked[0]
+    return dtype, f"{dtype} (majority: {n} of {total} files)"
 
 
 def identity_key(ident: Identity) -> tuple[str, tuple[int, ...]]:

@@ -18,7 +18,13 @@ from hsq import logs
 from hsq.dataset import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
 from hsq.outputs.manifest import ManifestEntry
-from hsq.producer.identity import Identity, IdentityHint, decide_identity, given_conflicts
+from hsq.producer.identity import (
+    Identity,
+    IdentityHint,
+    decide_identity,
+    decide_states_dtype,
+    given_conflicts,
+)
 from hsq.producer.identity import identity_key as _key
 from hsq.producer.report import (
     Bad,
@@ -155,6 +161,9 @@ class RecoveryPlan:
     identity: Identity | None
     """None: no valid file and nothing given; the first fully valid dump pins it."""
     adopt: list[tuple[str, ManifestEntry]]
+    states: tuple[str, int] | None = None
+    """The adopted files' states dtype and hidden size, pinned as a worker pins them; None
+    when the files do not say (fp8-e4m3) or nothing is adopted."""
 
 
 def _plan_recovery(
@@ -167,7 +176,7 @@ def _plan_recovery(
 ) -> RecoveryPlan:
     """Check every file under OUT/RUN/ (read-only), decide the run's identity, and list the
     files to mark done: valid ones of that identity. The others are in report.rejected_files."""
-    from hsq.adopt import adopt_output, file_identity
+    from hsq.adopt import adopt_output, file_identity, file_states
 
     out_root = Path(cfg.out) / cfg.run
     dataset = Path(cfg.dataset)
@@ -175,7 +184,7 @@ def _plan_recovery(
     already: set[str] = set()
     for i in range(0, len(ids), 5000):
         already |= store.done_among(ids[i : i + 5000])
-    found: list[tuple[str, ManifestEntry, Identity]] = []
+    found: list[tuple[str, ManifestEntry, Identity, tuple[str, int] | None]] = []
     with logs.progress(len(valid), "file", "checking", enabled=progress) as bar:
         for sid, entry in valid:
             bar.update()
@@ -186,7 +195,10 @@ def _plan_recovery(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            manifest, why = adopt_output(out_root, sample, cfg.run, cfg.store_dtype)
+            # The run's layout (pre-norm or not) and format: a run keeps one (D8).
+            manifest, why = adopt_output(
+                out_root, sample, cfg.run, cfg.store_dtype, prenorm=cfg.prenorm
+            )
             if manifest is None:
                 if why != "missing":
                     report.rejected_files[sid] = why
@@ -195,14 +207,22 @@ def _plan_recovery(
             if ident is None:
                 report.rejected_files[sid] = "model_id or layer_ids missing from the header"
                 continue
-            found.append((sid, manifest, ident))
-    counts = Counter(_key(i) for _, _, i in found)
+            found.append((sid, manifest, ident, file_states(out_root / manifest.path)))
+    counts = Counter(_key(i) for _, _, i, _ in found)
     identity, how = decide_identity(cfg, hint, counts)
-    report.identity = how
+    ours = [s for _, _, i, s in found if i == identity]
+    dtypes = Counter(s[0] for s in ours if s is not None)
+    dtype, dtype_how = decide_states_dtype(cfg, dtypes, len(ours))
+    report.identity = how if dtype is None else f"{how}, states {dtype_how}"
     adopt = []
-    for sid, manifest, ident in found:
-        if ident == identity:
+    states: tuple[str, int] | None = None
+    for sid, manifest, ident, st in found:
+        if ident == identity and dtype is not None and st is not None and st[0] != dtype:
+            # The worker's dtype pin forbids a mixed run (D9): enqueued, not marked done.
+            report.rejected_files[sid] = f"states stored as {st[0]}, the run's are {dtype}"
+        elif ident == identity:
             adopt.append((sid, manifest))
+            states = states or st
         else:
             report.stale += 1
             report.rejected_files[sid] = f"stale: model {ident[0]} layers {ident[1]}, " + (
@@ -212,7 +232,7 @@ def _plan_recovery(
             )
     for sid, why in list(report.rejected_files.items())[:20]:
         log.warning("recover_rejected_file", sample=sid, why=why)
-    return RecoveryPlan(identity, adopt)
+    return RecoveryPlan(identity, adopt, states if adopt else None)
 
 
 def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) -> None:
@@ -222,6 +242,15 @@ def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) 
     recorded = store.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
     if recorded != (model, layers):
         raise ConfigError(f"the run pinned {recorded} meanwhile; nothing was marked done")
+    if plan.states is not None:  # as a worker pins it, so its later dumps must agree
+        dtype, hidden = plan.states
+        pins = store.pin_dump_identity(model, layers, dtype, hidden)
+        if (pins["dump_dtype"], pins["hidden_size"]) != (dtype, hidden):
+            raise ConfigError(
+                f"the run pinned dtype {pins['dump_dtype']} and hidden size "
+                f"{pins['hidden_size']} meanwhile, its files hold {dtype} and {hidden}; "
+                "nothing was marked done"
+            )
     for sid, manifest in plan.adopt:
         if store.mark_done(sid, manifest):
             report.recovered += 1

@@ -4,7 +4,9 @@ server (hsq/harness/nullserver.py) and the tests' misbehaving server (tests/host
 
 One stdlib threading server: routes by (method, path), JSON replies, request bodies read
 within a size limit (the body is untrusted: a bad or oversized Content-Length is refused
-and the connection closed, never read), and SGLang's error shape
+and the connection closed, never read; JSON nested deeper than jsonsafe.MAX_DEPTH is a
+400), an optional `authorize` hook that may refuse a request by its path, peer and headers
+before it is read (Forbidden: 403), and SGLang's error shape
 ``{"error": {"message": ..., "code": status}}``. A handler's exception becomes that reply:
 the server's ``refusals`` map types to a status (RequestError: 400), anything else is a
 500 with its cause, logged, and the server keeps serving. Connections stay open (HTTP/1.1
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -36,6 +38,18 @@ Handler = Callable[[Any], Any]
 
 class RequestError(ValueError):
     """A request the server refuses (HTTP 400)."""
+
+
+class Forbidden(RequestError):
+    """A request this client may not make (HTTP 403)."""
+
+
+class Headers(Protocol):
+    def get(self, name: str, default: None = None) -> str | None: ...
+
+
+Authorize = Callable[[str, str, Headers], None]
+"""(path, peer address, headers) -> None, or raise Forbidden."""
 
 
 def prefill_answer(rid: str, prompt_tokens: int, e2e_s: float) -> dict[str, Any]:
@@ -80,11 +94,15 @@ class ApiServer(ThreadingHTTPServer):
         refusals: Mapping[type[Exception], int] | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         backlog: int | None = None,
+        authorize: Authorize | None = None,
     ) -> None:
         self.routes = dict(routes)
-        self.refusals: dict[type[Exception], int] = {RequestError: int(HTTPStatus.BAD_REQUEST)}
+        # Most specific first: status_for takes the first kind that matches.
+        self.refusals: dict[type[Exception], int] = {Forbidden: int(HTTPStatus.FORBIDDEN)}
         self.refusals.update(refusals or {})
+        self.refusals.setdefault(RequestError, int(HTTPStatus.BAD_REQUEST))
         self.max_body_bytes = max_body_bytes
+        self.authorize = authorize
         if backlog is not None:
             self.request_queue_size = backlog  # read by server_activate(), in __init__
         super().__init__(address, _Handler)
@@ -143,6 +161,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self, method: str) -> None:
         try:
+            if self.server.authorize is not None:
+                self.close_connection = True  # until allowed: a refused body stays unread
+                self.server.authorize(self.path, str(self.client_address[0]), self.headers)
+                self.close_connection = False
             body = self._body() if method == "POST" else None
             route = self.server.routes.get((method, self.path))
             if route is None:
@@ -160,17 +182,21 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> Any:
         declared = self.headers.get("Content-Length") or "0"
         limit = self.server.max_body_bytes
-        if not declared.isdigit() or int(declared) > limit:
+        digits = declared.isascii() and declared.isdigit()  # int() refuses '²', isdigit not
+        if not digits or int(declared) > limit:
             self.close_connection = True  # the body stays unread: nothing after it is a request
-            if not declared.isdigit():
+            if not digits:
                 raise RequestError(f"bad Content-Length {declared[:40]!r}")
             raise RequestError(f"body larger than {limit} bytes")
         length = int(declared)
         raw = self.rfile.read(length) if length else b""
         try:
-            return jsonsafe.loads(raw or b"null")
+            value = jsonsafe.loads(raw or b"null")
         except ValueError as exc:  # not JSON, not UTF-8, or nested too deeply to parse
             raise RequestError(f"body is not valid JSON: {exc}") from exc
+        if jsonsafe.too_deep(value):  # parsed, but no handler should walk it
+            raise RequestError(f"body nests deeper than {jsonsafe.MAX_DEPTH} levels")
+        return value
 
     def _send(self, status: int, body: Any) -> None:
         data = json.dumps(body).encode() if body is not None else b""

@@ -108,16 +108,22 @@ def build_header(
     return struct.pack("<Q", len(raw)) + raw
 
 
-def read_header(fd: int) -> Header:
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) != 8:
+FIRST_READ = 16 * 1024
+"""Bytes read at once from a file's start: a small file's header comes in one read."""
+
+
+def read_header(fd: int, size: int | None = None) -> Header:
+    """`size`: the file's size if the caller has just taken it (fstat) already."""
+    size = os.fstat(fd).st_size if size is None else size
+    first = os.pread(fd, FIRST_READ, 0)
+    if len(first) < 8:
         raise FormatError("shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", head)
+    (n,) = struct.unpack_from("<Q", first)
     if n > MAX_HEADER or 8 + n > size:
         raise FormatError(f"implausible header length {n} for a {size}-byte file")
+    text = first[8 : 8 + n] if 8 + n <= len(first) else os.pread(fd, n, 8)
     try:
-        raw = jsonsafe.loads(os.pread(fd, n, 8))
+        raw = jsonsafe.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"header is not JSON: {exc}") from exc
     if not isinstance(raw, dict):
@@ -148,16 +154,13 @@ def _tensor_spec(name: str, spec: Any) -> tuple[str, list[int], int, int]:
         code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     except (KeyError, TypeError) as exc:
         raise FormatError(f"tensor {name!r}: bad entry {spec!r:.200}") from exc
-    ints_ok = isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)
-    if not ints_ok or not all(_is_dim(v) for v in [*offsets, *shape]):
+    ints_ok = type(offsets) is list and len(offsets) == 2 and type(shape) is list
+    # `type(v) is int`: JSON's ints exactly (no bool); one loop, not a call per value.
+    if not ints_ok or any(type(v) is not int or v < 0 for v in (*offsets, *shape)):
         raise FormatError(f"tensor {name!r}: shape/offsets are not lists of integers")
     if not isinstance(code, str) or code not in ITEMSIZE:
         raise FormatError(f"tensor {name!r}: unknown dtype {code!r:.40}")
     return code, list(shape), offsets[0], offsets[1]
-
-
-def _is_dim(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _prod(shape: Sequence[int]) -> int:

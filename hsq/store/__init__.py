@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.store.config import ConfigIndex
-from hsq.store.connection import Client, connect, list_runs, redis_calls
+from hsq.store.connection import Client, RunListing, connect, list_runs, redis_calls, scan_runs
 from hsq.store.counters import Counters, Stats
 from hsq.store.facade import Store
 from hsq.store.fence import Fence
@@ -55,6 +55,7 @@ __all__ = [
     "Lifecycle",
     "MemoryRun",
     "MemoryStore",
+    "RunListing",
     "SampleRef",
     "Stats",
     "Store",
@@ -66,4 +67,5 @@ __all__ = [
     "list_runs",
     "new_worker_id",
     "redis_calls",
+    "scan_runs",
 ]

@@ -13,7 +13,6 @@ from typing import Any
 
 from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError
-from hsq.keys import RUNS
 from hsq.runconfig import RunConfig
 from hsq.store import scripts
 from hsq.store.connection import text, translate_public
@@ -55,9 +54,7 @@ class ConfigIndex:
         concurrent creators one wins). Returns (the recorded config, whether we created it)."""
         fresh = replace(cfg, generation=secrets.token_hex(8))
         flat = [x for kv in fresh.to_redis().items() for x in kv]
-        created = bool(
-            self._create(keys=[self.keys.config, RUNS, self.keys.stats], args=[self.run, *flat])
-        )
+        created = bool(self._create(keys=[self.keys.config, self.keys.stats], args=flat))
         return self.require_config(), created
 
     def pin_model(self, model_id: str, layer_ids: list[int]) -> tuple[str, list[int]]:
@@ -92,16 +89,16 @@ class ConfigIndex:
     # ------------------------------------------------------------------ the index
     def put_index(self, entries: Iterable[AnyRef], batch: int = 5000) -> int:
         n = 0
-        buf: dict[str, str] = {}
+        buf: list[str] = []  # field, value, field, value...: HSET's arguments as they go
         for sid, e in entries:
-            buf[sid] = e if isinstance(e, str) else e.encode()
-            if len(buf) >= batch:
-                self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
-                n += len(buf)
-                buf = {}
+            buf += (sid, e if isinstance(e, str) else e.encode())
+            if len(buf) >= 2 * batch:
+                self.client.hset(self.keys.index, items=buf)
+                n += len(buf) // 2
+                buf = []
         if buf:
-            self.client.hset(self.keys.index, mapping=buf)  # type: ignore[arg-type]
-            n += len(buf)
+            self.client.hset(self.keys.index, items=buf)
+            n += len(buf) // 2
         return n
 
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:

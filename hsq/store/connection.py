@@ -14,6 +14,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import redis
@@ -21,12 +22,13 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from hsq.errors import ConfigError, StoreError, StoreUnavailableError
-from hsq.keys import RUNS
+from hsq.keys import RUN_CONFIG_GLOB, run_of_config_key
 from hsq.redisurl import check_url, redact, scrub
 
 Client = redis.Redis
 """The client type, for modules that hold a connection without importing redis."""
 WatchError = redis.exceptions.WatchError
+NoPermissionError = redis.exceptions.NoPermissionError
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
@@ -95,9 +97,43 @@ def connect(url: str) -> Client:
     return client
 
 
-def list_runs(client: Client) -> list[str]:
+@dataclass
+class RunListing:
+    """The runs in a Redis, and what looked like a run but is not one (in words)."""
+
+    runs: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """At most SKIPPED_SHOWN entries, in words; `skipped_total` counts them all."""
+    skipped_total: int = 0
+
+    def skip(self, why: str) -> None:
+        self.skipped_total += 1
+        if len(self.skipped) < SKIPPED_SHOWN:
+            self.skipped.append(why)
+
+
+SKIPPED_SHOWN = 20
+
+
+def scan_runs(client: Client) -> RunListing:
+    """Every run, by SCAN of the config keys (keys.py: no shared listing another run's user
+    could empty or fill). A key name that is not a legal run's config key is skipped and
+    reported, never fatal. Needs SCAN: an admin or the shared user, not a run's own user."""
+    listing = RunListing()
+    names: set[str] = set()
     with redis_errors():
-        return sorted(text(r) for r in client.smembers(RUNS))
+        for key in client.scan_iter(match=RUN_CONFIG_GLOB, count=10000, _type="hash"):
+            try:
+                names.add(run_of_config_key(text(key)))
+            except (ValueError, UnicodeDecodeError) as exc:
+                listing.skip(str(exc))
+    listing.runs = sorted(names)
+    return listing
+
+
+def list_runs(client: Client) -> list[str]:
+    """The names of every run (scan_runs without what it skipped)."""
+    return scan_runs(client).runs
 
 
 def redis_calls(client: Client) -> int:

@@ -70,6 +70,7 @@ class Store(Generic[E]):
         self.done_among = ledger.done_among
         self.mark_done = ledger.mark_done
         self.mark_done_many = ledger.mark_done_many
+        self.mark_held_done = ledger.mark_held_done
         self.undo_done = ledger.undo_done
         self.get_manifest = ledger.get_manifest
         self.iter_manifest = ledger.iter_manifest

@@ -50,7 +50,9 @@ def job_kwargs(
 ) -> dict[str, Any]:
     return {
         "run": run,
-        "samples": [[sid, e if isinstance(e, str) else e.encode()] for sid, e in samples],
+        # (id, entry) pairs as they come when the entry is encoded already: JSON writes a
+        # tuple as the same array as a list.
+        "samples": [r if isinstance(r[1], str) else (r[0], r[1].encode()) for r in samples],
         "attempt": attempt,
         "reason": reason,
     }

@@ -77,16 +77,29 @@ class Ledger(Generic[E]):
         """Mark samples done, each exactly once, in one script call per MAX_MARK_BATCH (the
         same fence, idempotency and totals as one mark_done each). Per sample: True if this
         call made it done. Call it only once every file is durably written."""
-        out: list[bool] = []
+        res = self._mark([(sid, "", e) for sid, e in entries], None)
+        return [x == 1 for x in res]
+
+    def mark_held_done(
+        self, worker_id: str, entries: Sequence[tuple[str, str, E]]
+    ) -> list[bool | None]:
+        """mark_done_many for a worker, per (sample id, job id, entry): only samples whose
+        job is still in this worker's wip list are marked, in the same script call; None
+        for the others (a reaper gave their job to another worker: issue 33 D4)."""
+        res = self._mark(entries, worker_id)
+        return [None if x == 2 else x == 1 for x in res]
+
+    def _mark(self, entries: Sequence[tuple[str, str, E]], worker_id: str | None) -> list[int]:
+        out: list[int] = []
         k = self.keys
+        keys = [k.done, k.stats, k.dead, k.dead_reasons]
+        if worker_id is not None:
+            keys.append(k.wip(worker_id))
         for i in range(0, len(entries), MAX_MARK_BATCH):
             args: list[Any] = []
-            for sid, e in entries[i : i + MAX_MARK_BATCH]:
-                args += [sid, self.codec.encode(sid, e), *self.codec.totals(e)]
-            res = self.fence.call(
-                self._mark_done_many, [k.done, k.stats, k.dead, k.dead_reasons], args
-            )
-            out += [bool(x) for x in res]
+            for sid, job, e in entries[i : i + MAX_MARK_BATCH]:
+                args += [sid, self.codec.encode(sid, e), *self.codec.totals(e), job]
+            out += [int(x) for x in self.fence.call(self._mark_done_many, keys, args)]
         return out
 
     def undo_done(self, sample_id: str, entry: E) -> bool:

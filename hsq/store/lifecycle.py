@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import redis
 
 from hsq.errors import ConfigError
-from hsq.keys import RUNS, rq_job_key
+from hsq.keys import rq_job_key
 from hsq.store import scripts
 from hsq.store.connection import redis_errors, scan_names, text, translate_public
 from hsq.store.fence import Fence
@@ -106,5 +106,4 @@ class Lifecycle:
         keys += [rq_job_key(j) for j in set(jobs)]
         for i in range(0, len(keys), 1000):
             n += int(self.client.delete(*keys[i : i + 1000]))
-        self.client.srem(RUNS, self.run)
         return n

@@ -253,6 +253,18 @@ class MemoryStore(Generic[E]):
                 out.append(newly)
             return out
 
+    def mark_held_done(
+        self, worker_id: str, entries: Sequence[tuple[str, str, E]]
+    ) -> list[bool | None]:
+        with self._lock:
+            held = {j.job_id for j in self.state.wip.get(worker_id, [])}
+            out: list[bool | None] = [None] * len(entries)
+            ours = [i for i, (_s, job, _e) in enumerate(entries) if not job or job in held]
+            marks = self.mark_done_many([(entries[i][0], entries[i][2]) for i in ours])
+            for i, newly in zip(ours, marks, strict=True):
+                out[i] = newly
+            return out
+
     def get_manifest(self, sample_id: str) -> E | None:
         with self._lock:
             return self.state.done.get(sample_id)

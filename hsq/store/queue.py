@@ -8,6 +8,7 @@ about is the worker's own bookkeeping (hsq/workers/claims.py), not the store's.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,9 +18,15 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from hsq.errors import RunChangedError, StoreError
-from hsq.keys import rq_job_key, rq_queue_key
+from hsq.keys import RQ_QUEUES, rq_job_key, rq_queue_key
 from hsq.store import scripts
-from hsq.store.connection import WatchError, scan_names, text, translate_public
+from hsq.store.connection import (
+    NoPermissionError,
+    WatchError,
+    scan_names,
+    text,
+    translate_public,
+)
 from hsq.store.fence import Fence
 from hsq.store.jobs import JOB_FUNC, AnyRef, ChunkJob, fetch_jobs, job_kwargs, job_size, parse_job
 from hsq.store.workers import WorkerRegistry
@@ -46,6 +53,11 @@ class JobQueue:
             name: Queue(name, connection=self.client, serializer=JSONSerializer)
             for name in (self.keys.main_queue, self.keys.retry_queue)
         }
+        for q in self._queues.values():
+            # RQ adds its queue to its registry on every enqueue, in our transaction: into
+            # the run's own set, so a run's user needs no write to the shared `rq:queues`.
+            q.redis_queues_keys = self.keys.rq_registry
+        self._in_rq_registry = False
 
     def enqueue(
         self,
@@ -87,7 +99,19 @@ class JobQueue:
                 datas, sizes, ids = [], 0, []
         if datas:
             self._enqueue_fenced(q, datas, sizes, which, ids)
+        if n:
+            self._register_for_rq()
         return n
+
+    def _register_for_rq(self) -> None:
+        """Put the run's queues in RQ's shared registry (`rq info` lists it) where this
+        user may write it; a run's own ACL user may not (keys.py), and is not told twice."""
+        if self._in_rq_registry:
+            return
+        self._in_rq_registry = True
+        queues = [rq_queue_key(name) for name in self._queues]
+        with contextlib.suppress(NoPermissionError):
+            self.client.sadd(RQ_QUEUES, *queues)
 
     def _enqueue_fenced(
         self, q: Queue, datas: list[Any], samples: int, which: str, cleared: list[str]

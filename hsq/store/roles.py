@@ -32,6 +32,9 @@ class BatchMarker(Protocol[E_contra]):
     """Marking durably written samples done, a batch per call (hsq/workers/commit.py)."""
 
     def mark_done_many(self, entries: Sequence[tuple[str, E_contra]]) -> list[bool]: ...
+    def mark_held_done(
+        self, worker_id: str, entries: Sequence[tuple[str, str, E_contra]]
+    ) -> list[bool | None]: ...
 
 
 class DoneMarker(BatchMarker[E_contra], Protocol[E_contra]):
@@ -39,6 +42,7 @@ class DoneMarker(BatchMarker[E_contra], Protocol[E_contra]):
     before a rename, and the run's pins (hsq/workers/runview.py)."""
 
     def done_among(self, ids: list[str]) -> set[str]: ...
+    def held_job_ids(self, worker_id: str) -> list[str]: ...
     def pin_dump_identity(
         self, model_id: str, layer_ids: list[int], dump_dtype: str, hidden_size: int
     ) -> dict[str, Any]: ...

@@ -44,22 +44,32 @@ end
 """
 
 # Marks a batch of samples done, each exactly once, and keeps the run's totals in step with
-# the done hash. KEYS: config, done, stats, dead, dead reasons; ARGV: generation, then
-# (sample id, manifest JSON, tokens, bytes) per sample. A newly done sample leaves the dead
+# the done hash. KEYS: config, done, stats, dead, dead reasons[, a worker's wip list]; ARGV:
+# generation, then (sample id, manifest JSON, tokens, bytes, job id) per sample. With the
+# wip list, a sample whose job ('' : none) is no longer in it is not marked (2): a worker
+# whose jobs a reaper took never marks again (issue 33 D4). A newly done sample leaves the dead
 # letter (done and dead stay disjoint, so status adds them up without reading either).
-# Replies 1/0 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
+# Replies 1/0/2 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
 MARK_DONE_MANY = (
     _FENCE
     + _REASON
     + """
+local held = {}
+local function holds(job)
+  if #KEYS < 6 or job == '' then return true end
+  if held[job] == nil then held[job] = redis.call('LPOS', KEYS[6], job) ~= false end
+  return held[job]
+end
 local ids = {}
-for i = 2, #ARGV, 4 do ids[#ids + 1] = ARGV[i] end
+for i = 2, #ARGV, 5 do ids[#ids + 1] = ARGV[i] end
 local have = redis.call('HMGET', KEYS[2], unpack(ids))
 local out, put, new, seen = {}, {}, {}, {}
 local tokens, nbytes = 0, 0
 for j, sid in ipairs(ids) do
-  local i = 2 + (j - 1) * 4
-  if have[j] or seen[sid] then
+  local i = 2 + (j - 1) * 5
+  if not holds(ARGV[i + 4]) then
+    out[j] = 2
+  elseif have[j] or seen[sid] then
     out[j] = 0
   else
     seen[sid] = true
@@ -246,12 +256,11 @@ return 1
 )
 
 # Creates a run's config if there is none (one enqueue wins); 0 if it exists. Its counters
-# start exact (a new run has no job): KEYS[3] is the stats hash.
+# start exact (a new run has no job): KEYS[2] is the stats hash. ARGV: field, value pairs.
 CREATE = f"""
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[3], 'counters', {COUNTERS_VERSION})
+for i = 1, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[2], 'counters', {COUNTERS_VERSION})
 return 1
 """
 

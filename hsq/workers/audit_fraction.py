@@ -9,11 +9,13 @@ a fresh rid through its own dispatcher and dump dir (ownership unchanged: the au
 is matched by rid like any other), and compares the states with the file it wrote, within
 the reference tolerance (hsq/closeness.py).
 
-A mismatch takes the sample out of the done hash, removes its file and dead-letters it as
-`audit_mismatch` (`hsq requeue --reason audit_mismatch` after fixing the server): the
-stored states belong to another input. An audit that cannot run (server down, no dump)
-changes nothing and is only logged. Costs: one extra prefill per audited sample, and the
-server idles while the worker drains to send it alone.
+A mismatch (confirmed by a second fresh extraction, hsq/closeness.py:confirm; a
+comparison that cannot be trusted is only logged) takes the sample out of the done hash,
+removes its file and dead-letters it as `audit_mismatch` (`hsq requeue --reason
+audit_mismatch` after fixing the server): the stored states belong to another input. An
+audit that cannot run (server down, no dump) changes nothing and is only logged. Costs:
+one extra prefill per audited sample (two for a mismatch), and the server idles while the
+worker drains to send it alone.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Protocol
 
 import structlog
 
-from hsq.closeness import compare_states
+from hsq.closeness import States, compare, compare_states, confirm, dump_states
 from hsq.dump.read import read_dump
 from hsq.errors import AuditMismatchError, OutputError
 from hsq.outputs.format import open_output, output_relpath
@@ -84,27 +86,25 @@ class WorkerAudit:
         item, view = self._queue.popleft()
         sid = item.sample_id
         try:
-            staged = self.send.extract(item, view)  # a fresh rid, checked against the run
+            stored = open_output(view.out_root / output_relpath(sid), raw=True)
+            ids, fresh, architecture = self._fresh(item, view)
+            verdict = compare_states(stored, ids, fresh, architecture=architecture)
+            if verdict.mismatch:  # removed only once a second extraction confirms it
+                _, again, _ = self._fresh(item, view)
+                verdict = confirm(
+                    verdict,
+                    compare_states(stored, ids, again, architecture=architecture),
+                    compare(fresh, again, architecture=architecture),
+                )
         except Exception as exc:  # an audit that cannot run changes nothing, stops nothing
+            # (the server down, no dump, the file gone meanwhile: redone, verify --requeue)
             self.counts["audit_failures"] += 1
             log.warning("audit_failed", sample=sid, error=str(exc))
             return
-        try:
-            dump = read_dump(staged.staged, view.expected(staged.meta.rid, staged.sample))
-            stored = open_output(view.out_root / output_relpath(sid))
-            verdict = compare_states(
-                stored,
-                staged.sample.input_ids,
-                dump.aux_hidden_states,
-                dump.last_hidden_state,
-                architecture=dump.meta.model.architecture,
-            )
-        except Exception as exc:  # e.g. the file gone meanwhile (redone, verify --requeue)
+        if not verdict.trusted:
             self.counts["audit_failures"] += 1
-            log.warning("audit_failed", sample=sid, error=str(exc))
+            log.warning("audit_untrusted", sample=sid, detail=verdict.detail)
             return
-        finally:
-            shutil.rmtree(staged.staged, ignore_errors=True)
         self.counts["audited"] += 1
         try:
             verdict.raise_for_mismatch()
@@ -114,6 +114,15 @@ class WorkerAudit:
             self._reject(item, view, exc)
             return
         log.info("audit_ok", sample=sid, detail=verdict.detail)
+
+    def _fresh(self, item: WorkItem, view: RunView) -> tuple[list[int], States, str | None]:
+        """One extraction of the sample alone, checked as any dump of the run."""
+        staged = self.send.extract(item, view)  # a fresh rid, checked against the run
+        try:
+            dump = read_dump(staged.staged, view.expected(staged.meta.rid, staged.sample))
+        finally:
+            shutil.rmtree(staged.staged, ignore_errors=True)
+        return staged.sample.input_ids, dump_states(dump), dump.meta.model.architecture
 
     def _reject(self, item: WorkItem, view: RunView, mismatch: AuditMismatchError) -> None:
         sid = item.sample_id

@@ -1,4 +1,5 @@
-"""HTTP client for an inference server (SGLang or the reference server).
+"""HTTP client for an inference server (SGLang or the reference server; vLLM:
+hsq/workers/vllm_client.py, the same errors over its completions API).
 
 Translates httpx errors into hsq's: a server that cannot be reached is unavailable (not
 the sample's fault); one that died after the request was sent is unavailable *mid-request*
@@ -55,8 +56,19 @@ class ServerClient:
 
     def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "rid": rid}
+        answer = self._post_json("/generate", body)
         try:
-            with self._http.stream("POST", "/generate", json=body) as r:
+            info = answer["meta_info"]
+            return PrefillAnswer(
+                int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), answer
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ServerRejectedError(f"unexpected answer from /generate: {exc!r}", 502) from exc
+
+    def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body``; the parsed answer, or hsq's error for what went wrong."""
+        try:
+            with self._http.stream("POST", path, json=body) as r:
                 status = r.status_code
                 data = _read_limited(r, MAX_ANSWER_BYTES)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
@@ -73,13 +85,9 @@ class ServerClient:
             text = data[:500].decode(errors="replace")
             raise ServerRejectedError(f"{self.base_url} answered {status}: {text}", status)
         try:
-            answer = jsonsafe.loads(data)
-            info = answer["meta_info"]
-            return PrefillAnswer(
-                int(info["prompt_tokens"]), int(info.get("cached_tokens", 0)), answer
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ServerRejectedError(f"unexpected answer from /generate: {exc!r}", 502) from exc
+            return jsonsafe.loads(data)
+        except ValueError as exc:
+            raise ServerRejectedError(f"unexpected answer from {path}: {exc!r}", 502) from exc
 
     def healthy(self) -> bool:
         try:
@@ -108,3 +116,16 @@ def _read_limited(r: httpx.Response, limit: int) -> bytes | None:
         if len(buf) > limit:
             return None
     return bytes(buf)
+
+
+def make_client(
+    kind: str, base_url: str, *, request_timeout: float, model: str | None = None
+) -> ServerClient:
+    """The client for a server kind (WorkerSettings.server_kind): same errors, same answer."""
+    if kind == "vllm":
+        from hsq.workers.vllm_client import VllmClient
+
+        return VllmClient(base_url, model=model, request_timeout=request_timeout)
+    if kind != "sglang":
+        raise ValueError(f"unknown server kind {kind!r}")
+    return ServerClient(base_url, request_timeout=request_timeout)

@@ -11,6 +11,13 @@ first logs and counts it), or FAILED with the call's exception for every sample 
 batch (a purged run, Redis unreachable): the ack stage decides as it did for one sample.
 A worker killed with samples waiting here redoes them: their files are rewritten to the
 same bytes and marked once.
+
+Marks are fenced by ownership (issue 33 D4): the script marks a sample only while its job
+is still in this worker's wip list. A worker stopped (SIGSTOP, a partition) with written
+samples waiting here, whose jobs a reaper gave to another worker meanwhile, marks none of
+them when it wakes: the other worker's files and marks stand. Such a sample is settled
+here without a mark (DONE on the ack stage's queue, no `sample_done` line), as one done
+elsewhere; its chunk's finish then finds the job gone.
 """
 
 from __future__ import annotations
@@ -48,12 +55,14 @@ class Committer:
         self,
         store: BatchMarker[ManifestEntry],
         events: queue.Queue[Event],
+        worker_id: str,
         *,
         max_batch: int = MAX_BATCH,
         max_delay_s: float = MAX_DELAY_S,
     ) -> None:
         self.store = store
         self.events = events
+        self.worker_id = worker_id
         self.max_batch = max(1, max_batch)
         self.max_delay_s = max_delay_s
         self._pending: list[_Pending] = []
@@ -105,12 +114,20 @@ class Committer:
 
     def _commit(self, batch: Sequence[_Pending]) -> None:
         try:
-            newly = self.store.mark_done_many([(p.item.sample_id, p.entry) for p in batch])
+            newly = self.store.mark_held_done(
+                self.worker_id, [(p.item.sample_id, p.item.job_id, p.entry) for p in batch]
+            )
         except Exception as exc:  # every sample of the batch is classified by the ack stage
             for p in batch:
                 self.events.put(Event(p.item, EventKind.FAILED, exc))
             return
         for p, first in zip(batch, newly, strict=True):
+            if first is None:  # our job was reaped: the other worker's mark decides
+                log.warning(
+                    "sample_not_marked_job_taken", sample=p.item.sample_id, job=p.item.job_id
+                )
+                self.events.put(Event(p.item, EventKind.DONE))
+                continue
             try:
                 p.on_marked(first)
             except Exception as exc:  # counting or logging failed: the sample is done anyway

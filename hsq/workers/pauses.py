@@ -46,6 +46,7 @@ class Pauses:
         stop: threading.Event,
         state: StateCell,
         notices: Notices,
+        done: Callable[[], int] = lambda: 0,
     ) -> None:
         self.settings = settings
         self.claims = claims
@@ -55,14 +56,37 @@ class Pauses:
         self._stop = stop
         self._state = state
         self._notices = notices
+        self._done = done
         self.current: Pause | None = None
         self.fatal: HsqError | None = None
         """Raised by :meth:`recover` once in-flight work has settled."""
         self._count = 0
         self._hold_until = 0.0
         self._server_errors = 0
+        self._cause: tuple[Pause, str, float, int] | None = None
+        """The last cause (pause, message, since, samples done then), until a sample is done
+        after it: the worker's record shows it (`hsq status`), across the short stretches
+        of WORKING between two tries that meet the same full disk or dead server."""
+
+    def note(self, pause: Pause, why: str) -> None:
+        """Record the cause (kept with its first time while the same one repeats)."""
+        old, done = self._cause, self._done()
+        again = old is not None and old[0] is pause and done <= old[3]  # no sample since
+        self._cause = (pause, why[:500], old[2] if again and old else time.time(), done)
+
+    def cause(self) -> dict[str, object]:
+        """The worker record's fields for the cause: {} when none, or once a sample was
+        done after it (read by the heartbeat thread; the tuple is swapped whole)."""
+        c = self._cause
+        if c is None:
+            return {}
+        pause, why, since, seen = c
+        if self.current is None and self._done() > seen:
+            return {}
+        return {"cause": pause.value, "cause_message": why, "cause_since": round(since, 1)}
 
     def pause(self, pause: Pause, why: str) -> None:
+        self.note(pause, why)
         if pause is Pause.STORE_DOWN:
             log.error("redis_unavailable", error=why)
         if pause in FATAL and self.fatal is None:
@@ -123,6 +147,8 @@ class Pauses:
         delay = 0.25
         was_down = False
         while not self._stop.is_set() and not self.healthy():
+            if not was_down:
+                self.note(Pause.SERVER_DOWN, f"{self.settings.server} does not answer /health")
             was_down = True
             self._state.set(WorkerState.SERVER_DOWN)
             self._notices.emit(ServerHealth(False))

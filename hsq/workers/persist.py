@@ -3,8 +3,11 @@
 Bounded: `submit` blocks when `depth` samples wait, so memory and staging space stay
 bounded (depth + threads samples) whatever the queue length or dataset size; several
 threads overlap one sample's fsync with another's copy and checks (all of it releases the
-GIL). Each sample ends as exactly one Event (DONE or FAILED with the exception) on the ack
-stage's queue; nothing is decided or dropped here.
+GIL). With `procs` > 0 each thread drives a persist process (hsq/workers/persist_procs.py)
+that does the sample's CPU work (hsq/workers/persist_work.py) outside this interpreter; the
+decision before the rename and the done marks stay here. Each sample ends as exactly one
+Event (DONE or FAILED with the exception) on the ack stage's queue; nothing is decided or
+dropped here.
 
 The stage owns the write engine its threads share (hsq.stfile.engine: write threads and
 staging buffers, O_DIRECT per --direct-io) and ends it in close().
@@ -25,10 +28,8 @@ import structlog
 
 from hsq.dataset import Sample
 from hsq.dump.format import DumpMeta
-from hsq.dump.read import open_dump_tensors
 from hsq.outputs.format import output_relpath
 from hsq.outputs.manifest import ManifestEntry
-from hsq.outputs.transcode import write_output
 from hsq.states import FP8
 from hsq.stfile.engine import WriteEngine
 from hsq.store import DoneMarker
@@ -36,6 +37,8 @@ from hsq.workers.chunks import WorkItem
 from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
+from hsq.workers.persist_procs import PersistProcs
+from hsq.workers.persist_work import WriteJob, write_staged
 from hsq.workers.runview import RunView
 
 log = structlog.get_logger("hsq.worker.persist")
@@ -98,6 +101,7 @@ class PersistStage:
         on_done: Callable[[int], None] | None = None,
         lease: Lease | None = None,
         direct_io: bool = True,
+        procs: int = 0,
     ) -> None:
         self.store = store
         self.run = run
@@ -109,7 +113,14 @@ class PersistStage:
         self._queue: queue.Queue[StagedSample | None] = queue.Queue(maxsize=max(1, depth))
         self.engine = WriteEngine(direct_io=direct_io)
         # Written samples are marked done in batches; it posts their DONE events.
-        self.committer = Committer(store, events)
+        self.committer = Committer(store, events, worker_id)
+        self.procs: PersistProcs | None = None
+        if procs > 0:  # one thread per process: it waits on its child, GIL released
+            ncpu = os.cpu_count() or 1
+            self.procs = PersistProcs(
+                procs, direct_io=direct_io, torch_threads=max(1, ncpu // procs)
+            )
+            threads = procs
         self._threads = [
             threading.Thread(target=self._loop, name=f"persist-{i}", daemon=True)
             for i in range(max(1, threads))
@@ -126,13 +137,15 @@ class PersistStage:
         def load() -> None:
             import numpy  # noqa: F401
 
-            if store_dtype != FP8:
-                return
+            if store_dtype != FP8 or self.procs is not None:
+                return  # persist processes set their own torch threads
             import torch
 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(self._threads)))
 
         threading.Thread(target=load, name="fp8-warm", daemon=True).start()
+        if self.procs is not None:
+            self.procs.warm(store_dtype)
 
     def submit(self, item: StagedSample) -> None:
         self._queue.put(item)
@@ -148,6 +161,8 @@ class PersistStage:
         for t in self._threads:
             t.join()
         self.engine.close()  # nothing writes any more
+        if self.procs is not None:
+            self.procs.close()
         self.committer.close()
 
     def _loop(self) -> None:
@@ -176,9 +191,6 @@ class PersistStage:
     def _persist(self, item: StagedSample) -> None:
         sid = item.item.sample_id
         t0 = time.perf_counter()
-        # The header against the meta here; the values (finite) in the one pass that
-        # copies them, so the bytes checked are the bytes written (issue 23, item 6).
-        tensors = open_dump_tensors(item.staged, item.meta, check_finite=False, mapped=False)
         stats: dict[str, float] = {}
 
         def before_rename() -> None:
@@ -190,25 +202,35 @@ class PersistStage:
             # heartbeat must not replace the file of a sample another worker redid and
             # marked done meanwhile (issue 23, item 5): look right before the rename,
             # unless the lease shows no one can have taken the sample.
+            # Past a break, the sample's job must still be ours too: once a reaper took it,
+            # this worker never renames (nor marks: commit.py) for it again (issue 33 D4).
             held = self._lease is not None and self._lease.held()
-            if not held and self.store.done_among([sid]):
+            if not held and (
+                item.item.job_id not in self.store.held_job_ids(self.worker_id)
+                or self.store.done_among([sid])
+            ):
                 raise _DoneElsewhere(sid)
 
+        if item.confirm_single is not None:
+            item.confirm_single()  # a second dump for the rid fails the attempt (item 12)
+        t1 = time.perf_counter()
+        self.metrics.observe("validate", t1 - t0)
+        rel = output_relpath(sid)
+        out = item.view.out_root / rel
+        cfg = item.view.cfg
+        store_dtype = cfg.store_dtype
         try:
-            if item.confirm_single is not None:
-                item.confirm_single()  # a second dump for the rid fails the attempt (item 12)
-            t1 = time.perf_counter()
-            self.metrics.observe("validate", t1 - t0)
-            rel = output_relpath(sid)
-            out = item.view.out_root / rel
-            cfg = item.view.cfg
-            store_dtype = cfg.store_dtype
-            try:
-                nbytes, checksum = write_output(
+            if self.procs is not None:
+                job = WriteJob.of(
+                    out, item.sample, item.meta, item.staged, self.run, store_dtype, cfg.prenorm
+                )
+                nbytes, checksum = self.procs.write(job, before_rename, stats)
+            else:
+                nbytes, checksum = write_staged(
                     out,
                     item.sample,
                     item.meta,
-                    tensors,
+                    item.staged,
                     self.run,
                     store_dtype,
                     engine=self.engine,
@@ -216,11 +238,9 @@ class PersistStage:
                     stats=stats,
                     before_rename=before_rename,
                 )
-            except _DoneElsewhere:
-                log.warning("sample_done_elsewhere", sample=sid, attempt=item.item.attempt)
-                raise
-        finally:
-            tensors.close()
+        except _DoneElsewhere:
+            log.warning("sample_done_elsewhere", sample=sid, attempt=item.item.attempt)
+            raise
         entry = ManifestEntry(
             path=rel,
             num_tokens=len(item.sample.input_ids),

@@ -8,8 +8,8 @@ retried and, after ``max_attempts``, dead-lettered with its message.
     Kind         example                                  outcome
     SAMPLE       bad dump, wrong length, NaN, unknown bug RETRY, DEAD after max_attempts
     PERMANENT    4xx, bad dataset line, dataset changed   DEAD now
-    SERVER_FAIL  server died mid-request, 5xx answer       RETRY (no attempt used) / HAND_BACK,
-                                                           DEAD after max_server_crashes
+    SERVER_FAIL  server died mid-request, 5xx answer,      RETRY (no attempt used) / HAND_BACK,
+                 a persist process died                   DEAD after max_server_crashes
     PAUSE        server down, dataset unreadable (EIO,    HAND_BACK the chunk untouched and
                  missing), disk full, Redis unreachable,  back off: never the sample's fault
                  dump dir replaced, hook not live, a bug  (the last three: take the dir again /
@@ -23,6 +23,7 @@ import enum
 from dataclasses import dataclass
 
 from hsq.errors import (
+    OUTPUT_READ_ONLY,
     DatasetError,
     DumpDirError,
     DumpError,
@@ -30,6 +31,7 @@ from hsq.errors import (
     HsqError,
     InternalError,
     OutputError,
+    PersistProcessError,
     RunChangedError,
     ServerRejectedError,
     ServerUnavailableError,
@@ -45,6 +47,10 @@ STORE_DOWN: tuple[type[BaseException], ...] = (StoreUnavailableError,)
 # For the places that only log and go on (heartbeat, shutdown, settling after a fault).
 STORE_DOWN_OR_RUN_CHANGED: tuple[type[BaseException], ...] = (*STORE_DOWN, RunChangedError)
 STORE_TROUBLE: tuple[type[BaseException], ...] = (HsqError, *STORE_DOWN)
+
+# The reasons classify gives itself (the others are the exceptions' `reason`): `hsq requeue
+# --reason` accepts them (hsq/app/ops/requeue.py:known_reasons).
+POLICY_REASONS = ("rejected", "server_error", "internal_error")
 
 # Dataset reasons that mean "the file is not there or not readable right now".
 DATASET_TRANSIENT = {"dataset_unreadable"}
@@ -72,6 +78,9 @@ class Pause(enum.Enum):
     SERVER_DOWN = "server_down"
     DATASET_UNAVAILABLE = "dataset_unavailable"
     OUTPUT_UNWRITABLE = "output_unwritable"
+    OUTPUT_READ_ONLY = "output_read_only"
+    """The output filesystem is read-only (e.g. remounted so after an error): hand back,
+    retry until it is writable again."""
     STORE_DOWN = "store_down"
     SERVER_ERRORS = "server_errors"
     DUMP_DIR = "dump_dir_changed"
@@ -133,6 +142,10 @@ def classify(exc: BaseException) -> Failure:
         if 400 <= exc.status_code < 500:
             return Failure(Kind.PERMANENT, "rejected", msg)
         return Failure(Kind.SERVER_FAIL, "server_error", msg, Pause.SERVER_ERRORS)
+    if isinstance(exc, OutputError) and exc.reason == OUTPUT_READ_ONLY:
+        return Failure(Kind.PAUSE, OUTPUT_READ_ONLY, msg, Pause.OUTPUT_READ_ONLY)
+    if isinstance(exc, PersistProcessError):  # counted as a crash: retried, no attempt used
+        return Failure(Kind.SERVER_FAIL, exc.reason, msg)
     for kind, reason, pause in _PAUSES:
         if isinstance(exc, kind):
             return Failure(Kind.PAUSE, reason, msg, pause)

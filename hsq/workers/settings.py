@@ -9,6 +9,8 @@ from hsq.errors import ConfigError
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.settings import setting
 
+SERVER_KINDS = ("sglang", "vllm")
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -20,6 +22,17 @@ class WorkerSettings:
         help="the server's dump dir, owned by this worker", env=("SGLANG_HS_DUMP_DIR",)
     )
     redis_url: str = setting(help="Redis URL (the shared --redis option)")
+    server_kind: str = setting(
+        "sglang",
+        choices=SERVER_KINDS,
+        help="the server's API: sglang (SGLang with hsq's hook, the reference server: "
+        "/generate) or vllm (stock vLLM with hsq's connector: /v1/completions)",
+    )
+    served_model: str | None = setting(
+        None,
+        default_text="the server's only model",
+        help="vLLM only: the `model` of each completions request (--served-model-name)",
+    )
     name: str | None = setting(
         None, help="stable name for logs and metrics; a unique suffix is added"
     )
@@ -38,6 +51,12 @@ class WorkerSettings:
         8,
         help="threads writing outputs: many small files are bound by fsync latency, which "
         "threads overlap (BENCHMARKS.md, issue 22)",
+    )
+    persist_procs: int | None = setting(
+        None,
+        help="persist processes doing each sample's checks, quantizing and writing outside "
+        "the worker's interpreter (0: threads only) [default: half the usable cores, at most "
+        "8; 0 below 4 cores]",
     )
     direct_io: bool = setting(
         True,
@@ -86,12 +105,16 @@ class WorkerSettings:
     def validate(self) -> None:
         if not self.server.startswith(("http://", "https://")):
             raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
+        if self.server_kind not in SERVER_KINDS:
+            raise ConfigError(f"--server-kind must be one of {', '.join(SERVER_KINDS)}")
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ConfigError("--audit-fraction must be within [0, 1]")
         if not 1 <= self.inflight <= 256:
             raise ConfigError("--inflight must be within [1, 256]")
         if self.max_inflight_tokens is not None and self.max_inflight_tokens < 1:
             raise ConfigError("--max-inflight-tokens must be >= 1")
+        if self.persist_procs is not None and not 0 <= self.persist_procs <= 64:
+            raise ConfigError("--persist-procs must be within [0, 64]")
         if min(self.persist_depth, self.persist_threads, self.max_server_crashes) < 1:
             raise ConfigError(
                 "--persist-depth, --persist-threads and --max-server-crashes must be >= 1"

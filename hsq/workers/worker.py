@@ -4,7 +4,9 @@ Stages (each in its own module):
   claim    (main thread)  chunk jobs from Redis into the ChunkBook (hsq/workers/chunks.py)
   send     (K threads)    read the sample, send it with a fresh rid, get the dump the
                           dispatcher matched to that rid, check its meta (hsq/workers/extract.py)
-  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py)
+  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py);
+                          with --persist-procs N the CPU work runs in N child processes
+                          (persist_procs.py), the rename's decision and the marks stay here
   ack      (main thread)  every stage reports Events on one queue; the failure policy
                           (hsq/workers/policy.py) turns an exception into retry, dead letter or
                           hand back; a chunk finishes when all its samples are settled
@@ -41,7 +43,7 @@ from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
 from hsq.workers.claims import Claims
-from hsq.workers.client import ServerClient
+from hsq.workers.client import ServerClient, make_client
 from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
 from hsq.workers.extract import SendStage
@@ -52,9 +54,10 @@ from hsq.workers.notices import Notices, OutputDirMoved, StateChanged, Tally
 from hsq.workers.outcomes import Outcomes
 from hsq.workers.pauses import Pauses
 from hsq.workers.persist import Lease, PersistStage
+from hsq.workers.persist_procs import default_procs
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
-from hsq.workers.readiness import require_hook
+from hsq.workers.readiness import check_server_kind, require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.runwatch import RunWatch
 from hsq.workers.settings import WorkerSettings
@@ -106,6 +109,7 @@ class Worker:
             on_done=self.rate.add,
             lease=lease,
             direct_io=s.direct_io,
+            procs=default_procs() if s.persist_procs is None else s.persist_procs,
         )
         self.send = SendStage(
             client, self.dispatcher, self.persist, self.events, self.metrics, s.inflight
@@ -124,6 +128,7 @@ class Worker:
             self._stop,
             self.state,
             self.notices,
+            lambda: self.tally.counts["done"],
         )
         self.outcomes = Outcomes(
             self.store,
@@ -144,7 +149,11 @@ class Worker:
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         # A server without an active dump hook would time every sample out: refuse at once.
-        require_hook(self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop)
+        marker = require_hook(
+            self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
+        )
+        if marker is not None:
+            check_server_kind(marker, self.settings.server_kind)
         self.dispatcher.start()
         self.heartbeat.start()
         log.info(
@@ -361,6 +370,8 @@ class Worker:
             "rss_mb": _peak_rss_mb(),
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
+            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+            **self.pauses.cause(),
             **self.tally.counts,
             **self.audit.counts,
         }
@@ -373,7 +384,12 @@ def _peak_rss_mb() -> float:
 def run_worker(settings: WorkerSettings) -> int:
     worker_id = new_worker_id(settings.name)
     started = startup(settings, worker_id)
-    client = ServerClient(settings.server, request_timeout=settings.request_timeout_s)
+    client = make_client(
+        settings.server_kind,
+        settings.server,
+        request_timeout=settings.request_timeout_s,
+        model=settings.served_model,
+    )
     worker = Worker(settings, started, client, worker_id)
     if settings.metrics_port is not None:
         worker.metrics.serve(settings.metrics_port, settings.metrics_host)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hsq.closeness import compare_states
+from hsq.closeness import compare_states, dump_states
 from hsq.dump.find import remove_dump, scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
@@ -93,10 +93,8 @@ def batched_vs_alone(
             routing_diff_tokens += int(differ.sum())
             routing_tokens += int(differ.size)
         arch = dump.meta.model.architecture
-        v_strict = compare_states(stored, ids, dump.aux_hidden_states, dump.last_hidden_state)
-        v_moe = compare_states(
-            stored, ids, dump.aux_hidden_states, dump.last_hidden_state, architecture=arch
-        )
+        v_strict = compare_states(stored, ids, dump_states(dump))
+        v_moe = compare_states(stored, ids, dump_states(dump), architecture=arch)
         if not v_strict.ok:
             strict_alarms.append(f"{sid}: {v_strict.detail}")
         if not v_moe.ok:
@@ -110,11 +108,7 @@ def batched_vs_alone(
         dump = alone[b_sid]
         mixes += 1
         v = compare_states(
-            stored,
-            data[a_sid],
-            dump.aux_hidden_states,
-            dump.last_hidden_state,
-            architecture=dump.meta.model.architecture,
+            stored, data[a_sid], dump_states(dump), architecture=dump.meta.model.architecture
         )
         caught += not v.ok
         mix_dist.add(

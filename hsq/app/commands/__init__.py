@@ -10,6 +10,7 @@
     verify.py   verify, audit
     export.py   export
     demo.py     demo
+    run.py      run                                    (a node: hsq/app/node/)
 
 A command parses and formats; what it decides belongs to a service or to hsq/app/ops/.
 Heavy imports (torch, Redis, the services) stay inside the command function: `hsq --help`

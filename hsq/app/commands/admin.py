@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import click
 
+from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import settings_options, take
 from hsq.errors import ConfigError
@@ -35,13 +37,14 @@ def requeue(**values: Any) -> None:
 
     \b
     Examples:
-      hsq requeue --run kimi-v1 --failed --dry-run
+      hsq requeue --run kimi-v1 --failed --dry-run   # lists the ids
       hsq requeue --run kimi-v1 --reason stale_dump
       hsq requeue --run kimi-v1 --sample s000042 --sample s000043
       hsq requeue --run kimi-v1 --missing
     """
     from hsq.app.ops import requeue as do_requeue
     from hsq.app.ops import select_for_requeue
+    from hsq.app.ops.requeue import UNKNOWN_ID
 
     run = take(RunName, values).run
     redis = take(RedisFlags, values)
@@ -55,9 +58,16 @@ def requeue(**values: Any) -> None:
     do_requeue(st, ids, res, dry_run=f.dry_run)
     verb = "would requeue" if f.dry_run else "requeued"
     click.echo(f"selected {res.selected}, {verb} {res.enqueued}")
+    if f.dry_run:
+        for sid in res.ids:
+            click.echo(f"  {sid}")
     for why, sids in res.skipped.items():
         shown = ", ".join(sids[:10]) + (" ..." if len(sids) > 10 else "")
         click.echo(f"skipped {len(sids)}: {why}: {shown}")
+    unknown = [sid for sid in res.skipped.get(UNKNOWN_ID, []) if sid in set(f.samples)]
+    if unknown:  # the others were requeued; a mistyped id is still an error
+        click.echo(f"error: {len(unknown)} unknown sample id(s) in run {run}", err=True)
+        sys.exit(EXIT_PROBLEMS)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -13,6 +13,10 @@ from hsq.app.options import given, settings_options, take
 from hsq.producer.tokenize import TokenizeSettings
 from hsq.runconfig import RunConfig
 from hsq.settings import setting
+
+if TYPE_CHECKING:
+    from hsq.producer.report import EnqueueReport
+    from hsq.runstore import RunStore
 
 RUN_SETTINGS = (
     "max_attempts",
@@ -105,38 +109,66 @@ def enqueue(dataset: Path, **values: Any) -> None:
     used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
-    from hsq.producer.enqueue import enqueue_run
-    from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
     from hsq.runstore import RunStore
 
     run = take(RunName, values).run
     flags = take(EnqueueFlags, values)
     redis = take(RedisFlags, values)
     settings = {name: values.pop(name) for name in RUN_SETTINGS}
+    chat = None
     if flags.tokenizer is not None:
         chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
-        chat.validate()
-        tokens = flags.tokens or tokens_path(dataset)
-        tok_report, rejects = tokenize_file(dataset, tokens, chat, progress=not flags.no_progress)
-        for line in tok_report.lines_out():
-            click.echo(line)
-        dataset = tokens
-    else:
-        rejects = read_rejects(rejects_path(dataset))
-
-    store = RunStore(redis.client(), run)
-    cfg = RunConfig(
-        run=run, dataset=str(dataset.resolve()), out=str(flags.out.resolve()), **settings
-    )
-    report = enqueue_run(
-        store,
-        cfg,
+    report = enqueue_dataset(
+        RunStore(redis.client(), run),
+        dataset,
+        flags.out,
+        settings,
+        chat=chat,
+        tokens=flags.tokens,
         strict=flags.strict,
         progress=not flags.no_progress,
-        rejected=[r.dead_letter() for r in rejects],
-        defaulted=[name for name in RUN_SETTINGS if not given(name)],
     )
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:
         click.echo(f"  invalid: {p}", err=True)
+
+
+def enqueue_dataset(
+    store: RunStore,
+    dataset: Path,
+    out: Path,
+    settings: dict[str, Any],
+    *,
+    chat: TokenizeSettings | None,
+    tokens: Path | None,
+    strict: bool,
+    progress: bool,
+) -> EnqueueReport:
+    """What `hsq enqueue` does (also `hsq run`'s enqueue): with `chat`, tokenize DATASET's
+    chat rows first (its rejects dead-lettered), else take the rejects file `hsq tokenize`
+    left next to it; then enqueue what is neither done nor queued. `settings`: the
+    RUN_SETTINGS given on the command line; defaults are recorded as defaulted."""
+    from hsq.producer.enqueue import enqueue_run
+    from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
+
+    if chat is not None:
+        chat.validate()
+        target = tokens or tokens_path(dataset)
+        tok_report, rejects = tokenize_file(dataset, target, chat, progress=progress)
+        for line in tok_report.lines_out():
+            click.echo(line)
+        dataset = target
+    else:
+        rejects = read_rejects(rejects_path(dataset))
+    cfg = RunConfig(
+        run=store.run, dataset=str(dataset.resolve()), out=str(out.resolve()), **settings
+    )
+    return enqueue_run(
+        store,
+        cfg,
+        strict=strict,
+        progress=progress,
+        rejected=[r.dead_letter() for r in rejects],
+        defaulted=[name for name in RUN_SETTINGS if not given(name)],
+    )

@@ -98,6 +98,12 @@ class AuditFlags:
     dump_timeout_s: float = setting(
         60.0, help="seconds to wait for a dump's `done` after the server answered"
     )
+    audit_request_timeout_s: float = setting(
+        600.0,
+        flag="--request-timeout",
+        help="seconds a request to --server may take; also the longest wait for it to "
+        "become healthy (a server that cannot be reached fails at once)",
+    )
     dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
 
 
@@ -113,9 +119,12 @@ def audit(**values: Any) -> None:
     fingerprint and token count on another request's states: they are saved as valid and
     `verify --deep` passes. The audit sends each chosen sample alone (one request at a
     time, so alone in its batch) to --server, through --dump-dir (which it owns while it
-    runs), and compares with the stored file within the reference tolerance (per token:
-    cosine >= 0.999, max |diff| <= 1% of the norm). Exit 1 on any mismatch or a sample it
-    could not audit. Workers can audit continuously too: `hsq worker --audit-fraction F`.
+    runs), and compares every stored tensor with the stored file within the reference
+    tolerance (per token: cosine >= 0.999, max |diff| <= 1% of the norm; fp8-e4m3 states as
+    values times scales, the bound widened by e4m3's rounding). A mismatch is confirmed by
+    a second extraction before it counts. Exit 1 on any mismatch or a sample it could not
+    audit; exit 2 when --server cannot be reached. Workers can audit continuously too:
+    `hsq worker --audit-fraction F`.
 
     \b
     Example (a spare server; HSQ_REDIS_URL set):
@@ -137,6 +146,7 @@ def audit(**values: Any) -> None:
             seed=f.audit_seed,
             do_requeue=f.requeue,
             dump_timeout_s=f.dump_timeout_s,
+            request_timeout_s=f.audit_request_timeout_s,
             dump_dir_force=f.dump_dir_force,
             on_progress=bar.update,
         )

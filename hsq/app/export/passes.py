@@ -10,6 +10,7 @@ stale sweep are here, once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,20 @@ from hsq.app.export.common import (
 from hsq.errors import OutputError
 
 T = TypeVar("T")
+
+
+class DiskFullError(OutputError):
+    """The destination is full: the export stops (exit 1) instead of failing each sample."""
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's chain (hsq.fsio wraps the OSError)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,11 @@ def write_all(
         try:
             return item, write(item), ""
         except (OutputError, OSError) as exc:
+            if disk_full(exc):  # every later file would fail too: stop, keep what is written
+                raise DiskFullError(
+                    f"disk full writing {sample_of(item)}'s file: free space, then run the "
+                    "same command again (it resumes: the files written so far are kept)"
+                ) from exc
             return item, None, str(exc)
 
     ok: list[tuple[T, Exported]] = []

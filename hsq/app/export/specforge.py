@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
 from hsq.app.export.common import (
     ExportReport,
@@ -65,9 +65,35 @@ def _save(dest: Path, rel: str, tensors: dict[str, Any]) -> int:
 
     def fill(fd: int) -> None:
         with open(fd, "wb", closefd=False) as f:
-            torch.save(tensors, f)
+            sink = _Sink(f)
+            try:
+                torch.save(tensors, cast("IO[bytes]", sink))  # write and flush are enough
+            except RuntimeError:
+                # torch.save turns a failed write (ENOSPC: "unexpected pos ...") into a
+                # RuntimeError: raise the OSError it hid, so a full disk reads as one.
+                if sink.error is not None:
+                    raise sink.error from None
+                raise
 
     return save_in(dest, rel, fill)
+
+
+class _Sink:
+    """The file torch.save writes to, keeping the OSError of a failed write."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def export_specforge(store: RunStore, req: ExportRequest) -> ExportReport:

@@ -15,7 +15,8 @@
 
 hsq's `last_hidden_state` is after the norm (RMSNorm cannot be undone), so this format needs
 runs whose outputs also hold `last_hidden_state_prenorm` (the enqueue-time pre-norm option);
-others are refused. The Arrow dataset needs the `datasets` package (`hsq[speculators]`).
+others are refused. The Arrow dataset needs the `datasets` package (the extra
+`hidden-state-queue[speculators]`).
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def _require_prenorm(root: Path, entries: list[tuple[str, ManifestEntry]], run: 
         raise ConfigError(
             f"run {run!r} has no pre-norm final state ({PRENORM_TENSOR}): speculators trains on "
             "the last layer BEFORE the norm, which hsq's post-norm last_hidden_state cannot "
-            "give back. Extract a run with the pre-norm option (docs/training.md)"
+            "give back. Extract a new run with `hsq enqueue --prenorm` and every server "
+            "started with --prenorm (`hsq serve-reference --prenorm`, `hsq launch-sglang "
+            "--prenorm`), see docs/training.md"
         )
 
 
@@ -118,7 +121,7 @@ def export_speculators(store: RunStore, req: ExportRequest) -> ExportReport:
     except ImportError as exc:
         raise ConfigError(
             f"--format speculators writes an Arrow dataset and needs `datasets` ({exc}): "
-            "pip install 'hsq[speculators]'"
+            "pip install 'hidden-state-queue[speculators]'"
         ) from exc
     files = run_files(store, req)
     entries: list[tuple[str, ManifestEntry]] = []

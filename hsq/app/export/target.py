@@ -172,13 +172,40 @@ def _tensor_files(checkpoint: Path) -> dict[str, Path]:
     return out
 
 
+def _refuse_the_checkpoint(checkpoint: Path, target_dir: Path) -> None:
+    """ConfigError if target_dir is (or, once made, would be) the checkpoint's directory.
+
+    Compared by identity (device and inode), not by resolved paths: a bind mount, a second
+    mount of the same filesystem resolves to another path (issue 33 D11).
+    A target that does not exist yet is a new directory, unless the part still to be made
+    climbs back up with `..`: refused, since what it names is known only after mkdir."""
+    ckpt = os.stat(checkpoint)
+    made = []
+    here = target_dir
+    while True:
+        try:
+            st = os.stat(here)
+            break
+        except FileNotFoundError:
+            if here.parent == here:
+                return
+            made.append(here.name)
+            here = here.parent
+    if ".." in made:
+        raise ConfigError(f"--target-dir {target_dir}: give it without `..` in the part to make")
+    if not made and (st.st_dev, st.st_ino) == (ckpt.st_dev, ckpt.st_ino):
+        raise ConfigError(
+            f"--target-dir {target_dir} is the checkpoint --target-model {checkpoint} (the "
+            "same directory by device and inode): it would replace the checkpoint's weights"
+        )
+
+
 def write_target_dir(checkpoint: Path, target_dir: Path) -> list[str]:
     """Write SpecForge's target dir from a local HF checkpoint; returns the files written."""
     from safetensors import safe_open
     from safetensors.torch import save
 
-    if target_dir.resolve() == checkpoint.resolve():
-        raise ConfigError("--target-dir must not be the checkpoint itself")
+    _refuse_the_checkpoint(checkpoint, target_dir)
     config = load_config(checkpoint)
     files = _tensor_files(checkpoint)
     names = sorted(files)

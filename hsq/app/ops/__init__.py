@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from hsq.app.ops.requeue import RequeueResult, requeue, select_for_requeue
 from hsq.app.ops.status import (
+    DeadSample,
     RunFigures,
     RunStatus,
     WorkerStatus,
+    dead_samples,
+    dead_text,
     dumps_json,
     recount,
     run_figures,
@@ -22,11 +25,14 @@ from hsq.app.ops.verify import VerifyResult, repair, trusted_entry, verify
 from hsq.runstore import RunStore
 
 __all__ = [
+    "DeadSample",
     "RequeueResult",
     "RunFigures",
     "RunStatus",
     "VerifyResult",
     "WorkerStatus",
+    "dead_samples",
+    "dead_text",
     "dumps_json",
     "purge",
     "recount",

@@ -74,6 +74,45 @@ class WorkerStatus:
     heartbeat_age_s: float | None = None
     dumps_discarded: int = 0
     """Dumps whose rid was not in flight (warm-ups, leftovers, late ones): removed, counted."""
+    alive: bool = True
+    """False once its heartbeat is overdue (a SIGKILLed worker's record outlives it by up to
+    the TTL) or expired; its state then says which."""
+    cause: str | None = None
+    """Why it is not sending (a hsq.workers.policy.Pause value: server_down,
+    output_unwritable, dataset_unavailable, ...), from its first pause until a sample is
+    done after it."""
+    cause_since: float | None = None
+    """Epoch seconds the cause was first seen."""
+    cause_text: str | None = None
+    """The cause in words: "server unreachable since 14:02:11", "output disk full ..."."""
+
+
+# A record whose heartbeat is older than this many intervals is a dead worker's (it beats
+# every interval; the key itself expires after HEARTBEAT_TTL_S).
+OVERDUE_BEATS = 3.0
+
+_CAUSE_WORDS = {
+    "server_down": "server unreachable",
+    "server_errors": "server answering errors",
+    "dataset_unavailable": "dataset unreadable",
+    "store_down": "Redis unreachable",
+    "dump_dir_changed": "dump dir replaced",
+    "hook_inactive": "server's dump hook not live",
+    "worker_internal_error": "worker bug (stopping)",
+}
+
+
+def cause_text(cause: str, message: str, since: float | None) -> str:
+    """A worker's pause cause in words, with the time it began (local clock)."""
+    if cause == "output_unwritable":
+        full = "disk full" in message or "No space left" in message
+        words = "output disk full" if full else "output unwritable"
+    else:
+        words = _CAUSE_WORDS.get(cause, cause)
+    if since is not None:
+        words += " since " + time.strftime("%H:%M:%S", time.localtime(since))
+    shown = message.splitlines()[0][:120] if message else ""
+    return f"{words} ({shown})" if shown and cause != "server_down" else words
 
 
 @dataclass(frozen=True)
@@ -113,27 +152,92 @@ def partition(store: RunStore) -> tuple[set[str], dict[str, str], set[str], set[
 
 def _worker_status(wid: str, info: dict[str, str], now: float) -> WorkerStatus:
     if not info:
-        return WorkerStatus(id=wid, state="dead (heartbeat expired)")
+        return WorkerStatus(id=wid, state="dead (heartbeat expired)", alive=False)
 
-    def num(key: str) -> float:
+    def num(key: str, default: float = 0.0) -> float:
         try:
-            return float(info.get(key, 0))
+            return float(info.get(key, default))
         except ValueError:
-            return 0.0
+            return default
 
+    age = round(now - num("ts", now), 1) if "ts" in info else None
+    interval = max(num("heartbeat_interval_s", 2.0), 0.1)
+    overdue = age is not None and age > max(OVERDUE_BEATS * interval, 5.0)
+    state = f"dead (no heartbeat for {age:.0f}s)" if overdue else info.get("state")
+    cause = info.get("cause") or None
+    since = num("cause_since") if info.get("cause_since") else None
     return WorkerStatus(
         id=wid,
-        state=info.get("state"),
+        state=state,
         name=info.get("name"),
         server=info.get("server"),
         last_sample=info.get("last_sample") or None,
         done=int(num("done")),
-        samples_per_s=num("samples_per_s"),
-        tokens_per_s=num("tokens_per_s"),
+        samples_per_s=0.0 if overdue else num("samples_per_s"),
+        tokens_per_s=0.0 if overdue else num("tokens_per_s"),
         host=info.get("host"),
-        heartbeat_age_s=round(now - float(info.get("ts", now)), 1) if "ts" in info else None,
+        heartbeat_age_s=age,
         dumps_discarded=int(num("dumps_discarded")),
+        alive=not overdue,
+        cause=cause,
+        cause_since=since,
+        cause_text=cause_text(cause, info.get("cause_message", ""), since) if cause else None,
     )
+
+
+def eta(tokens_left: int, tokens_per_s: float, workers: list[WorkerStatus]) -> float | None:
+    """Seconds to go: 0 once nothing is left; None while no live worker is sending (every
+    one paused by a cause, or none at all): a rate from before a pause promises nothing."""
+    if tokens_left <= 0:
+        return 0.0
+    sending = [w for w in workers if w.alive and w.cause is None]
+    if not sending or tokens_per_s <= 0:
+        return None
+    return round(tokens_left / tokens_per_s, 1)
+
+
+@dataclass(frozen=True)
+class DeadSample:
+    """One dead-letter entry, as `hsq status --failed` lists it."""
+
+    id: str
+    reason: str
+    message: str
+    attempts: int | None = None
+    worker: str | None = None
+    time: float | None = None
+
+
+def dead_samples(store: RunStore) -> list[DeadSample]:
+    """Every dead-letter entry (samples and invalid dataset lines, `line:<n>`), sorted by
+    id. O(dead): read only when asked for (`--failed`)."""
+    out = []
+    for key, entry in store.dead_entries().items():  # typed there; fields checked here
+        attempts, worker, at = entry.get("attempts"), entry.get("worker"), entry.get("time")
+        out.append(
+            DeadSample(
+                id=key,
+                reason=str(entry.get("reason", "?")),
+                message=str(entry.get("message", "")),
+                attempts=attempts if isinstance(attempts, int) else None,
+                worker=worker if isinstance(worker, str) else None,
+                time=float(at) if isinstance(at, int | float) else None,
+            )
+        )
+    return sorted(out, key=lambda d: d.id)
+
+
+def dead_text(dead: list[DeadSample], width: int = 160) -> list[str]:
+    """One line per dead sample: id, reason, the first line of its message."""
+    if not dead:
+        return ["  dead letter: empty"]
+    lines = [f"  dead samples ({len(dead)}): id, reason, message"]
+    for d in dead:
+        first = d.message.splitlines()[0] if d.message else ""
+        if len(first) > width:
+            first = first[: width - 3] + "..."
+        lines.append(f"    {d.id}  {d.reason}  {first}")
+    return lines
 
 
 def recount(store: RunStore) -> int:
@@ -174,8 +278,8 @@ def run_status(
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
     tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)
-    tokens_left = max(tokens_total - tokens_done, 0)
-    eta = tokens_left / tokens_s if tokens_s > 0 else None
+    # Tokens of dead samples are never done: what is left is the unsettled samples' share.
+    tokens_left = max(tokens_total - tokens_done, 0) if remaining else 0
     return RunStatus(
         run=store.run,
         total=total,
@@ -191,7 +295,7 @@ def run_status(
         bytes_done=st.get("bytes", 0),
         samples_per_s=round(samples_s, 3),
         tokens_per_s=round(tokens_s, 1),
-        eta_s=None if eta is None else round(eta, 1),
+        eta_s=eta(tokens_left, tokens_s, workers),
         dead_by_reason=c.dead_reasons,
         workers=workers,
     )
@@ -200,29 +304,44 @@ def run_status(
 def status_text(st: RunStatus) -> list[str]:
     total = st.total or 1
     pct = 100.0 * st.done / total
-    eta = "-" if st.eta_s is None else _dur(st.eta_s)
     lines = [
         f"run {st.run}: {st.done}/{st.total} done ({pct:.1f}%), "
         f"{st.tokens_done:,}/{st.tokens_total:,} tokens, "
         f"{st.bytes_done / 1e9:.2f} GB",
         f"  queued {st.queued}  in progress {st.in_progress}  retry {st.retry}  "
         f"dead {st.dead}  missing {st.missing}",
-        f"  rate {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:,.0f} tokens/s, ETA {eta}",
+        rate_line(st),
     ]
     if st.dead_by_reason:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
         lines.append(f"  dead letter by reason: {reasons}")
+        lines.append(f"  (the ids: hsq status --run {st.run} --failed)")
     if st.missing:
         lines.append("  missing samples are in no queue: `hsq requeue --missing` puts them back")
-    for w in st.workers:
-        lines.append(
-            f"  worker {w.name or w.id} [{w.state}] server {w.server} "
-            f"last {w.last_sample} done {w.done} {w.tokens_per_s:,.0f} tokens/s"
-            + (f" dumps discarded {w.dumps_discarded}" if w.dumps_discarded else "")
-        )
-    if not st.workers:
+    lines += [worker_line(w) for w in st.workers]
+    if not any(w.alive for w in st.workers) and st.done + st.dead < st.total:
         lines.append("  no live workers")
     return lines
+
+
+def rate_line(st: RunStatus) -> str:
+    if st.done + st.dead >= st.total:
+        return f"  complete: {st.done} done, {st.dead} dead"
+    eta = "-" if st.eta_s is None else _dur(st.eta_s)
+    causes = sorted({w.cause_text for w in st.workers if w.alive and w.cause_text})
+    why = f" (paused: {'; '.join(causes)})" if st.eta_s is None and causes else ""
+    return (
+        f"  rate {st.samples_per_s:.2f} samples/s, {st.tokens_per_s:,.0f} tokens/s, ETA {eta}{why}"
+    )
+
+
+def worker_line(w: WorkerStatus) -> str:
+    state = w.state if not (w.alive and w.cause_text) else f"{w.state}: {w.cause_text}"
+    return (
+        f"  worker {w.name or w.id} [{state}] server {w.server} "
+        f"last {w.last_sample or '-'} done {w.done} {w.tokens_per_s:,.0f} tokens/s"
+        + (f" dumps discarded {w.dumps_discarded}" if w.dumps_discarded else "")
+    )
 
 
 def _dur(seconds: float) -> str:

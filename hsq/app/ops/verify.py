@@ -3,13 +3,15 @@ and the orphans no manifest entry claims."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from hsq import jsonsafe
 from hsq.app.ops.requeue import RequeueResult, requeue
@@ -20,6 +22,8 @@ from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 
 MAX_MANIFEST_ENTRY = 64 * 1024
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -121,19 +125,21 @@ def _merge(into: VerifyResult, part: VerifyResult) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _resolved(path: str) -> str:
-    """A directory's real path, once per verify process (256 shard directories): resolving
-    every file's full path was most of a header check."""
-    return os.path.realpath(path)
+def _dir_under(root: str, head: str) -> tuple[bool, str, str]:
+    """(whether `root/head` resolves under root, its real path, root's real path), once per
+    verify process and directory (256 shards): resolving every file's path was most of a
+    header check."""
+    real_root = os.path.realpath(root)
+    parent = os.path.realpath(os.path.join(root, head))
+    return os.path.commonpath([real_root, parent]) == real_root, parent, real_root
 
 
 def _resolves_under(out_root: Path, rel: str) -> bool:
     """`out_root/rel` resolves under out_root: its directory does (cached), and the file
     itself is no symlink leading out."""
-    root = _resolved(str(out_root))
     head, _, name = rel.rpartition("/")
-    parent = _resolved(os.path.join(str(out_root), head))
-    if os.path.commonpath([root, parent]) != root:
+    under, parent, root = _dir_under(str(out_root), head)
+    if not under:
         return False
     path = os.path.join(parent, name)
     if os.path.islink(path):
@@ -162,32 +168,38 @@ def verify(
     n_jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     if n_jobs > 1 and store.count(store.keys.done) < PARALLEL_FROM and jobs is None:
         n_jobs = 1
-    pages = _pages(store.iter_done(), VERIFY_PAGE)
-    if n_jobs <= 1:
-        for page in pages:
-            _merge(res, _check_page(out_root, page, deep, run_dtype, prenorm))
+    check = functools.partial(
+        _check_page, out_root, deep=deep, run_dtype=run_dtype, prenorm=prenorm
+    )
+    orphans: list[str] = []
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ProcessPoolExecutor(n_jobs)) if n_jobs > 1 else None
+        for part in _mapped(pool, n_jobs, check, _pages(store.iter_done(), VERIFY_PAGE)):
+            _merge(res, part)
             if on_progress is not None:
-                on_progress(len(page))
-    else:
-        with ProcessPoolExecutor(n_jobs) as pool:
-            pending: deque[Future[VerifyResult]] = deque()
-            for page in pages:
-                pending.append(pool.submit(_check_page, out_root, page, deep, run_dtype, prenorm))
-                while len(pending) >= 2 * n_jobs:
-                    _take(res, pending.popleft(), on_progress)
-            while pending:
-                _take(res, pending.popleft(), on_progress)
-    res.orphans = sorted(_orphans(store, out_root))
+                on_progress(part.checked)
+        unclaimed = functools.partial(_unclaimed, out_root)
+        for found in _mapped(pool, n_jobs, unclaimed, _orphan_candidates(store, out_root)):
+            orphans += found
+    res.orphans = sorted(orphans)
     return res
 
 
-def _take(
-    res: VerifyResult, fut: Future[VerifyResult], on_progress: Callable[[int], None] | None
-) -> None:
-    part = fut.result()
-    _merge(res, part)
-    if on_progress is not None:
-        on_progress(part.checked)
+def _mapped(
+    pool: ProcessPoolExecutor | None, n_jobs: int, fn: Callable[[T], R], tasks: Iterable[T]
+) -> Iterator[R]:
+    """fn over tasks, results in order: inline, or by the pool with at most 2 * n_jobs
+    tasks in flight (memory holds a few pages, never the run)."""
+    if pool is None:
+        yield from map(fn, tasks)
+        return
+    pending: deque[Future[R]] = deque()
+    for task in tasks:
+        pending.append(pool.submit(fn, task))
+        while len(pending) >= 2 * n_jobs:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _pages(items: Iterable[tuple[str, bytes]], size: int) -> Iterable[list[tuple[str, bytes]]]:
@@ -201,23 +213,37 @@ def _pages(items: Iterable[tuple[str, bytes]], size: int) -> Iterable[list[tuple
         yield page
 
 
-def _orphans(store: RunStore, out_root: Path) -> Iterable[str]:
-    """Output and temp files under out_root that no trusted done entry claims, one
-    directory at a time (a file is claimed when its name's id is done, its entry is
-    trusted, and the entry's path is this file)."""
+Candidate = tuple[str, str, bytes | None]
+"""An output or temp file under out_root: (its relative path, the id its name gives, that
+id's raw done entry or None)."""
+
+
+def _orphan_candidates(store: RunStore, out_root: Path) -> Iterator[list[Candidate]]:
+    """Every output and temp file under out_root with the done entry its name points at,
+    one directory (a page of it) at a time: never a set of every path."""
     if not out_root.is_dir():
         return
     for dirpath, _dirs, files in os.walk(out_root):
         names = [n for n in files if n.endswith(SUFFIX) or n.endswith(".tmp")]
-        rels = {n: os.path.relpath(os.path.join(dirpath, n), out_root) for n in names}
+        rel_dir = os.path.relpath(dirpath, out_root)
+        rels = {n: n if rel_dir == "." else f"{rel_dir}/{n}" for n in names}
+        temps: list[Candidate] = [(rels[n], "", None) for n in names if not n.endswith(SUFFIX)]
+        if temps:
+            yield temps  # temps: never claimed
         outputs = [n for n in names if n.endswith(SUFFIX)]
-        yield from (rels[n] for n in names if not n.endswith(SUFFIX))  # temps: never claimed
         for i in range(0, len(outputs), VERIFY_PAGE):
             part = outputs[i : i + VERIFY_PAGE]
             sids = [n[: -len(SUFFIX)] for n in part]
-            for name, sid, raw in zip(part, sids, store.done_entries(sids), strict=True):
-                if raw is None or not _claims(sid, raw, out_root, rels[name]):
-                    yield rels[name]
+            raws = store.done_entries(sids)
+            yield [(rels[n], sid, raw) for n, sid, raw in zip(part, sids, raws, strict=True)]
+
+
+def _unclaimed(out_root: Path, candidates: list[Candidate]) -> list[str]:
+    """The files no trusted done entry claims (a file is claimed when its name's id is
+    done, its entry is trusted, and the entry's path is this file; in a pool process)."""
+    return [
+        rel for rel, sid, raw in candidates if raw is None or not _claims(sid, raw, out_root, rel)
+    ]
 
 
 def _claims(sid: str, raw: bytes, out_root: Path, rel: str) -> bool:

@@ -7,6 +7,11 @@
     GET|POST|DELETE /admin/faults   read, replace or clear the fault rules (reference only)
     POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
+/admin/* is off (403) unless the server was started with --admin, and then answers only
+loopback peers, or, with --admin-token-file, only requests carrying that token (issue 33
+D10: a fault rule from another user made a run's states another sample's). Request bodies
+are bounded by what --max-tokens allows (body_limit), not by the generic 64 MiB.
+
 The HTTP side is hsq.sglang_server.http_api's (routing, body limits, error replies): one
 thread per connection hands its request to the engine, which gathers concurrent requests
 into batched forwards.
@@ -14,6 +19,8 @@ into batched forwards.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import os
 import signal
 import time
@@ -26,7 +33,15 @@ import structlog
 from hsq.dump.format import DTYPES, expected_shapes
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.errors import ConfigError
-from hsq.sglang_server.http_api import ApiServer, RequestError, Route, sglang_routes
+from hsq.sglang_server.http_api import (
+    ApiServer,
+    Authorize,
+    Forbidden,
+    Headers,
+    RequestError,
+    Route,
+    sglang_routes,
+)
 from hsq.sglang_server.http_api import Handler as RouteHandler
 from hsq.sglang_server.reference.dumper import DumpWriter
 from hsq.sglang_server.reference.engine import Engine, InjectedServerError
@@ -220,8 +235,56 @@ def ready_marker(engine: Engine) -> ReadyMarker:
     )
 
 
+ADMIN_PREFIX = "/admin/"
+BODY_BYTES_PER_TOKEN = 24
+"""A token id in JSON: up to 20 digits (int64) and ", "; SGLang's ids are far shorter."""
+BODY_BASE_BYTES = 64 * 1024
+"""Everything else a /generate or /admin body holds (rid, sampling_params, fault rules)."""
+
+
+def body_limit(max_tokens: int) -> int:
+    """The largest request body a server of --max-tokens can need (D16: 64 MiB before)."""
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_tokens
+
+
+def admin_guard(settings: ReferenceSettings) -> Authorize:
+    """The check every request passes before it is read: /admin/* only with --admin, then
+    from loopback, or with the token of --admin-token-file (required from everyone)."""
+    token = None
+    if settings.admin_token_file is not None:
+        try:
+            token = settings.admin_token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --admin-token-file: {exc.strerror}") from exc
+        if not token:
+            raise ConfigError("--admin-token-file is empty")
+
+    def authorize(path: str, peer: str, headers: Headers) -> None:
+        if not path.startswith(ADMIN_PREFIX):
+            return
+        if not settings.admin:
+            raise Forbidden("the admin endpoints are off: start the server with --admin")
+        if token is not None:
+            given = headers.get("X-Hsq-Admin-Token") or ""
+            bearer = headers.get("Authorization") or ""
+            if bearer.startswith("Bearer "):
+                given = given or bearer.removeprefix("Bearer ")
+            if not hmac.compare_digest(given.strip().encode(), token.encode()):
+                raise Forbidden("an admin request needs the token of --admin-token-file")
+            return
+        try:
+            loopback = ipaddress.ip_address(peer.removeprefix("::ffff:")).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise Forbidden("admin requests only from loopback (or give --admin-token-file)")
+
+    return authorize
+
+
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
+    guard = admin_guard(settings)  # before the model loads: a bad token file fails fast
     engine = build_engine(settings)
     if settings.warmup_shapes:
         engine.warmup_shapes()
@@ -235,6 +298,8 @@ def serve(settings: ReferenceSettings) -> None:
             ConfigError: HTTPStatus.BAD_REQUEST,
             InjectedServerError: HTTPStatus.INTERNAL_SERVER_ERROR,
         },
+        max_body_bytes=body_limit(settings.max_tokens),
+        authorize=guard,
     )
     host, port = server.server_address[:2]
     log.info(

@@ -32,7 +32,7 @@ from hsq.dump.format import (
 from hsq.quant import quantize_on_device
 from hsq.sglang_server.http_api import RequestError, prefill_answer
 from hsq.sglang_server.reference.dumper import DumpPart, DumpWriter, HostBatch
-from hsq.sglang_server.reference.faults import FaultPlan, FaultRule, mix_sources
+from hsq.sglang_server.reference.faults import MIXING, FaultPlan, FaultRule, mix_sources
 from hsq.sglang_server.reference.model import Captured, HiddenStateModel, batch_shapes
 from hsq.states import (
     AUX_TENSOR,
@@ -204,7 +204,7 @@ class Engine:
                 starts.append(starts[-1] + len(p.ids))
             sources = mix_sources(
                 [len(p.ids) for p in batch],
-                [p.rule is not None and p.rule.mode == "mix" for p in batch],
+                [p.rule is not None and p.rule.mode in MIXING for p in batch],
             )
             for i, p in enumerate(batch):
                 n = len(p.ids)
@@ -212,7 +212,17 @@ class Engine:
                 src = sources[i]  # i, unless the mix fault hands it another request's states
                 if src != i:
                     log.warning("fault_mix", rid=p.rid, states_of=batch[src].rid)
-                rows = _rows(host.tensors, starts[src], starts[src] + n)
+                rows = _rows(host.tensors, starts[i], starts[i] + n)
+                if src != i:  # another request's states: all of them, or the pre-norm only
+                    theirs = _rows(host.tensors, starts[src], starts[src] + n)
+                    only = p.rule is not None and p.rule.mode == "mix_prenorm"
+                    rows.update(
+                        {
+                            k: v
+                            for k, v in theirs.items()
+                            if not only or k.startswith(PRENORM_TENSOR)
+                        }
+                    )
                 own = self._parts(index, p.rid, p.fp, n, rows, p.rule, host)
                 self._counter += len(own)
                 self._previous = (p.rid, p.fp)

@@ -16,6 +16,8 @@ Modes (per request):
                states of another request of the same length in the batch (its own rid,
                fingerprint and count on someone else's tensors: every metadata check
                passes; only `hsq audit` finds it). Alone in its batch it is unaffected
+  mix_prenorm  as `mix`, but only `last_hidden_state_prenorm` (and its scale) is another
+               request's: the tensor `--format speculators` trains on (needs --prenorm)
 The counter offset of warm-ups is a start-up option (--counter-start, --warmup).
 
 A rule: MODE[:key=value,...] with keys `times` (apply to the next N matching requests;
@@ -43,7 +45,9 @@ MODES = (
     "slow",
     "http_500",
     "mix",
+    "mix_prenorm",
 )
+MIXING = ("mix", "mix_prenorm")
 
 
 @dataclass

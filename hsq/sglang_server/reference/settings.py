@@ -67,6 +67,17 @@ class ReferenceSettings:
         help="fault rule MODE[:key=value,...], repeatable; see docs/reference-server.md",
         flag="--fault",
     )
+    admin: bool = setting(
+        False,
+        help="serve /admin/* (fault rules, pause/resume) for tests and demos; from loopback "
+        "only, or from anywhere with --admin-token-file (then always with the token)",
+    )
+    admin_token_file: Path | None = setting(
+        None,
+        path="file",
+        help="file holding the token /admin/* requests must send (X-Hsq-Admin-Token or "
+        "Authorization: Bearer); a file, never a flag value",
+    )
     seed: int = setting(0, help="seed of the tiny model's weights")
     writer_depth: int = setting(2, help="dumps queued for the writer thread before requests block")
     writer_threads: int = setting(1, help="threads writing dumps (more only if one falls behind)")
@@ -100,3 +111,5 @@ class ReferenceSettings:
             raise ConfigError("--max-batch-requests and --max-batch-tokens must be >= 1")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
+        if self.admin_token_file is not None and not self.admin:
+            raise ConfigError("--admin-token-file needs --admin")

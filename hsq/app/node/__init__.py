@@ -1,0 +1,1 @@
+"""`hsq run`'s orchestration of one node: its Redis, its plan, its children, its view."""

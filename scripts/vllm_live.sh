@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# scripts/vllm_live.sh [OPTIONS]: hsq against stock vLLM 0.26.0 on a GPU machine without a
+# registry: install the bundle of scripts/vllm_wheelhouse.sh, then run the phases, each
+# writing RESULTS/<phase>.json as it ends (a device call ends hard at its limit, so the
+# most important check runs first):
+#   one       a small random Llama (8 layers, hidden 512, head_dim 128) served by
+#             `hsq launch-vllm` (extract_hidden_states, hsq's connector); one short and one 1500-token prompt (3 chunks of
+#             --max-num-batched-tokens 512): each dump, read back by hsq, equals a float32
+#             transformers forward within hsq.closeness (aux per layer, post-norm, pre-norm)
+#   worker    a run through `hsq worker --server-kind vllm --inflight K`, stored samples
+#             against the same forward, the worker's tokens/s
+#   restart   SIGKILL of vLLM's process group while a worker runs; vLLM started again; the
+#             run ends with every sample done, none dead
+#   capacity  completions/s with the connector dumping, then of plain vLLM (no connector)
+#
+#   --parts DIR[,DIR]  bundle parts to install (default: .vllm-wheelhouse/part*); units
+#                      already installed in SITE are skipped, so a second device call made
+#                      within the warm window needs none
+#   --phases LIST      comma list of the phases above (default one,worker,restart,capacity)
+#   --inflight K       the worker's requests in flight (default 8)
+#   --backend NAME     vLLM --attention-backend (default TRITON_ATTN; FLASH_ATTN uses FA3)
+#   --results DIR      results (default: $OUT if set, else ./live-results)
+#   --dry-run          on a CPU: no install, no GPU; the vLLM-shaped stand-in
+#                      (hsq.harness.fakevllm, hsq's connector core over a transformers
+#                      forward) takes vLLM's place, with small sizes. Checks the script,
+#                      the checks and hsq's side; says nothing about vLLM
+# Environment: SITE (/tmp/vllm-site), WORK (/tmp/hsq-vllm-live), PORT (18431),
+# START_TIMEOUT (420 s per vLLM start). The image's torch 2.11 cu130, triton, transformers,
+# safetensors, httpx and numpy are used as they are; nothing is downloaded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+SITE=${SITE:-/tmp/vllm-site}
+WORK=${WORK:-/tmp/hsq-vllm-live}
+PORT=${PORT:-18431}
+START_TIMEOUT=${START_TIMEOUT:-420}
+say() { printf '[vllm_live.sh] %s (%s s)\n' "$*" "$SECONDS"; }
+die() { say "$*" >&2; exit 2; }
+
+parts="" phases="one,worker,restart,capacity" inflight=8 backend=TRITON_ATTN dry=0
+results="${OUT:-$PWD/live-results}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --parts) [ $# -ge 2 ] || die "--parts needs a value"; parts=$2; shift 2 ;;
+    --phases) [ $# -ge 2 ] || die "--phases needs a value"; phases=$2; shift 2 ;;
+    --inflight) [ $# -ge 2 ] || die "--inflight needs a value"; inflight=$2; shift 2 ;;
+    --backend) [ $# -ge 2 ] || die "--backend needs a value"; backend=$2; shift 2 ;;
+    --results) [ $# -ge 2 ] || die "--results needs a folder"; results=$2; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    *) die "unknown option $1 (see the header of $0)" ;;
+  esac
+done
+[[ "$inflight" =~ ^[1-9][0-9]*$ ]] || die "--inflight $inflight: expected an integer >= 1"
+for p in ${phases//,/ }; do
+  case "$p" in one|worker|restart|capacity) ;; *) die "--phases: unknown phase $p" ;; esac
+done
+mkdir -p "$results" "$WORK"
+results=$(cd "$results" && pwd)
+export RESULTS=$results
+LAYERS=2,4,5   # hsq's convention for the small Llama (L = 8); vLLM is asked for 2,4,5,8
+if [ "$dry" = 1 ]; then
+  PY=${PY:-$ROOT/.venv/bin/python}; [ -x "$PY" ] || PY=python3
+  N_WORKER=12 N_RESTART=16 N_CAP=16 CAP_K=4 MAX_LEN=300
+else
+  PY=${PY:-python3}
+  [ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
+  N_WORKER=256 N_RESTART=256 N_CAP=512 CAP_K=64 MAX_LEN=1500
+fi
+say "plan: phases $phases, inflight $inflight, backend $backend, dry-run $dry, results $results"
+
+# ---------------------------------------------------------------- install (GPU only)
+if [ "$dry" = 0 ]; then
+  [ -n "$parts" ] || parts=$(ls -d .vllm-wheelhouse/part* 2>/dev/null | paste -sd, || true)
+  mkdir -p "$SITE"
+  for d in ${parts//,/ }; do
+    for u in "$d"/*.tar.xz; do
+      [ -f "$u" ] || continue
+      name=$(basename "$u" .tar.xz)
+      [ -f "$SITE/.unit-$name" ] && continue
+      "$PY" -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2], filter="data")' "$u" "$SITE"
+      touch "$SITE/.unit-$name"
+      say "installed $name"
+    done
+  done
+  for need in vllm-py vllm-c vllm-fa3 deps hsq; do
+    [ -f "$SITE/.unit-$need" ] || die "unit $need is not in $SITE: pass --parts with the part holding it"
+  done
+  export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  export VLLM_CACHE_ROOT=/tmp/vllm-cache TRITON_CACHE_DIR=/tmp/vllm-cache/triton XDG_CACHE_HOME=/tmp/vllm-cache/xdg
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda
+  REDIS_BIN=$SITE/.redis-bin/redis-server
+  export LD_LIBRARY_PATH="$SITE/.redis-bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+else
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+  REDIS_BIN=$(command -v redis-server || true)
+fi
+export PYTHONUNBUFFERED=1
+CHECK=("$PY" "$ROOT/scripts/vllm_live_check.py")
+HSQ=("$PY" -m hsq)
+
+MODEL=$WORK/llama-8x512
+[ -f "$MODEL/config.json" ] || "${CHECK[@]}" tiny "$MODEL"
+DUMPS=$WORK/dumps
+URL=http://127.0.0.1:$PORT
+SRV=""
+VLLM_ARGS=(--dtype bfloat16 --max-model-len 4096 --skip-tokenizer-init --enforce-eager
+  --attention-backend "$backend" --gpu-memory-utilization 0.30 --max-num-batched-tokens 512
+  --max-num-seqs 64 --generation-config vllm)
+
+start_server() {  # start_server hsq|plain LOG
+  mkdir -p "$DUMPS"
+  if [ "$dry" = 1 ]; then
+    setsid "$PY" -m hsq.harness.fakevllm --model "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
+      --layers "$LAYERS" --prenorm >"$results/$2" 2>&1 &
+  elif [ "$1" = hsq ]; then
+    setsid "${HSQ[@]}" launch-vllm --model-path "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
+      --layers "$LAYERS" --prenorm --python "$PY" "${VLLM_ARGS[@]}" >"$results/$2" 2>&1 &
+  else
+    setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
+      --no-enable-prefix-caching --enable-prompt-tokens-details "${VLLM_ARGS[@]}" >"$results/$2" 2>&1 &
+  fi
+  SRV=$!
+  local t0=$SECONDS
+  until "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health', timeout=2).status_code != 200)" 2>/dev/null; do
+    kill -0 "$SRV" 2>/dev/null || { tail -30 "$results/$2"; die "server exited while starting ($2)"; }
+    (( SECONDS - t0 < START_TIMEOUT )) || { tail -30 "$results/$2"; die "server not healthy after $START_TIMEOUT s"; }
+    sleep 1
+  done
+  say "server $1 up in $(( SECONDS - t0 )) s ($2)"
+  echo "{\"server\": \"$1\", \"start_s\": $(( SECONDS - t0 ))}" > "$results/start-$2.json"
+}
+stop_server() {  # its own process group (setsid): the API server and vLLM's engine core
+  [ -n "$SRV" ] || return 0
+  kill -"${1:-TERM}" -- "-$SRV" 2>/dev/null || true
+  for _ in $(seq 1 30); do kill -0 "$SRV" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SRV" 2>/dev/null || true
+  wait "$SRV" 2>/dev/null || true
+  SRV=""
+}
+REDIS_PID=""
+cleanup() { stop_server; [ -z "$REDIS_PID" ] || kill "$REDIS_PID" 2>/dev/null || true; }
+trap cleanup EXIT
+
+start_redis() {
+  [ -n "$REDIS_PID" ] && return 0
+  [ -x "$REDIS_BIN" ] || die "no redis-server (the bundle's hsq unit carries one)"
+  RPORT=$(( PORT + 1 ))
+  "$REDIS_BIN" --port "$RPORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$WORK" >"$results/redis.log" 2>&1 &
+  REDIS_PID=$!
+  export HSQ_REDIS_URL=redis://127.0.0.1:$RPORT/0
+  until "$PY" -c "import redis; redis.Redis.from_url('$HSQ_REDIS_URL').ping()" 2>/dev/null; do sleep 0.2; done
+}
+dataset() {  # dataset FILE N
+  "$PY" -c "from hsq.harness.synthetic import write_synthetic as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), int(sys.argv[2]), seed=7, min_len=16, max_len=$MAX_LEN, vocab=1000)" "$1" "$2"
+}
+enqueue() {  # enqueue RUN DATA
+  "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --redis "$HSQ_REDIS_URL" --layers "$LAYERS" --prenorm --no-progress
+}
+done_count() {
+  "$PY" -c "from hsq.runstore import RunStore; from hsq.store import connect; import sys; s = RunStore(connect(sys.argv[1]), sys.argv[2]); print(s.count(s.keys.done))" "$HSQ_REDIS_URL" "$1"
+}
+
+for phase in ${phases//,/ }; do
+  case "$phase" in
+    one)
+      [ -n "$SRV" ] || start_server hsq vllm-hsq.log
+      "${CHECK[@]}" one "$URL" "$DUMPS" "$MODEL" "$LAYERS" || say "one: MISMATCH (see $results/one.json)"
+      ;;
+    worker)
+      [ -n "$SRV" ] || start_server hsq vllm-hsq.log
+      start_redis
+      dataset "$WORK/w.jsonl" "$N_WORKER"
+      rm -rf "$WORK/out/w"; enqueue w "$WORK/w.jsonl"
+      t0=$SECONDS
+      "${HSQ[@]}" --log-format json worker --run w --server "$URL" --dump-dir "$DUMPS" --server-kind vllm \
+        --inflight "$inflight" --burst 2>"$results/worker-w.log" || say "worker: exit $?"
+      echo "{\"samples\": $N_WORKER, \"inflight\": $inflight, \"seconds\": $(( SECONDS - t0 ))}" > "$results/worker-time.json"
+      "${CHECK[@]}" outputs "$HSQ_REDIS_URL" w "$WORK/out" "$MODEL" "$WORK/w.jsonl" "$LAYERS" 8 || say "worker: outputs MISMATCH"
+      ;;
+    restart)
+      [ -n "$SRV" ] || start_server hsq vllm-hsq.log
+      start_redis
+      dataset "$WORK/r.jsonl" "$N_RESTART"
+      rm -rf "$WORK/out/r"; enqueue r "$WORK/r.jsonl"
+      "${HSQ[@]}" --log-format json worker --run r --server "$URL" --dump-dir "$DUMPS" --server-kind vllm \
+        --inflight "$inflight" --burst 2>"$results/worker-r.log" &
+      WPID=$!
+      # The first sample done (grep of the worker's log: no Python start per look), then
+      # SIGKILL of the server's whole process group, mid-run.
+      until grep -q '"sample_done"' "$results/worker-r.log" 2>/dev/null; do
+        kill -0 "$WPID" 2>/dev/null || break
+        sleep 0.1
+      done
+      stop_server KILL
+      at_kill=$(done_count r)
+      say "restart: killed the server with SIGKILL at $at_kill of $N_RESTART done"
+      start_server hsq vllm-hsq-restarted.log
+      wait "$WPID" && rc=0 || rc=$?
+      echo "{\"worker_exit\": $rc, \"done_at_kill\": $at_kill, \"samples\": $N_RESTART, \"killed_mid_run\": $([ "$at_kill" -lt "$N_RESTART" ] && echo true || echo false)}" > "$results/restart-worker.json"
+      "${CHECK[@]}" outputs "$HSQ_REDIS_URL" r "$WORK/out" "$MODEL" "$WORK/r.jsonl" "$LAYERS" 4 || say "restart: outputs MISMATCH"
+      ;;
+    capacity)
+      [ -n "$SRV" ] || start_server hsq vllm-hsq.log
+      "${CHECK[@]}" capacity "$URL" "$N_CAP" "$CAP_K" with-connector --rid
+      stop_server
+      start_server plain vllm-plain.log
+      "${CHECK[@]}" capacity "$URL" "$N_CAP" "$CAP_K" plain
+      stop_server
+      ;;
+  esac
+done
+say "done: $(ls "$results" | tr '\n' ' ')"

@@ -1,0 +1,231 @@
+"""Persist processes (issue 35 item 1) and woken workers with batched marks (issue 33 D4),
+with real processes: redis-server, null-model servers over HTTP, `hsq worker`, SIGKILL,
+SIGSTOP and SIGCONT."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hsq.fsio import HOST
+from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
+from hsq.harness.synthetic import write_synthetic
+from hsq.workers.persist_work import WriteJob, decode_error, encode_error
+from tests.helpers import enqueue, hsq, log_events, store, wait_until
+
+FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
+
+
+def null_server(base: Path, *args: str) -> NullServer:
+    srv = NullServer(base / "dumps", base / "server.log", args=["--max-tokens", "1024", *args])
+    return srv
+
+
+def worker(run: str, srv: NullServer, redis_url: str, log: Path, *extra: str) -> ManagedProcess:
+    argv = hsq_command(
+        "worker", "--run", run, "--server", srv.url, "--dump-dir", str(srv.dump_dir), *extra
+    )
+    # Its own process group: a SIGSTOP of the group stops the persist processes too.
+    return ManagedProcess(argv, log, env={"HSQ_REDIS_URL": redis_url}, new_session=True)
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def state(pid: int) -> str:
+    """The process's state letter (T: stopped, Z: a zombie whose temp is still there), or
+    "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def temps_of(root: Path, pid: int) -> list[Path]:
+    return [p for p in root.rglob(f".*.{HOST}.{pid}.*.tmp")]
+
+
+def assert_every_done_file_is_on_disk(run: str, redis_url: str, n: int, out: Path) -> None:
+    st = store(redis_url, run)
+    entries = dict(st.iter_manifest())
+    assert len(entries) == n and st.dead_entries() == {}
+    res = hsq("verify", "--run", run, "--deep", "--redis", redis_url)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not list(out.rglob("*.tmp"))  # killed writers' temps were swept
+
+
+def test_write_jobs_and_errors_cross_the_pipe_as_json(tmp_path: Path) -> None:
+    from hsq.dataset import Sample
+    from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+    from hsq.errors import DatasetError, NonFiniteDumpError, PersistProcessError
+
+    ids = [1, 2, 3]
+    meta = DumpMeta(
+        rid="r1",
+        num_tokens=3,
+        input_fingerprint=fingerprint(ids),
+        layer_ids=[1, 2, 3],
+        hidden_size=8,
+        dtype="bfloat16",
+        model=ModelIdentity("m", "A", 4, 8, "0" * 16),
+        tensors=expected_shapes(3, 3, 8),
+        request_index=0,
+    )
+    job = WriteJob.of(tmp_path / "o", Sample("s", ids, None), meta, tmp_path, "run", "bf16", False)
+    back = WriteJob.from_dict(job.to_dict())
+    assert back == job and DumpMeta.from_json(back.meta) == meta
+    e = decode_error(encode_error(NonFiniteDumpError("NaN in aux")))
+    assert type(e) is NonFiniteDumpError and str(e) == "NaN in aux"
+    e = decode_error(encode_error(DatasetError("gone", "dataset_unreadable")))
+    assert isinstance(e, DatasetError) and e.reason == "dataset_unreadable"
+    e = decode_error(encode_error(OSError(5, "Input/output error")))
+    assert type(e) is OSError and e.errno == 5
+    # Only hsq.errors' classes are ever built from a child's answer.
+    e = decode_error({"type": "SystemExit", "message": "x"})
+    assert type(e).__name__ == "PersistChildError"
+    assert PersistProcessError.reason == "persist_process_died"
+
+
+@pytest.mark.timeout(400)
+def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_disk(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A persist process SIGKILLed while it writes (its temp file is there and it is
+    stopped before its rename) fails only its sample, which is retried; the run ends with
+    every sample done once, each done file on disk with its checksum, no temps left."""
+    n = 40
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, n, seed=3, min_len=200, max_len=1000)
+    out = tmp_path / "out"
+    enqueue(ds, "pk", out, redis_url)
+    srv = null_server(tmp_path / "s", "--hidden-size", "1024", "--num-layers", "8")
+    w = None
+    kills = 0
+    try:
+        srv.wait_ready()
+        w = worker(
+            "pk", srv, redis_url, tmp_path / "w.log",
+            "--burst", "--persist-procs", "2", "--max-server-crashes", "1000",
+        )  # fmt: skip
+        deadline = time.monotonic() + 240
+        while w.alive() and kills < 4 and time.monotonic() < deadline:
+            for pid in children(w.pid):
+                if not temps_of(out, pid):
+                    continue
+                if state(pid) in ("", "Z", "X"):
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    wait_until(lambda: state(pid) in ("", "T", "t", "Z", "X"), 10, 0.01)  # noqa: B023
+                    if state(pid) in ("T", "t") and temps_of(out, pid):  # before its rename
+                        os.kill(pid, signal.SIGKILL)
+                        kills += 1
+                    else:
+                        os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        assert kills == 4, w.log_tail()
+        assert w.proc.wait(240) == 0, w.log_tail()
+    finally:
+        if w is not None:
+            w.stop()
+        srv.stop()
+    retried = [
+        e for e in log_events(tmp_path / "w.log", "sample_retry")
+        if e.get("reason") == "persist_process_died"
+    ]  # fmt: skip
+    assert len(retried) == kills
+    assert_every_done_file_is_on_disk("pk", redis_url, n, out)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("procs", ["0", "2"])
+def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(
+    tmp_path: Path, redis_url: str, procs: str
+) -> None:
+    """Issue 33 D4 and round 3's woken worker, at a random stop point. Workers A and B
+    share a run of large chunks; A (with its persist processes) is SIGSTOPped at a random
+    moment, so it holds samples written but not yet marked (batched marks) and samples
+    in flight; B reaps A's chunks and redoes them; A is continued at a random moment after
+    the reap. Whatever the order, every file marked done is the one on disk."""
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    n = 240
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, n, seed=9, min_len=64, max_len=512)
+    out = tmp_path / "out"
+    enqueue(ds, "d4", out, redis_url, "--chunk-size", "60")
+    ids = [f"s{i:06d}" for i in range(n)]
+    # Other values on each server: a file from A differs from B's for the same sample.
+    sa = null_server(tmp_path / "a", "--seed", "1")
+    sb = null_server(tmp_path / "b", "--seed", "2")
+    a = b = None
+    extra = [*FAST, "--burst", "--persist-procs", procs]
+    try:
+        sa.wait_ready()
+        sb.wait_ready()
+        a = worker("d4", sa, redis_url, tmp_path / "a.log", *extra)
+        wait_until(lambda: len(log_events(tmp_path / "a.log", "sample_done")) >= 1, 120, 0.02)
+        st = store(redis_url, "d4")
+        for _ in range(200):  # a random stop point with files written but not marked (D4)
+            time.sleep(rnd.uniform(0.0, 0.2))
+            a.signal_group(signal.SIGSTOP)
+            if len(list(out.rglob("*.safetensors"))) > len(st.done_among(ids)):
+                break
+            a.signal_group(signal.SIGCONT)
+        else:
+            raise AssertionError("A never stopped with a written sample not yet marked")
+        if rnd.random() < 0.5:  # the worker alone stopped; its persist processes go on
+            for pid in children(a.pid):
+                os.kill(pid, signal.SIGCONT)
+        b = worker("d4", sb, redis_url, tmp_path / "b.log", *extra)
+        wait_until(lambda: bool(log_events(tmp_path / "b.log", "recovered_dead_worker_jobs")), 120)
+        time.sleep(rnd.uniform(0.0, 1.0))
+        a.signal_group(signal.SIGCONT)
+        assert b.proc.wait(240) == 0, b.log_tail()
+        assert a.proc.wait(240) == 0, a.log_tail()
+    finally:
+        for p in (a, b):
+            if p is not None:
+                p.signal_group(signal.SIGCONT)
+                p.stop()
+        sa.stop()
+        sb.stop()
+    print(f"seed {seed}")
+    assert_every_done_file_is_on_disk("d4", redis_url, n, out)
+
+
+@pytest.mark.timeout(300)
+def test_server_made_fp8_from_the_null_server_through_persist_processes(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The null server's `--dump-encoding fp8-e4m3` (issue 35 item 3): its dumps pass the
+    worker's checks in an fp8 run, through persist processes, and verify --deep holds."""
+    n = 12
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, n, seed=4, min_len=32, max_len=300)
+    out = tmp_path / "out"
+    enqueue(ds, "nf8", out, redis_url, "--store-dtype", "fp8-e4m3")
+    srv = null_server(tmp_path / "s", "--shape", "tiny", "--dump-encoding", "fp8-e4m3")
+    try:
+        srv.wait_ready()
+        w = worker("nf8", srv, redis_url, tmp_path / "w.log", "--burst", "--persist-procs", "2")
+        assert w.proc.wait(240) == 0, w.log_tail()
+    finally:
+        srv.stop()
+    assert_every_done_file_is_on_disk("nf8", redis_url, n, out)
+    marker = json.loads((srv.dump_dir / "hsq-ready.json").read_text())
+    assert marker["encoding"] == "fp8-e4m3"

@@ -1,0 +1,179 @@
+"""`hsq run`'s pure parts: the server plan (kind, GPU/TP split), the worker flags it hands
+on, the live view's text. No process starts here."""
+
+from __future__ import annotations
+
+import io
+import signal
+from pathlib import Path
+
+import pytest
+
+from hsq.app.commands.run import PER_WORKER, run_name_of
+from hsq.app.node.node import Interrupts
+from hsq.app.node.plan import parse_gpus, plan_node, split_gpus, visible_gpus
+from hsq.app.node.supervisor import should_restart
+from hsq.app.node.view import PairView, Screen, log_line, render
+from hsq.app.ops.status import RunStatus, WorkerStatus
+from hsq.app.options import as_argv
+from hsq.errors import ConfigError
+from hsq.workers.settings import WorkerSettings
+
+
+def plan(**kw: object) -> object:
+    args: dict[str, object] = dict(
+        requested=None, model=None, gpus_flag=None, tp=1, servers=None, sglang=False, visible=()
+    )
+    args.update(kw)
+    return plan_node(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("sglang", "visible", "kind"),
+    [
+        (True, ("0", "1"), "sglang"),  # the GPU node
+        (True, (), "reference"),  # SGLang installed, no GPU (a login node)
+        (False, ("0",), "reference"),  # a GPU, no SGLang in this environment
+        (False, (), "reference"),  # a laptop
+    ],
+)
+def test_default_server_is_sglang_only_where_it_can_run(
+    sglang: bool, visible: tuple[str, ...], kind: str
+) -> None:
+    p = plan_node(
+        requested=None, model="/m", gpus_flag=None, tp=1, servers=None, sglang=sglang,
+        visible=visible,
+    )  # fmt: skip
+    assert p.kind == kind
+    assert ("GPU" in p.why or "SGLang" in p.why) and (kind == "sglang" or "reference" in p.why)
+
+
+def test_eight_gpus_split_by_tp() -> None:
+    gpus = tuple(str(i) for i in range(8))
+    assert split_gpus(gpus, 1) == [(g,) for g in gpus]
+    assert split_gpus(gpus, 2) == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert split_gpus(gpus, 8) == [gpus]
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        split_gpus(gpus, 3)
+    with pytest.raises(ConfigError, match="none is visible"):
+        split_gpus((), 1)
+    p = plan_node(
+        requested="sglang", model="/m", gpus_flag="0-7", tp=4, servers=None, sglang=True,
+        visible=(),
+    )  # fmt: skip
+    assert [s.gpus for s in p.servers] == [("0", "1", "2", "3"), ("4", "5", "6", "7")]
+    assert p.tp == 4 and [s.index for s in p.servers] == [0, 1]
+
+
+def test_gpu_lists_parse_and_bad_ones_are_refused() -> None:
+    assert parse_gpus("0-3,6") == ("0", "1", "2", "3", "6")
+    assert parse_gpus("") == ()
+    for bad in ("a", "3-1", "0,0", "1-2,2"):
+        with pytest.raises(ConfigError):
+            parse_gpus(bad)
+
+
+def test_visible_gpus_follow_cuda_visible_devices_then_the_devices(tmp_path: Path) -> None:
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}, tmp_path) == ("2", "3")
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == ()
+    for name in ("nvidia0", "nvidia1", "nvidia10", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert visible_gpus({}, tmp_path) == ("0", "1", "10")
+
+
+def test_plan_refusals_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="needs --model"):
+        plan(requested="sglang", visible=("0",))
+    with pytest.raises(ConfigError, match="disagrees"):
+        plan(requested="sglang", model="/m", visible=("0", "1"), servers=1)
+    with pytest.raises(ConfigError, match="--tp is for SGLang"):
+        plan(tp=2)
+    with pytest.raises(ConfigError, match="--gpus is for SGLang"):
+        plan(gpus_flag="0")
+    p = plan_node(
+        requested=None, model=None, gpus_flag=None, tp=1, servers=3, sglang=False, visible=()
+    )
+    assert p.kind == "reference" and p.model == "tiny" and len(p.servers) == 3
+
+
+def test_worker_flags_are_the_ones_given_and_only_those() -> None:
+    fixed = dict(run="r", server="http://x", dump_dir=Path("/d"), redis_url="redis://", name=None)
+    assert as_argv(WorkerSettings(**fixed), skip=PER_WORKER) == []  # type: ignore[arg-type]
+    s = WorkerSettings(
+        **fixed,  # type: ignore[arg-type]
+        inflight=2, direct_io=False, dump_dir_force=True, dump_timeout_s=5.0,
+    )  # fmt: skip
+    argv = as_argv(s, skip=PER_WORKER)
+    assert argv == ["--dump-timeout", "5.0", "--no-direct-io", "--inflight", "2",
+                    "--dump-dir-force"]  # fmt: skip
+
+
+def test_run_names_come_from_the_file_name() -> None:
+    assert run_name_of(Path("/d/train.tokens.jsonl")) == "train-tokens"
+    assert run_name_of(Path("sharegpt_v3.jsonl")) == "sharegpt_v3"
+    with pytest.raises(ConfigError):
+        run_name_of(Path("....jsonl"))
+
+
+def test_one_interrupt_asks_for_a_clean_stop_two_for_a_kill() -> None:
+    stop = Interrupts()
+    stop(signal.SIGINT, None)
+    assert stop.count == 1 and stop.exit_code == 130
+    stop(signal.SIGTERM, None)
+    assert stop.count == 2 and stop.exit_code == 130  # the first signal names the exit
+
+
+def status(**kw: object) -> RunStatus:
+    base: dict[str, object] = dict(
+        run="r", total=10, done=4, queued=3, in_progress=2, retry=0, dead=1, missing=0,
+        invalid_lines=0, tokens_done=400, tokens_total=1000, bytes_done=0, samples_per_s=2.0,
+        tokens_per_s=1234.0, eta_s=75.0, dead_by_reason={"too_long": 1}, workers=[],
+    )  # fmt: skip
+    base.update(kw)
+    return RunStatus(**base)  # type: ignore[arg-type]
+
+
+def test_the_view_puts_each_server_beside_its_worker_and_other_nodes_below() -> None:
+    w = WorkerStatus(id="n-0.x", state="working", name="n-0", done=4, tokens_per_s=1234.0,
+                     last_sample="s7")  # fmt: skip
+    other = WorkerStatus(id="m-0.y", state="server_down", name="m-0")
+    st = status(workers=[w, other])
+    pairs = [
+        PairView(0, "reference", "http://127.0.0.1:1", "up", "n-0", None),
+        PairView(1, "reference", "http://127.0.0.1:2", "starting", "n-1", None),
+    ]
+    lines = render(st, pairs, 31.0)
+    assert lines[0].startswith("run r: 4/10 done (40.0%), dead 1, 1,234 tokens/s, ETA 1m15s")
+    assert "dead by reason: too_long: 1" in lines[2]
+    assert "[up]" in lines[3] and "worker n-0 [working] done 4" in lines[3]
+    assert "[starting]" in lines[4]
+    assert "(another node)" in lines[5] and "[server_down]" in lines[5]
+    line = log_line(st, pairs, 31.0)
+    assert "done=4/10" in line and "n-0=working" in line and "dead_by_reason=too_long:1" in line
+
+
+def test_plain_lines_when_stdout_is_not_a_terminal() -> None:
+    out = io.StringIO()
+    screen = Screen(out, every_s=10.0)
+    st = status()
+    for t in (0.0, 1.0, 5.0, 10.0, 11.0):
+        screen.show(st, [], t)
+    screen.show(st, [], 12.0, final=True)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and all(x.startswith("progress run=r") for x in lines)
+    assert "\x1b" not in out.getvalue()
+
+
+def test_a_server_is_restarted_unless_it_refused_or_used_its_restarts() -> None:
+    assert should_restart(1, 0, 3) and should_restart(-9, 2, 3) and should_restart(0, 0, 1)
+    assert not should_restart(2, 0, 3)  # a refusal (launch-sglang's exit 2) would repeat
+    assert not should_restart(1, 3, 3) and not should_restart(-9, 0, 0)
+
+
+def test_persist_processes_share_the_host_between_the_workers() -> None:
+    from hsq.app.node.plan import persist_procs_each
+
+    assert persist_procs_each(8, cpus=16) == 0  # 2 cores a worker: threads
+    assert persist_procs_each(1, cpus=16) == 8
+    assert persist_procs_each(2, cpus=16) == 4
+    assert persist_procs_each(1, cpus=2) == 0
