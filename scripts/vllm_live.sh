@@ -156,7 +156,7 @@ dataset() {  # dataset FILE N
   "$PY" -c "from hsq.harness.synthetic import write_synthetic as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), int(sys.argv[2]), seed=7, min_len=16, max_len=$MAX_LEN, vocab=1000)" "$1" "$2"
 }
 enqueue() {  # enqueue RUN DATA
-  "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --redis "$HSQ_REDIS_URL" --layers "$LAYERS" --prenorm --no-progress
+  "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --layers "$LAYERS" --prenorm --no-progress
 }
 done_count() {
   "$PY" -c "from hsq.runstore import RunStore; from hsq.store import connect; import sys; s = RunStore(connect(sys.argv[1]), sys.argv[2]); print(s.count(s.keys.done))" "$HSQ_REDIS_URL" "$1"
