@@ -10,15 +10,15 @@ Each item maps its safetensors file (hsq.outputs.open_output) instead of copying
 a multi-TB run needs no second copy to train from, and nothing is unpickled. The sample
 list comes from `manifest.jsonl` in the directory (`hsq export --format manifest` writes
 it from the run's manifest in Redis); without one, every `*.safetensors` file under the
-directory is used, in sorted order. The dataset holds only paths, so it pickles cheaply
-into DataLoader worker processes.
+directory is used, in sorted order, and `lengths` reads each file's header (once, on first
+use). The dataset holds only paths, so it pickles cheaply into DataLoader worker processes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import structlog
 
 from hsq import jsonsafe
 from hsq.errors import OutputError
-from hsq.outputs.format import REQUIRED_TENSORS, SUFFIX, open_output
+from hsq.outputs.format import IDS_TENSOR, REQUIRED_TENSORS, SUFFIX, open_output, read_header
 from hsq.states import PRENORM_TENSOR
 
 log = structlog.get_logger("hsq.data")
@@ -73,6 +73,18 @@ def scan_outputs(root: Path) -> list[Item]:
     return sorted(items, key=lambda i: i.relpath)
 
 
+def header_tokens(root: Path, item: Item) -> int:
+    """The token count of one output file from its safetensors header (no tensor read)."""
+    path = root / item.relpath
+    try:
+        info = read_header(path).tensors.get(IDS_TENSOR)
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: not a readable output file: {exc}") from exc
+    if info is None or len(info.shape) != 1:
+        raise OutputError(f"{path}: no one-dimensional {IDS_TENSOR} tensor")
+    return info.shape[0]
+
+
 class HiddenStateDataset:
     """`ds[i]` -> {"id", "input_ids" [T], "loss_mask" [T], "aux_hidden_states" [T, k*H],
     "last_hidden_state" [T, H]}, plus "last_hidden_state_prenorm" [T, H] for runs that store
@@ -99,7 +111,13 @@ class HiddenStateDataset:
 
     @property
     def lengths(self) -> list[int]:
-        """Token counts from the manifest (-1 where unknown), for length-bucketed batches."""
+        """Token counts (before `max_length`), for length-bucketed batches: from the
+        manifest, or without one from each file's header (read once, then kept)."""
+        if any(i.num_tokens < 0 for i in self.items):
+            self.items = [
+                i if i.num_tokens >= 0 else replace(i, num_tokens=header_tokens(self.root, i))
+                for i in self.items
+            ]
         return [i.num_tokens for i in self.items]
 
     def __getitem__(self, index: int) -> dict[str, Any]:

@@ -252,6 +252,24 @@ def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
     assert missing.returncode == 2 and not (tmp_path / "never").exists()
 
 
+def test_a_mistyped_dump_dir_creates_nothing(
+    tmp_path: Path, fresh: ReferenceServer, redis_url: str
+) -> None:
+    """Issue 29 item 9: for a run that exists, `--dump-dir /nonexistent/dir` made the
+    directory, its .hsq-worker.lock and .hsq-staging/, then exited 2 (no readiness marker
+    there). Now a missing dump dir is refused first, named, and nothing is created."""
+    enqueue(dataset(tmp_path, 2, seed=40), "typo", tmp_path / "out", redis_url)
+    typo = tmp_path / "nonexistent" / "dir"
+    proc = hsq("worker", "--run", "typo", "--server", fresh.url, "--dump-dir", str(typo),
+               "--redis", redis_url, "--burst")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"--dump-dir {typo} does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "nonexistent").exists()
+    st = store(redis_url, "typo")
+    assert st.count(st.keys.done) == 0 and len(st.outstanding_samples()) == 2
+
+
 # `hsq worker` with a bug planted in its dump matcher: after a few dumps were matched, every
 # poll with requests in flight raises (as an unforeseen dump-dir state could make it).
 MATCHER_BUG = """

@@ -64,6 +64,28 @@ def test_dashboard_json_is_generated_from_the_builder() -> None:
     assert (ROOT / "deploy/grafana/dashboards/hsq.json").read_text() == build_dashboard.render()
 
 
+def test_dashboard_imports_anywhere_and_its_table_is_one_table() -> None:
+    """Issue 29 item 8: every panel named the provisioned datasource uid `hsq-prometheus`,
+    so the JSON imported into another Grafana broke every panel; and the worker table's
+    queries were separate frames (Grafana showed a frame picker, not one table)."""
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/hsq.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    assert "hsq-prometheus" not in json.dumps(dash)
+    chosen = {"type": "prometheus", "uid": "${datasource}"}
+    assert variables["run"]["datasource"] == chosen
+    for p in dash["panels"]:
+        assert p["datasource"] == chosen, p["title"]
+        assert all(t["datasource"] == chosen for t in p["targets"]), p["title"]
+    (table,) = [p for p in dash["panels"] if p["title"] == "Workers and servers"]
+    assert len(table["targets"]) > 1
+    kinds = [t["id"] for t in table.get("transformations", [])]
+    assert "merge" in kinds or "joinByField" in kinds, kinds
+    # Merged rows are per worker: every query of the table keeps the worker label.
+    assert all("by (worker" in t["expr"] for t in table["targets"]), table["targets"]
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     dash = json.loads((ROOT / "deploy/grafana/dashboards/hsq.json").read_text())
     return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]

@@ -537,7 +537,12 @@ def test_a_replaced_dump_dir_fails_waiting_requests_as_the_environments_fault(
         with pytest.raises(errors.DumpDirError):
             d.register("r2", len(IDS))
         settings = WorkerSettings(run="r", server="http://x", dump_dir=dump, redis_url="")
-        lock, staging, _ = take_dump_dir(settings, "w")
+        if change == "removed":  # at start a missing dump dir is refused, nothing made
+            with pytest.raises(errors.ConfigError, match="does not exist"):
+                take_dump_dir(settings, "w")
+            assert not dump.exists()
+        # As HeldDumpDir.retake: a dir removed under a running worker is made again.
+        lock, staging, _ = take_dump_dir(settings, "w", create_missing=True)
         d.retake(staging)
         assert d.broken is None
         t = d.register("r3", len(IDS))

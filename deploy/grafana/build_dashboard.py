@@ -13,6 +13,10 @@ from typing import Any
 
 R = 'run=~"$run"'
 RI = "$__rate_interval"
+# The datasource is a dashboard variable, not a fixed uid: the JSON then works both when
+# provisioned (the variable picks the default Prometheus, deploy/grafana/provisioning) and
+# when imported into another Grafana. File provisioning does not resolve `__inputs`.
+DS = {"type": "prometheus", "uid": "${datasource}"}
 
 PANELS: list[dict[str, Any]] = [
     {
@@ -89,8 +93,32 @@ PANELS: list[dict[str, Any]] = [
             "in flight": f"max by (worker) (hsq_worker_in_flight_samples{{{R}}})",
             "seconds since last sample": f"time() - max by (worker) "
             f"(hsq_worker_last_success_timestamp_seconds{{{R}}})",
-            "scraped": 'up{job="hsq-worker"}',
         },
+        # One row per worker: the instant frames merged on their common `worker` field,
+        # the per-query value columns named after their query, the timestamp hidden.
+        "transformations": [
+            {"id": "merge", "options": {}},
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True},
+                    "renameByName": {
+                        f"Value #{chr(ord('A') + j)}": name
+                        for j, name in enumerate(
+                            ["server up", "state", "in flight", "seconds since last sample"]
+                        )
+                    },
+                },
+            },
+        ],
+    },
+    {
+        # Per scrape target (it has no worker label, so it is not merged into the table
+        # above): a worker that is down shows 0 here while its own metrics go stale.
+        "title": "Worker scrape targets",
+        "type": "table",
+        "unit": "short",
+        "targets": {"scraped": 'up{job="hsq-worker"}'},
     },
     {
         "title": "Output filesystem free",
@@ -100,15 +128,26 @@ PANELS: list[dict[str, Any]] = [
 ]
 
 
-def panel(i: int, spec: dict[str, Any]) -> dict[str, Any]:
+def layout(specs: list[dict[str, Any]]) -> list[dict[str, int]]:
+    """Half-width panels two to a row, a table a full row of its own (no overlaps)."""
+    out, x, y = [], 0, 0
+    for spec in specs:
+        width = 24 if spec.get("type") == "table" else 12
+        if x + width > 24:
+            x, y = 0, y + 8
+        out.append({"h": 8, "w": width, "x": x, "y": y})
+        x += width
+    return out
+
+
+def panel(i: int, spec: dict[str, Any], pos: dict[str, int]) -> dict[str, Any]:
     kind = spec.get("type", "timeseries")
-    width = 24 if kind == "table" else 12
     return {
         "id": i + 1,
         "type": kind,
         "title": spec["title"],
-        "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
-        "gridPos": {"h": 8, "w": width, "x": (i % 2) * 12 if width == 12 else 0, "y": (i // 2) * 8},
+        "datasource": DS,
+        "gridPos": pos,
         "fieldConfig": {"defaults": {"unit": spec["unit"]}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
         "targets": [
@@ -116,11 +155,12 @@ def panel(i: int, spec: dict[str, Any]) -> dict[str, Any]:
                 "refId": chr(ord("A") + j),
                 "expr": expr,
                 "legendFormat": legend,
-                "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
+                "datasource": DS,
                 **({"instant": True, "format": "table"} if kind == "table" else {}),
             }
             for j, (legend, expr) in enumerate(spec["targets"].items())
         ],
+        **({"transformations": spec["transformations"]} if "transformations" in spec else {}),
     }
 
 
@@ -136,19 +176,30 @@ def dashboard() -> dict[str, Any]:
         "templating": {
             "list": [
                 {
+                    "name": "datasource",
+                    "label": "datasource",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "refresh": 1,
+                    "regex": "",
+                    "hide": 0,
+                },
+                {
                     "name": "run",
                     "label": "run",
                     "type": "query",
                     "multi": True,
                     "includeAll": True,
                     "allValue": ".*",
-                    "datasource": {"type": "prometheus", "uid": "hsq-prometheus"},
+                    "datasource": DS,
                     "query": {"query": "label_values(hsq_run_samples, run)", "refId": "runs"},
                     "refresh": 2,
-                }
+                },
             ]
         },
-        "panels": [panel(i, p) for i, p in enumerate(PANELS)],
+        "panels": [
+            panel(i, p, pos) for i, (p, pos) in enumerate(zip(PANELS, layout(PANELS), strict=True))
+        ],
     }
 
 

@@ -78,12 +78,32 @@ def fresh_staging(dump_dir: Path) -> Path:
     return staging
 
 
-def take_dump_dir(s: WorkerSettings, worker_id: str) -> tuple[DumpDirLock, Path, int]:
-    """Check the dump dir, create it if missing (0700), take its lock, make the staging dir
-    and clear leftovers: (lock, staging dir, dumps cleared). At start, and again when the
-    dump dir was removed or replaced under a running worker."""
+def require_dump_dir(path: Path, force: bool) -> None:
+    """At start the dump dir must already exist: its server made it (and writes its
+    readiness marker there). Creating a missing one turned a mistyped --dump-dir into a
+    directory, a lock and a staging dir left behind by a worker that then exited 2."""
+    if check_dump_dir(path, force):
+        raise missing_dump_dir(path)
+
+
+def missing_dump_dir(path: Path) -> ConfigError:
+    return ConfigError(
+        f"--dump-dir {path} does not exist: give the directory the server writes its "
+        "dumps to (the server creates it at start)"
+    )
+
+
+def take_dump_dir(
+    s: WorkerSettings, worker_id: str, *, create_missing: bool = False
+) -> tuple[DumpDirLock, Path, int]:
+    """Check the dump dir, create it (0700) if missing and `create_missing`, take its lock,
+    make the staging dir and clear leftovers: (lock, staging dir, dumps cleared). At start
+    the dir must exist; when it was removed or replaced under a running worker it is taken
+    again, and made again if removed (the path passed the checks at start)."""
     d = s.dump_dir
     create = check_dump_dir(d, s.dump_dir_force)
+    if create and not create_missing:
+        raise missing_dump_dir(d)
     try:
         if create:
             d.mkdir(parents=True, mode=0o700)
@@ -113,7 +133,9 @@ class HeldDumpDir:
     def retake(self) -> tuple[Path, int]:
         """(new staging dir, dumps cleared); ConfigError if the path fails the checks."""
         self.lock.release()
-        self.lock, staging, cleared = take_dump_dir(self.settings, self.worker_id)
+        self.lock, staging, cleared = take_dump_dir(
+            self.settings, self.worker_id, create_missing=True
+        )
         return staging, cleared
 
     def release(self) -> None:
@@ -126,8 +148,8 @@ def startup(s: WorkerSettings, worker_id: str) -> Started:
     cfg = store.require_config()  # a run that does not exist: exit 2, nothing touched
     if not os.access(cfg.dataset, os.R_OK):
         raise StoreError(f"dataset {cfg.dataset} is not readable on this node")
-    check_dump_dir(s.dump_dir, s.dump_dir_force)  # before anything is created anywhere
+    require_dump_dir(s.dump_dir, s.dump_dir_force)  # before anything is created anywhere
     view = RunView.of(cfg, s.run)
-    lock, staging, cleared = take_dump_dir(s, worker_id)
+    lock, staging, cleared = take_dump_dir(s, worker_id, create_missing=False)
     view.out_root.mkdir(parents=True, exist_ok=True)
     return Started(store, view, lock, staging, cleared)
