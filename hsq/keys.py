@@ -82,7 +82,7 @@ JOB_COUNT_DIGITS = 9
 ACL_COMMANDS = (
     "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
     "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
-    "+lpush +rpush +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard"
+    "+lpush +rpush +lpos +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard"
 )
 """What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
 the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""
