@@ -21,6 +21,9 @@ from hsq.settings import setting
 from hsq.workers.settings import WorkerSettings
 
 PER_WORKER = ("run", "server", "dump_dir", "redis_url", "name", "burst")
+NODE_DECIDES = ("server_kind", "served_model")
+"""Worker settings `hsq run` sets from its own --server (the reference server and SGLang
+speak one protocol); as options they would shadow run's --server."""
 """WorkerSettings `hsq run` sets per worker itself; every other one is a flag of `hsq run`
 and reaches each `hsq worker` as given (--metrics-port: worker i gets PORT + i)."""
 
@@ -122,7 +125,7 @@ def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple
 @click.command("run")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[DATASET] [-- SERVER_ARGS]")
 @settings_options(RunFlags)
-@settings_options(WorkerSettings, skip=PER_WORKER)
+@settings_options(WorkerSettings, skip=(*PER_WORKER, *NODE_DECIDES))
 @settings_options(RunConfig, only=RUN_SETTINGS)
 @settings_options(TokenizeSettings, skip=("tokenizer",))
 def run(args: tuple[str, ...], **values: Any) -> None:
@@ -156,7 +159,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         sys.exit(serve_redis_only(f.out))
     worker = take(
         WorkerSettings, values, run="-", server="http://127.0.0.1", dump_dir=Path("-"),
-        redis_url="-", name=None, burst=True,
+        redis_url="-", name=None, burst=True, server_kind="sglang", served_model=None,
     )  # fmt: skip
     worker.validate()
     run_cfg = {name: values.pop(name) for name in RUN_SETTINGS}
@@ -194,7 +197,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,
         enqueue=None if f.join else enqueue,
-        worker_argv=as_argv(worker, skip=(*PER_WORKER, "metrics_port")),
+        worker_argv=as_argv(worker, skip=(*PER_WORKER, *NODE_DECIDES, "metrics_port")),
         server_args=server_args,
         metrics_port=worker.metrics_port,
         node=f.node_name or socket.gethostname().split(".")[0],
