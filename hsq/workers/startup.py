@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,12 +80,31 @@ def fresh_staging(dump_dir: Path) -> Path:
     return staging
 
 
-def require_dump_dir(path: Path, force: bool) -> None:
-    """At start the dump dir must already exist: its server made it (and writes its
-    readiness marker there). Creating a missing one turned a mistyped --dump-dir into a
-    directory, a lock and a staging dir left behind by a worker that then exited 2."""
-    if check_dump_dir(path, force):
-        raise missing_dump_dir(path)
+def require_dump_dir(
+    path: Path,
+    force: bool,
+    healthy: Callable[[], bool] = lambda: True,
+    *,
+    timeout_s: float = 1800.0,
+    poll_s: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """The dump dir is its server's: the server makes it at start (and writes its readiness
+    marker there). A worker started beside its server waits for it, creating nothing; once
+    the server answers and the dir is still missing, --dump-dir is mistyped: exit 2.
+    Creating a missing one turned a typo into a directory, a lock and a staging dir left
+    behind by a worker that then exited 2 (issue 29 item 9)."""
+    deadline = clock() + timeout_s
+    logged = False
+    while check_dump_dir(path, force):
+        if healthy() and check_dump_dir(path, force):  # once more: it may just have come
+            raise missing_dump_dir(path)
+        if clock() >= deadline:
+            raise missing_dump_dir(path)
+        if not logged:
+            log.info("waiting_for_dump_dir", dump_dir=str(path), timeout_s=timeout_s)
+            logged = True
+        time.sleep(poll_s)
 
 
 def missing_dump_dir(path: Path) -> ConfigError:
@@ -142,13 +163,24 @@ class HeldDumpDir:
         self.lock.release()
 
 
+def _answers(server: str) -> bool:
+    """Whether the server answers /health (SGLang, vLLM and the reference server all do)."""
+    import httpx
+
+    try:
+        return httpx.get(server.rstrip("/") + "/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def startup(s: WorkerSettings, worker_id: str) -> Started:
     s.validate()
     store = RunStore(connect(s.redis_url), s.run)
     cfg = store.require_config()  # a run that does not exist: exit 2, nothing touched
     if not os.access(cfg.dataset, os.R_OK):
         raise StoreError(f"dataset {cfg.dataset} is not readable on this node")
-    require_dump_dir(s.dump_dir, s.dump_dir_force)  # before anything is created anywhere
+    # before anything is created anywhere
+    require_dump_dir(s.dump_dir, s.dump_dir_force, lambda: _answers(s.server))
     view = RunView.of(cfg, s.run)
     lock, staging, cleared = take_dump_dir(s, worker_id, create_missing=False)
     view.out_root.mkdir(parents=True, exist_ok=True)
