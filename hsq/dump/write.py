@@ -4,6 +4,7 @@ servers) writes its dumps with :func:`write_dump`, so the layout has one impleme
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,3 +59,18 @@ def write_dump(
         fsio.fsync_path(tmp)
     fsio.rename_durably(tmp, final, fsync=fsync)
     return final
+
+
+_INDEX_RE = re.compile(r"^req_(\d+)(?:\.tmp)?$")
+
+
+def first_free_index(dump_dir: Path) -> int:
+    """Past every req_<N> already there, so a restarted server never collides (the SGLang
+    hook's and the vLLM connector's writers both number their dumps from it)."""
+    top = -1
+    with os.scandir(dump_dir) as it:
+        for entry in it:
+            m = _INDEX_RE.match(entry.name)
+            if m:
+                top = max(top, int(m.group(1)))
+    return top + 1

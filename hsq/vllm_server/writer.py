@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -17,12 +16,11 @@ import torch
 import hsq
 from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
 from hsq.dump.ready import ReadyMarker, write_ready
-from hsq.dump.write import write_dump
+from hsq.dump.write import first_free_index, write_dump
 from hsq.vllm_server.checkpoint import FinalNorm
 from hsq.vllm_server.states import dump_tensors, shape_problem
 
 log = logging.getLogger("hsq.vllm_server")
-_INDEX_RE = re.compile(r"^req_(\d+)(?:\.tmp)?$")
 SERVER = "vllm"
 
 
@@ -40,17 +38,6 @@ class DumpContext:
     prenorm: bool = False
 
 
-def _first_free_index(dump_dir: Path) -> int:
-    """Past every req_<N> already there, so a restarted server never collides."""
-    top = -1
-    with os.scandir(dump_dir) as it:
-        for entry in it:
-            m = _INDEX_RE.match(entry.name)
-            if m:
-                top = max(top, int(m.group(1)))
-    return top + 1
-
-
 class DumpWriter:
     def __init__(self, dump_dir: Path, ctx: DumpContext, *, fsync: bool = True) -> None:
         dump_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +46,7 @@ class DumpWriter:
         self.fsync = fsync
         self.errors = 0
         self._lock = threading.Lock()
-        self._next = _first_free_index(dump_dir)
+        self._next = first_free_index(dump_dir)
 
     def _take_index(self) -> int:
         with self._lock:

@@ -10,8 +10,6 @@ falls behind, ``submit`` blocks the scheduler (backpressure) instead of growing 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
 import time
 from collections import deque
@@ -22,12 +20,11 @@ from pathlib import Path
 import torch
 
 from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
-from hsq.dump.write import write_dump
+from hsq.dump.write import first_free_index, write_dump
 from hsq.sglang_server.sglang_hook.accumulator import Accumulator, Chunk, Complete
 from hsq.states import LAST_TENSOR, PLAIN
 
 log = logging.getLogger("hsq.sglang_hook")
-_INDEX_RE = re.compile(r"^req_(\d+)(?:\.tmp)?$")
 
 
 @dataclass(frozen=True)
@@ -94,17 +91,6 @@ class _Item:
     nbytes: int
 
 
-def _first_free_index(dump_dir: Path) -> int:
-    """Past every req_<N> already there, so a restarted server never collides."""
-    top = -1
-    with os.scandir(dump_dir) as it:
-        for entry in it:
-            m = _INDEX_RE.match(entry.name)
-            if m:
-                top = max(top, int(m.group(1)))
-    return top + 1
-
-
 class DumpSink:
     def __init__(
         self,
@@ -128,7 +114,7 @@ class DumpSink:
         self.written: list[Path] = []
         self.errors = 0
         self._tick_s = tick_s
-        self._next_index = _first_free_index(dump_dir)
+        self._next_index = first_free_index(dump_dir)
         self._items: deque[_Item | None] = deque()
         self._bytes = 0
         self._busy = 0  # items taken by the writer and not finished
