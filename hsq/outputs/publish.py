@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsq.dataset import Sample
+from hsq.errors import HsqError
 from hsq.fsio import fsync_path, rename_noreplace, temp_name
 from hsq.outputs.format import output_relpath
 
@@ -143,16 +144,19 @@ class Publisher:
         from hsq.adopt import file_identity, file_states, judge_output
 
         rel = output_relpath(self.sample.id)
-        entry, _why = judge_output(
-            path, rel, self.sample, self.run, self.store_dtype, prenorm=self.prenorm
-        )
-        if entry is None:
-            return None
         meta = self.meta
-        if file_identity(path) != (meta.model.model_id, list(meta.layer_ids)):
-            return None
-        if file_states(path) not in (None, (meta.dtype, meta.hidden_size)):
-            return None
+        try:
+            entry, _why = judge_output(
+                path, rel, self.sample, self.run, self.store_dtype, prenorm=self.prenorm
+            )
+            if entry is None:
+                return None
+            if file_identity(path) != (meta.model.model_id, list(meta.layer_ids)):
+                return None
+            if file_states(path) not in (None, (meta.dtype, meta.hidden_size)):
+                return None
+        except (ValueError, HsqError):  # a header too damaged to read: not adoptable
+            return None  # (an OSError, e.g. EIO, propagates: the write is retried)
         return entry.bytes, entry.checksum
 
     def _count(self, what: str) -> None:
