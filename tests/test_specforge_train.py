@@ -194,7 +194,9 @@ def test_specforge_trains_on_hsqs_export_and_the_drafter_gets_the_runs_layers(
     drafter = base / "drafter"
     subprocess.run(
         [
-            str(Path(py).parent / "specforge"),
+            py,  # SpecForge's console script is `specforge.cli:main`; its code is in .trainers/
+            "-m",
+            "specforge.cli",
             "export",
             "--to",
             "sglang",
