@@ -23,7 +23,7 @@ FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
 ROOT = Path(__file__).resolve().parent.parent
 
 STOP_BEFORE_NAMING = """
-import os, signal
+import os, signal, threading
 _target = os.environ.get("HSQ_TEST_STOP_BEFORE_NAMING")
 if _target:
     import hsq.fsio as _fsio
@@ -33,7 +33,9 @@ if _target:
         def named(src, dst, *args, **kwargs):
             if os.path.basename(str(dst)) == _target and not _done:
                 _done.append(1)
-                os.kill(os.getpid(), signal.SIGSTOP)  # between the look and the name
+                # To this thread itself: a SIGSTOP to the process may be taken by another
+                # thread while this one goes on into the rename.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
             return fn(src, dst, *args, **kwargs)
         return named
 
