@@ -270,6 +270,50 @@ LINES = [
     "not json",
     '{"id": "aa", "input_ids": [9999999999], "loss_mask": [1]}',
     '{"id": "ab", "input_ids": [1], "loss_mask": [1]}\r',
+    # Lines msgspec (the fast path's decoder) could read otherwise than json.loads:
+    '{"id": "ac", "input_ids": [1], "loss_mask": [1], "input_ids": [1, 2]}',  # last key wins
+    '{"id": "ad", "input_ids": [1], "id": "ae"}',
+    '{"id": "af", "input_ids": [1], "loss_mask": null, "loss_mask": [1]}',
+    '{"id": "ag", "input_ids": [1, 2], "input_ids": []}',
+    '{"\\u0069d": "ah", "input_\\u0069ds": [1]}',  # escapes in keys
+    '{"id": "ai", "input_ids": [-0], "loss_mask": [-0]}',
+    '{"id": 123456789012345678901234567890, "input_ids": [1]}',
+    '{"id": ' + "9" * 128 + ', "input_ids": [1]}',
+    '{"id": ' + "9" * 129 + ', "input_ids": [1]}',
+    '{"id": ' + "9" * 5000 + ', "input_ids": [1]}',  # past int's str() limit
+    '{"id": -5, "input_ids": [1]}',
+    '{"id": 0, "input_ids": [1]}',
+    '{"id": "aj", "input_ids": [1], "loss_mask": [1.0]}',
+    '{"id": "ak", "input_ids": [NaN]}',
+    '{"id": Infinity, "input_ids": [1]}',
+    '{"id": "al", "input_ids": [1e0]}',
+    '{"id": "\\ud800", "input_ids": [1]}',
+    '{"id": "am\\u0000", "input_ids": [1]}',
+    '{"id": "an\\n", "input_ids": [1]}',
+    '\ufeff{"id": "ao", "input_ids": [1]}',
+    '{"id": "ap", "input_ids": [[1]]}',
+    '{"id": "aq", "input_ids": {"0": 1}}',
+    '{"id": "ar", "input_ids": [1], "loss_mask": [1], }',
+    '{"id": "as",\t"input_ids":\t[1 ,2]\t, "loss_mask" : [0,0] }',
+    '{"id": "at", "input_ids": "1"}',
+    '{"id": ["au"], "input_ids": [1]}',
+    '{"id": "av", "input_ids": [1], "loss_mask": [2]}',
+    '{"id": "aw", "input_ids": [1], "loss_mask": []}',
+    '{"id": "ax", "input_ids": [1], "loss_mask": true}',
+    '{"id": "ay", "input_ids": [1]} {"id": "az"}',
+    '[{"id": "ba", "input_ids": [1]}]',
+    "null",
+    '{"id": "\u00e9", "input_ids": [1]}',
+    '{"id": "bb", "input_ids": [1, 2, 3, 4, 5]}',
+    '{"id": "bc", "input_ids": [1], "loss_mask": [0, 1]}',
+    '{"id": "bd", "input_ids": [1], "extra": "x"}',
+    '{"id": 7, "input_ids": [1]}',
+    '{"id": "7", "input_ids": [1]}',
+    '{"input_ids": [1]}',
+    '{"id": "be"}',
+    '{"id": "", "input_ids": [1]}',
+    '{"id": "bf", "input_ids": [4294967296]}',
+    '{"id": "bg", "input_ids": [' + "1" * 30 + "]}",
 ]
 
 
@@ -333,6 +377,58 @@ def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(lines) + "\n")
     compare_scans(path, None, [(1, 2**20), (1, 97), (2, 4099)])
+
+
+BYTE_EDITS = [*b'0123456789,-+.eE[]{}:"\\ut n', 0, 9, 0xFF, 0xC3, 0xA9, 0xED, 0xEF]
+
+
+def damaged(rng: random.Random, i: int) -> bytes:
+    """A valid line of some shape, then up to three random byte edits (msgspec's view of
+    JSON against json.loads's: escapes, numbers, UTF-8, structure)."""
+    n = rng.randint(1, 6)
+    row: dict[str, Any] = {"id": rng.choice([f"r{i}", i, f"r{i}\u00e9"])}
+    row["input_ids"] = [rng.choice([0, 1, 255, 2147483647, 2147483648]) for _ in range(n)]
+    if rng.random() < 0.8:
+        row["loss_mask"] = [rng.randint(0, 1) for _ in range(n)]
+    if rng.random() < 0.1:
+        row["x"] = "y"
+    sep = rng.choice([(", ", ": "), (",", ":")])
+    line = bytearray(json.dumps(row, separators=sep, ensure_ascii=rng.random() < 0.5).encode())
+    for _ in range(rng.randint(0, 3)):
+        pos = rng.randrange(len(line))
+        line[pos : pos + rng.randint(0, 1)] = bytes([rng.choice(BYTE_EDITS)])
+    return bytes(line).replace(b"\n", b"")
+
+
+def test_the_fast_decoder_accepts_only_what_parse_line_accepts() -> None:
+    """The fast path's own verdict, line by line: None (parse_line decides) or exactly
+    parse_line's id, token count and spelling of the id, on 40,000 damaged lines."""
+    from hsq.dataset import parse_line
+    from hsq.errors import DatasetError
+    from hsq.producer.fastscan import _fast_count
+
+    rng = random.Random(35)
+    taken = 0
+    for i in range(40_000):
+        line = damaged(rng, i)
+        for max_tokens in (None, 3):
+            got = _fast_count(line, max_tokens)
+            if got is None:
+                continue
+            taken += 1
+            try:
+                sample = parse_line(line, max_tokens)
+            except DatasetError as exc:
+                raise AssertionError(f"fast path took {line!r}; parse_line: {exc}") from None
+            assert got == (sample.id, len(sample.input_ids), sample.id_text == sample.id), line
+    assert taken > 4_000  # not vacuous: thousands of lines survive their edits and go fast
+
+
+def test_the_fast_scan_agrees_on_randomly_damaged_bytes(tmp_path: Path) -> None:
+    rng = random.Random(350)
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b"\n".join(damaged(rng, i) for i in range(3000)) + b"\n")
+    compare_scans(path, None, [(1, 2**20), (2, 4099)])
 
 
 def test_the_fast_scan_skips_over_long_lines_as_the_dataset_scan_does(
