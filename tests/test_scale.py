@@ -535,3 +535,32 @@ def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
     st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
     assert st.get_manifest("s0002") is None
     assert dict(st.iter_done())["s0002"] == b"m1|x|y"
+
+
+def test_verify_reads_the_stored_form_with_the_verdicts_of_its_json(tmp_path: Path) -> None:
+    """verify checks the done hash's compact form without turning it into JSON first; for
+    every stored value, valid or damaged, trusted_entry gives what it gives on the JSON."""
+    from hsq.app.ops import trusted_entry
+    from hsq.outputs.manifest import encode_manifest, manifest_json
+
+    out = tmp_path / "out"
+    (out / output_relpath("s1")).parent.mkdir(parents=True)
+    good = encode_manifest(
+        "s1", ManifestEntry(output_relpath("s1"), 3, 100, "crc32:1", "w", 0.5, 2)
+    )
+    rng = random.Random(7)
+    stored = [good, "m1|3|100|1|w|0.5|2|fp8-e4m3", "m1|x|y", "m1|3|100|1|w|nan|2|", good + "|"]
+    stored += ["m1|3|100|1|" + "\x01" * 20000 + "|0.5|2|", '{"path": 1}', "m1|3|1_0|1|w|1e300|+2|"]
+    for _ in range(3000):
+        b = list(good)
+        b[rng.randrange(len(b))] = rng.choice("|:0123456789.-x\x00\xe9")
+        stored.append("".join(b))
+    for sid in ("s1", "../s1"):
+        for raw in stored:
+            outcomes: list[ManifestEntry | str] = []
+            for form in (raw.encode(), manifest_json(sid, raw.encode())):
+                try:
+                    outcomes.append(trusted_entry(sid, form, out))
+                except ValueError as exc:
+                    outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1] or "nan" in raw, (sid, raw, outcomes)
