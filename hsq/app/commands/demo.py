@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from hsq import extras
 from hsq.app.flags import RedisAccess
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -43,6 +44,7 @@ def demo(**values: Any) -> None:
     Example:
       hsq demo --samples 300
     """
+    extras.require("reference", "hsq demo")  # its server runs the tiny model
     from hsq.app.demo import run_demo
 
     f = take(DemoFlags, values)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hsq import extras
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import given, settings_options, take
 from hsq.producer.tokenize import TokenizeSettings
@@ -55,6 +56,7 @@ def tokenize(chats: Path, **values: Any) -> None:
     Example:
       hsq tokenize chats.jsonl --tokenizer /models/qwen3-8b -o tokens.jsonl --max-length 4096
     """
+    extras.require("chat", "hsq tokenize")
     from hsq.producer.tokenize import rejects_path, tokenize_file
 
     settings = take(TokenizeSettings, values)
@@ -117,6 +119,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
     settings = {name: values.pop(name) for name in RUN_SETTINGS}
     chat = None
     if flags.tokenizer is not None:
+        extras.require("chat", "hsq enqueue --tokenizer")
         chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
     report = enqueue_dataset(
         RunStore(redis.client(), run),

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from hsq import extras
 from hsq.app.commands.produce import RUN_SETTINGS, enqueue_dataset
 from hsq.app.flags import RedisAccess
 from hsq.app.options import as_argv, settings_options, take
@@ -148,6 +149,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
 
     from hsq.app.node.node import NodeJob, run_node, serve_redis_only
     from hsq.app.node.plan import (
+        REFERENCE,
         persist_procs_each,
         plan_node,
         sglang_importable,
@@ -177,6 +179,10 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         requested=f.server_kind, model=f.model, gpus_flag=f.gpus, tp=f.tp, servers=f.servers,
         sglang=sglang_importable(), visible=visible_gpus(),
     )  # fmt: skip
+    if plan.kind == REFERENCE:  # before Redis or any server starts
+        extras.require("reference", "hsq run --server reference")
+    if chat is not None:
+        extras.require("chat", "hsq run --tokenizer")
 
     def enqueue(store: Any) -> list[str]:
         assert dataset is not None

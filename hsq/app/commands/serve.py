@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from hsq import extras
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -26,6 +27,7 @@ def serve_reference(**values: Any) -> None:
       hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
       hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
     """
+    extras.require("reference", "hsq serve-reference")
     from hsq.sglang_server.reference.app import serve
 
     serve(take(ReferenceSettings, values))
