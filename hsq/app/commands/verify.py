@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
 from hsq.app.options import settings_options, take
@@ -32,7 +33,7 @@ class VerifyFlags:
     )
 
 
-@click.command("verify")
+@hsq_command("verify")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(VerifyFlags)
@@ -107,7 +108,7 @@ class AuditFlags:
     dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
 
 
-@click.command("audit")
+@hsq_command("audit")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(AuditFlags)
