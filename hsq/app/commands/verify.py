@@ -138,6 +138,11 @@ def audit(**values: Any) -> None:
     f = take(AuditFlags, values)
     mounted = take(MountedOut, values)
     with mounted.progress(0, "auditing") as bar:
+
+        def set_total(n: int) -> None:  # known once the samples are chosen
+            bar.total = n
+            bar.refresh()
+
         report = run_audit(
             st,
             server=f.audit_server,
@@ -150,6 +155,7 @@ def audit(**values: Any) -> None:
             request_timeout_s=f.audit_request_timeout_s,
             dump_dir_force=f.dump_dir_force,
             on_progress=bar.update,
+            on_total=set_total,
         )
     for line in report.lines_out():
         click.echo(line)
