@@ -438,3 +438,27 @@ def test_batch_shapes_cover_every_batch_the_engine_can_form() -> None:
             if rows == 1 or rows * longest <= 3000:
                 assert (rows, bucket_length(longest)) in shapes, (rows, longest)
     assert max(r * n for r, n in shapes) <= 4 * 1024  # never far above the budget
+
+
+def test_a_causal_lm_checkpoint_loads_without_a_load_report_but_other_keys_are_reported(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The server's decoder has no LM head: transformers logged `LlamaModel LOAD REPORT
+    ... lm_head.weight | UNEXPECTED` at every start from a *ForCausalLM checkpoint. Only
+    the head is quiet: a key the decoder should have had is still reported."""
+    from safetensors.torch import load_file, save_file
+
+    from hsq.harness.tinymodel import build
+
+    ckpt = build(tmp_path / "ckpt")
+    capfd.readouterr()
+    load_model(str(ckpt), device="cpu", dtype=torch.float32, dump_dtype=torch.float32, layers=None)
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" not in err and "lm_head" not in err, err
+
+    weights = load_file(ckpt / "model.safetensors")
+    weights["model.layers.0.extra.weight"] = torch.zeros(2)
+    save_file(weights, ckpt / "model.safetensors", metadata={"format": "pt"})
+    load_model(str(ckpt), device="cpu", dtype=torch.float32, dump_dtype=torch.float32, layers=None)
+    err = capfd.readouterr().err
+    assert "LOAD REPORT" in err and "layers.0.extra.weight" in err and "lm_head" not in err, err
