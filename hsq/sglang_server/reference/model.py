@@ -195,10 +195,12 @@ def _headless(auto: Any, config: Any) -> Any:
     from transformers import MODEL_MAPPING
 
     try:
-        base = MODEL_MAPPING[type(config)]
+        base: Any = MODEL_MAPPING[type(config)]
     except (KeyError, ValueError):
         return auto
-    ignored = [*(base._keys_to_ignore_on_load_unexpected or []), r"^lm_head\."]
+    if not isinstance(base, type):  # a mapping to several classes: AutoModel picks
+        return auto
+    ignored = [*(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []), r"^lm_head\."]
     return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignored})
 
 
