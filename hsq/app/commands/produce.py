@@ -143,6 +143,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
     used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
+    from hsq.producer.report import log_report
     from hsq.runstore import RunStore
 
     run = take(RunName, values).run
@@ -155,6 +156,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
         take_dataset(values),
         progress=not flags.no_progress,
     )
+    log_report(run, report)
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:
