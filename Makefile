@@ -4,11 +4,16 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: dist constraints lower-bounds
-.PHONY: setup test test-slow lint fmt clean demo bench bench-smoke sglang-sources
+.PHONY: setup test test-slow lint fmt clean demo bench bench-smoke sglang-sources pip-check
 .PHONY: setup-deploy compose-test slurm-test compose-demo
 
 setup:
 	./scripts/setup.sh
+
+# No unmet or conflicting requirement in .venv (setup.sh ends with it too; CI runs it).
+# SpecForge and speculators are not in .venv: docs/training.md, "Where each trainer lives".
+pip-check:
+	$(PY) -m pip check
 
 # Two processes, each taking whole test files (module-scoped servers stay in one process).
 test:

@@ -42,6 +42,11 @@ class ConfigError(HsqError):
     """Invalid configuration or usage."""
 
 
+class MissingExtraError(ConfigError):
+    """A command needs an optional dependency this install lacks (hsq.extras names the
+    extra that brings it)."""
+
+
 class DatasetError(HsqError):
     def __init__(self, message: str, reason: str = "bad_line") -> None:
         super().__init__(message)

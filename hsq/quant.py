@@ -30,7 +30,10 @@ from hsq.states import (
 from hsq.stfile.header import DTYPE_CODES
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+    NDArray = np.ndarray[Any, Any]
 
 META_KEY = "store_dtype"
 """Output metadata key; files written before FP8 existed have none and are bf16."""
@@ -41,6 +44,7 @@ SCALE_CODE = DTYPE_CODES["float32"]
 # are stored faithfully enough but their largest value need not land exactly on 448.
 _EXACT_MAX_MIN_SCALE = 1e-30
 CHUNK_TOKENS = 256
+_FP8_MAX_BITS = 0x7E  # +-448 in float8_e4m3fn, less its sign bit
 
 
 def store_dtype_of(metadata: Mapping[str, str]) -> str:
@@ -113,7 +117,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: Any = None) -> torch
     return y.to(out_dtype).reshape(t, d)
 
 
-def quantized_problems(q: torch.Tensor, scale: torch.Tensor) -> list[str]:
+def quantized_problems(q: torch.Tensor | NDArray, scale: torch.Tensor | NDArray) -> list[str]:
     """Deep checks of one stored fp8 tensor against its scales (empty list: fine).
 
     Beyond the checksum, this catches a scale tensor that was written wrong: scales must be
@@ -121,11 +125,13 @@ def quantized_problems(q: torch.Tensor, scale: torch.Tensor) -> list[str]:
     reach +-448 (the quantizer maps each row's absmax there), and scale * 448 must be
     finite (else the values read back as Inf). `verify --deep` reports these; the worker
     refuses a server-made fp8 dump by the same rules (check_quantized). Pure: tensors in,
-    text out, so any process (a pool's too) can run it."""
+    text out, so any process (a pool's too) can run it. `q` is a float8_e4m3fn tensor or
+    its bits as a uint8 array, `scale` float32 (tensor or array): the rules run in numpy,
+    so the base install (no torch) checks files too (hsq.stfile.tensors)."""
     return [text for _, text in _problems(q, scale)]
 
 
-def check_quantized(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+def check_quantized(q: torch.Tensor | NDArray, scale: torch.Tensor | NDArray, name: str) -> None:
     """quantized_problems as a dump's error: NonFiniteDumpError where a value or its
     dequantization is not finite, CorruptDumpError for the other rules."""
     found = _problems(q, scale)
@@ -137,32 +143,55 @@ def check_quantized(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
     raise CorruptDumpError(text)
 
 
-def _problems(q: torch.Tensor, scale: torch.Tensor) -> list[tuple[bool, str]]:
-    """(is it about NaN/Inf, what) for every rule a stored fp8 tensor breaks."""
+def _as_arrays(q: Any, scale: Any) -> tuple[NDArray, NDArray] | str:
+    """(uint8 bits [T, D], float32 [T, g]) from tensors or arrays; text when the dtypes are
+    wrong. A CPU tensor is viewed, not copied."""
+    import numpy as np
+
+    if isinstance(q, np.ndarray) and isinstance(scale, np.ndarray):
+        if q.dtype != np.uint8 or scale.dtype != np.float32:
+            return f"dtypes {q.dtype}/{scale.dtype}, expected uint8 (fp8 bits)/float32"
+        return q, scale
     import torch
 
     if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
-        return [(False, f"dtypes {q.dtype}/{scale.dtype}, expected float8_e4m3fn/float32")]
-    t, d = q.shape
-    if scale.dim() != 2 or scale.shape[0] != t or scale.shape[1] < 1 or d % scale.shape[1]:
-        return [(False, f"scale shape {list(scale.shape)} does not fit {list(q.shape)}")]
+        return f"dtypes {q.dtype}/{scale.dtype}, expected float8_e4m3fn/float32"
+    return q.detach().cpu().view(torch.uint8).numpy(), scale.detach().cpu().numpy()
+
+
+def _problems(q: Any, scale: Any) -> list[tuple[bool, str]]:
+    """(is it about NaN/Inf, what) for every rule a stored fp8 tensor breaks."""
+    import numpy as np
+
+    arrays = _as_arrays(q, scale)
+    if isinstance(arrays, str):
+        return [(False, arrays)]
+    bits, sc = arrays
+    if bits.ndim != 2:
+        return [(False, f"fp8 tensor shape {list(bits.shape)} is not [tokens, width]")]
+    t, d = bits.shape
+    if sc.ndim != 2 or sc.shape[0] != t or sc.shape[1] < 1 or d % sc.shape[1]:
+        return [(False, f"scale shape {list(sc.shape)} does not fit {list(bits.shape)}")]
     problems: list[tuple[bool, str]] = []
-    if not bool(torch.isfinite(scale).all()):
-        problems.append((True, "scale holds NaN or Inf"))
-    elif bool((scale < 0).any()):
-        problems.append((False, "scale holds negative values"))
-    elif not bool(torch.isfinite(scale * FP8_MAX).all()):
-        problems.append((True, "scale * 448 overflows float32: the values read back as Inf"))
-    bits = q.view(torch.uint8)
-    if bool(((bits & 0x7F) == 0x7F).any()):  # e4m3fn's only non-finite encodings
+    with np.errstate(all="ignore"):  # an overflow is a finding here, not a warning
+        if not bool(np.isfinite(sc).all()):
+            problems.append((True, "scale holds NaN or Inf"))
+        elif bool((sc < 0).any()):
+            problems.append((False, "scale holds negative values"))
+        elif not bool(np.isfinite(sc * np.float32(FP8_MAX)).all()):
+            problems.append((True, "scale * 448 overflows float32: the values read back as Inf"))
+    # e4m3fn is sign-magnitude: the low 7 bits order magnitudes, 0x7F is its only NaN
+    # (no Inf), 0x7E is 448 and 0x00 zero.
+    mag = bits & np.uint8(0x7F)
+    if bool((mag == 0x7F).any()):
         return [*problems, (True, "values hold NaN")]
     if problems:
         return problems
-    g = scale.shape[1]
-    rowmax = q.reshape(t, g, d // g).float().abs().amax(dim=-1)
-    if bool(((scale == 0) & (rowmax != 0)).any()):
+    g = sc.shape[1]
+    rowmax = mag.reshape(t, g, d // g).max(axis=-1, initial=0)
+    if bool(((sc == 0) & (rowmax != 0)).any()):
         problems.append((False, "a zero scale on a row that is not all zero"))
-    if bool(((scale > _EXACT_MAX_MIN_SCALE) & (rowmax != FP8_MAX)).any()):
+    if bool(((sc > _EXACT_MAX_MIN_SCALE) & (rowmax != _FP8_MAX_BITS)).any()):
         problems.append((False, "a row's largest value is not +-448: scale and values disagree"))
     return problems
 

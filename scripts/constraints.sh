@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make constraints`: writes constraints.txt, the version of every package hsq and its dev
-# tools pull in (transitively), as installed in .venv by `make setup`. Installs with it are
+# `make constraints`: writes constraints.txt, the version of every package hsq, its extras
+# and its dev tools pull in (transitively), as installed in .venv by `make setup`. Installs with it are
 # reproducible: `make setup` and tests/test_package.py use it, and so can anyone:
 #   pip install -c constraints.txt hidden-state-queue
 # Left out: torch and its CUDA-only packages (a CPU host installs TORCH_SPEC, a GPU host keeps
@@ -39,7 +39,8 @@ def walk(name: str, extras: set[str]) -> None:
             walk(req.name, set(req.extras))
 
 
-walk("hidden-state-queue", {"dev"})
+# Every extra by name: `all` names hidden-state-queue itself, which walk() has seen by then.
+walk("hidden-state-queue", set(md.metadata("hidden-state-queue").get_all("Provides-Extra") or []))
 print("# The versions CI installs (scripts/constraints.sh, from .venv after `make setup`).")
 print("# torch is not here: a CPU host installs TORCH_SPEC, a GPU host keeps its CUDA build.")
 for key in sorted(pins):

@@ -15,7 +15,17 @@ say() { printf '[lower-bounds] %s\n' "$*"; }
 
 floors=$("$PY" - <<'EOF'
 import re, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# The base and the extras of the roles the tests run (each name once; `all` repeats them,
+# dev is the tools, speculators' datasets is tested at CI's version only).
+deps, names = [], set()
+for group in (project["dependencies"], *(v for k, v in project["optional-dependencies"].items()
+                                         if k not in ("all", "dev", "speculators"))):
+    for dep in group:
+        name = re.split(r"[<>=\[]", dep, maxsplit=1)[0]
+        if name not in names:
+            names.add(name)
+            deps.append(dep)
 for dep in deps:
     m = re.fullmatch(r"([A-Za-z0-9_.-]+(?:\[[^\]]*\])?)>=([0-9][0-9.]*)(,.*)?", dep.replace(" ", ""))
     if not m:

@@ -61,25 +61,34 @@ if "${pip[@]}" show -q hsq >/dev/null 2>&1; then
   say "removing the old distribution 'hsq' (now hidden-state-queue)"
   "${pip[@]}" uninstall -q -y hsq
 fi
-# constraints.txt: the versions CI tested (scripts/constraints.sh).
-say "installing hidden-state-queue (editable) with dev tools"
-"${pip[@]}" install -q -c "$constraints" -c constraints.txt -e '.[dev]'
-# SpecForge's trainer runs for real in tests/test_specforge_train.py: it imports accelerate,
-# datasets and triton (its loss module imports triton at import time, even on a CPU where
-# hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss). vLLM
-# speculators' loader (tests/test_training.py) imports datasets, openai and hs_connectors.
-# Resolved installs first, so pip does not list specforge's unmet pins as errors after it.
-say "installing SpecForge's trainer imports and speculators==0.9.0's loader (pinned)"
-"${pip[@]}" install -q -c "$constraints" datasets==5.1.0 openai==3.51.0
-# SpecForge's own parser and reader check hsq's tokenize and export (tests/test_chat.py,
-# tests/test_training.py). --no-deps: its pins (torch 2.11, sglang, ...) are not needed by
-# the modules the tests import (torch, transformers, pydantic only).
-say "installing specforge==0.2.0 --no-deps (tests compare against its parser and reader)"
-"${pip[@]}" install -q --no-deps specforge==0.2.0
-# --no-deps: their pins (torch, transformers, vllm) are not needed by the modules tested.
-"${pip[@]}" install -q --no-deps accelerate==1.15.0 speculators==0.9.0 hs-connectors==0.9.0
+# constraints.txt: the versions CI tested (scripts/constraints.sh). Every extra (the roles'
+# dependencies, docs/install.md) and the dev tools: the suite runs every role.
+say "installing hidden-state-queue[all,dev] (editable)"
+"${pip[@]}" install -q -c "$constraints" -c constraints.txt -e '.[all,dev]'
+# What the tests that run SpecForge's trainer and speculators' loader import beside hsq,
+# resolved into .venv with hsq's pins (all of it satisfiable, so `pip check` stays clean):
+# accelerate and triton (SpecForge's loss module imports triton even on a CPU, where
+# hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss), openai and
+# hs-connectors (speculators' loader).
+say "installing SpecForge's trainer imports and speculators==0.9.0's loader imports (pinned)"
+"${pip[@]}" install -q -c "$constraints" openai==3.51.0 accelerate==1.15.0 hs-connectors==0.9.0
 # A GPU host's venv sees the triton its CUDA torch was built with: never replace that one.
 .venv/bin/python -c 'import triton' 2>/dev/null || "${pip[@]}" install -q --no-deps triton==3.9.0
+# SpecForge and speculators themselves pin what hsq's venv cannot hold (specforge 0.2.0:
+# torch==2.11.0, transformers==5.8.1, sglang==0.5.14; speculators 0.9.0: transformers
+# <=5.19.0), so they are not installed into .venv: their code goes to .trainers/ (no
+# dependencies, not an environment), which the tests put on their path (tests/conftest.py)
+# to compare hsq's tokenize and export with SpecForge's parser and reader and to run the
+# CPU trainer test. A real trainer lives in its own venv with its own pins (docs/training.md).
+say "installing specforge==0.2.0 and speculators==0.9.0 code into .trainers/ (tests only)"
+# A venv made before this kept them in .venv itself: take them out.
+for old in specforge speculators; do
+  if "${pip[@]}" show -q "$old" >/dev/null 2>&1; then "${pip[@]}" uninstall -q -y "$old"; fi
+done
+rm -rf .trainers
+"${pip[@]}" install -q --no-deps --target .trainers specforge==0.2.0 speculators==0.9.0
 say "fetching pinned SGLang wheels (read as source by tests/test_sglang_conformance.py)"
 ./scripts/fetch_sglang_sources.sh
+# No unmet or conflicting requirement in the venv this made (CI fails on one).
+"${pip[@]}" check
 say "done: torch $torch_version, $(.venv/bin/hsq --version)"

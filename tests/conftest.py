@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +12,16 @@ from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected
 from hsq.harness.procs import RedisServer, ReferenceServer
 from hsq.stfile.engine import WriteEngine
+
+# SpecForge's and speculators' code, which the tests compare hsq with, is in .trainers/ (no
+# dependencies: their pins conflict with hsq's, scripts/setup.sh says why), not in .venv.
+# Appended: nothing there may shadow a package of the venv. Subprocesses see it too.
+TRAINERS = Path(__file__).resolve().parents[1] / ".trainers"
+if TRAINERS.is_dir() and str(TRAINERS) not in sys.path:
+    sys.path.append(str(TRAINERS))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(TRAINERS)) if p
+    )
 
 
 def expected_for(ids: list[int], rid: str, **kw: object) -> Expected:

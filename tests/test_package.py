@@ -28,11 +28,13 @@ from pathlib import Path
 import pytest
 
 import hsq
+from hsq.harness.procs import RedisServer, ReferenceServer
 from hsq.sglang_server.sglang_hook.compat import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,
 )
+from tests.slim import Slim, base_roles, site_packages
 
 pytestmark = [pytest.mark.package, pytest.mark.timeout(900)]
 
@@ -283,3 +285,29 @@ def test_a_small_demo_runs_from_the_installed_wheel(venv: Venv) -> None:
                "--out", str(venv.work / "out"), timeout=600)  # fmt: skip
     assert "8/8 done, 0 dead" in out and "verified      8/8 outputs OK" in out, out
     assert "demo OK" in out
+
+
+# --- the base install: the wheel without extras, no torch (issue 29 item 6) ------------------
+
+
+def test_the_wheel_without_extras_runs_the_base_roles_without_torch(
+    dist: Dist, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """pip resolves the wheel's base requirements alone into a fresh venv (no torch shared
+    in): enqueue, a worker against a reference server of this install over HTTP, status,
+    verify --deep, recover and the exporter all run there (tests/slim.py)."""
+    path, work = tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    run([sys.executable, "-m", "venv", str(path)])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    pip = [str(path / "bin/python"), "-m", "pip", "--disable-pip-version-check"]
+    constraints = ["-c", str(ROOT / "constraints.txt")]
+    run([*pip, "install", "-q", *constraints, str(dist.wheel)], cwd=work, env=env, timeout=600)
+    run([*pip, "check"], cwd=work, env=env)
+    size = run(["du", "-sh", str(site_packages(path))]).stdout.split()[0]
+    print(f"base install: site-packages {size}")
+
+    def start(dumps: Path) -> ReferenceServer:  # from this, the full, install
+        return ReferenceServer(dumps, work / "server.log", args=["--threads", "2"]).wait_ready()
+
+    base_roles(Slim(path / "bin/python", work, redis_server.url), start)

@@ -83,8 +83,9 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def images(docker: None) -> None:  # noqa: ARG001 (docker: a fixture, for its daemon)
-    """Local images (cached) and hsq's image through compose's own build section, which
-    installs the wheel in dist/ (`make compose-test` runs `make dist` first)."""
+    """Local images (cached) and hsq's two images (base, reference) through compose's own
+    build sections, which install the wheel in dist/ (`make compose-test` runs `make dist`
+    first)."""
     wheels = sorted((ROOT / "dist").glob(f"hidden_state_queue-{hsq.__version__}-*.whl"))
     if len(wheels) != 1:
         pytest.fail(f"dist/ needs one hidden_state_queue {hsq.__version__} wheel: `make dist`")
@@ -94,7 +95,7 @@ def images(docker: None) -> None:  # noqa: ARG001 (docker: a fixture, for its da
     t1 = time.monotonic()
     env = {**os.environ, "REDIS_PASSWORD": "unused"}
     sh("docker-compose", "-f", "docker-compose.yml", "-f", "docker-compose.local.yml",
-       "build", "exporter", env=env, timeout=1800)  # fmt: skip
+       "build", "exporter", "reference-0", env=env, timeout=1800)  # fmt: skip
     print(f"local base images {t1 - t0:.0f}s, hsq image {time.monotonic() - t1:.0f}s")
 
 
@@ -177,7 +178,7 @@ def test_gpu_server_image_steps_find_the_hook(tmp_path: Path) -> None:
         pytest.fail(f"no sglang {version} wheel in .cache/sglang: scripts/fetch_sglang_sources.sh")
     shutil.copy(wheels[0], tmp_path)
     (tmp_path / "Dockerfile").write_text(
-        "FROM hsq:latest\n"
+        "FROM hsq-reference:latest\n"  # SGLang's image has torch; hsq:latest has not
         "RUN pip uninstall -q -y hidden-state-queue\n"
         "COPY *.whl /tmp/\n"
         "RUN pip install -q --no-deps /tmp/*.whl && rm /tmp/*.whl\n"

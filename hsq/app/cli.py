@@ -34,6 +34,7 @@ from hsq.app.exits import EXIT_PROBLEMS, EXIT_REDIS, EXIT_USAGE
 from hsq.app.flags import LogFlags
 from hsq.app.options import settings_options, take
 from hsq.errors import ConfigError, HsqError, StoreError
+from hsq.extras import extra_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -89,6 +90,12 @@ def main() -> None:
     except (HsqError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(next(code for kind, code in _EXIT_CODES if isinstance(exc, kind)))
+    except ModuleNotFoundError as exc:  # an optional dependency a command did not check
+        missing = extra_error(exc)
+        if missing is None:
+            raise
+        click.echo(f"error: {missing}", err=True)
+        sys.exit(EXIT_USAGE)
 
 
 if __name__ == "__main__":

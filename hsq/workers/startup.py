@@ -17,11 +17,13 @@ from pathlib import Path
 
 import structlog
 
+from hsq import extras
 from hsq.dump.find import clear_dump_dir
 from hsq.errors import ConfigError, StoreError
 from hsq.fsio import remove_entry
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
+from hsq.states import FP8
 from hsq.store import WorkerStore, connect
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
@@ -177,6 +179,8 @@ def startup(s: WorkerSettings, worker_id: str) -> Started:
     s.validate()
     store = RunStore(connect(s.redis_url), s.run)
     cfg = store.require_config()  # a run that does not exist: exit 2, nothing touched
+    if cfg.store_dtype == FP8:  # it quantizes, or checks a server's fp8, with torch
+        extras.require("fp8", f"a worker of run {s.run} (stored as {FP8})")
     if not os.access(cfg.dataset, os.R_OK):
         raise StoreError(f"dataset {cfg.dataset} is not readable on this node")
     # before anything is created anywhere

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.flags import RedisAccess
 from hsq.app.options import settings_options, take
@@ -42,6 +43,7 @@ def demo(**values: Any) -> None:
     Example:
       hsq demo --samples 300
     """
+    extras.require("reference", "hsq demo")  # its server runs the tiny model
     from hsq.app.demo import run_demo
 
     f = take(DemoFlags, values)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from hsq.app.export import ExportReport
 
 FORMATS = ("specforge", "speculators", "manifest")
+EXTRA_OF_FORMAT = {"specforge": "export", "speculators": "speculators"}
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,10 @@ def export(**values: Any) -> None:
         export_speculators,
     )
 
-    st = take(RedisFlags, values).run_store(take(RunName, values).run)
     f = take(ExportFlags, values)
+    if f.format != "manifest":  # before Redis or the disk is touched
+        extras.require(EXTRA_OF_FORMAT[f.format], f"hsq export --format {f.format}")
+    st = take(RedisFlags, values).run_store(take(RunName, values).run)
     mounted = take(MountedOut, values)
     cfg = st.require_config()
     root = mounted.run_dir(st)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import given, settings_options, take
@@ -57,6 +58,7 @@ def tokenize(chats: Path, **values: Any) -> None:
     Example:
       hsq tokenize chats.jsonl --tokenizer /models/qwen3-8b -o tokens.jsonl --max-length 4096
     """
+    extras.require("chat", "hsq tokenize")
     from hsq.producer.tokenize import rejects_path, tokenize_file
 
     settings = take(TokenizeSettings, values)
@@ -109,11 +111,14 @@ def dataset_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return settings_options(DatasetFlags)(fn)
 
 
-def take_dataset(values: dict[str, Any]) -> DatasetInput:
+def take_dataset(values: dict[str, Any], command: str) -> DatasetInput:
+    """What dataset_options parsed for `command` (named in the message when --tokenizer
+    needs an extra that is not installed)."""
     flags = take(DatasetFlags, values)
     settings = {name: values.pop(name) for name in RUN_SETTINGS}
     chat = None
     if flags.tokenizer is not None:
+        extras.require("chat", f"{command} --tokenizer")
         chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
     return DatasetInput(flags, settings, chat)
 
@@ -153,7 +158,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
         RunStore(redis.client(), run),
         dataset,
         flags.out,
-        take_dataset(values),
+        take_dataset(values, "hsq enqueue"),
         progress=not flags.no_progress,
     )
     log_report(run, report)

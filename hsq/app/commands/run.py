@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.commands.produce import dataset_options, enqueue_dataset, take_dataset
 from hsq.app.flags import RedisAccess
@@ -131,6 +132,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
 
     from hsq.app.node.node import NodeJob, run_node, serve_redis_only
     from hsq.app.node.plan import (
+        REFERENCE,
         persist_procs_each,
         plan_node,
         sglang_importable,
@@ -145,7 +147,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         redis_url="-", name=None, burst=True, server_kind="sglang", served_model=None,
     )  # fmt: skip
     worker.validate()
-    data = take_dataset(values)
+    data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
     name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
@@ -159,6 +161,8 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         requested=f.server_kind, model=f.model, gpus_flag=f.gpus, tp=f.tp, servers=f.servers,
         sglang=sglang_importable(), visible=visible_gpus(),
     )  # fmt: skip
+    if plan.kind == REFERENCE:  # before Redis or any server starts
+        extras.require("reference", "hsq run --server reference")
 
     def enqueue(store: Any) -> list[str]:
         assert dataset is not None

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
@@ -25,6 +26,7 @@ def serve_reference(**values: Any) -> None:
       hsq serve-reference --model tiny --dump-dir /tmp/dumps --port 30000
       hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
     """
+    extras.require("reference", "hsq serve-reference")
     from hsq.sglang_server.reference.app import serve
 
     serve(take(ReferenceSettings, values))

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
@@ -132,6 +133,7 @@ def audit(**values: Any) -> None:
       hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:30009 \\
           --dump-dir /dev/shm/hsq-audit --requeue
     """
+    extras.require("reference", "hsq audit")  # it compares states as tensors (torch)
     from hsq.app.audit import run_audit
 
     st = take(RedisFlags, values).run_store(take(RunName, values).run)
