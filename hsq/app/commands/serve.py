@@ -7,9 +7,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import click
-
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -17,7 +16,7 @@ from hsq.sglang_server.reference.settings import ReferenceSettings
 from hsq.workers.settings import WorkerSettings
 
 
-@click.command("serve-reference")
+@hsq_command("serve-reference")
 @settings_options(ReferenceSettings)
 def serve_reference(**values: Any) -> None:
     """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
@@ -33,7 +32,7 @@ def serve_reference(**values: Any) -> None:
     serve(take(ReferenceSettings, values))
 
 
-@click.command("worker")
+@hsq_command("worker")
 @settings_options(RedisFlags)
 @settings_options(WorkerSettings, skip=("redis_url",))
 def worker(**values: Any) -> None:
@@ -65,7 +64,7 @@ class ExporterFlags:
     )
 
 
-@click.command("exporter")
+@hsq_command("exporter")
 @settings_options(RedisFlags)
 @settings_options(ExporterFlags)
 def exporter(**values: Any) -> None:
