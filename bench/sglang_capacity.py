@@ -1,7 +1,9 @@
 """SGLang's prefill capacity on a GPU, without the hook, with it, and hsq end to end.
 
 The 8B shape (Llama-3-8B's config, --load-format dummy: no weights to write or send),
-short (64-512 tokens, K = 32 in flight) and long (1024-4096, K = 8) prompts; optionally
+short (64-512 tokens) and long (1024-4096) prompts, each row lasting about 30 s or more (issue
+35: shorter rows read to +-5 %); SGLang alone at each K given (two by default, to show where
+it saturates), the hook and hsq end to end at the K where SGLang alone was fastest; optionally
 hsq's reference server on the same workloads. Runs on the GPU machine through
 scripts/sglang_live.sh (BENCHMARKS.md section 8):
 
@@ -123,20 +125,38 @@ class Capacity:
             "short": ([rng.randint(64, 512) for _ in range(a.short)], a.k_short),
             "long": ([rng.randint(1024, 4096) for _ in range(a.long)], a.k_long),
         }
-        self.workloads = {w: k for w, (_, k) in lens.items()}
+        self.ks: dict[str, list[int]] = {w: k for w, (_, k) in lens.items()}
+        # The hook and hsq run at the K where SGLang alone was fastest (set by measure_plain).
+        self.workloads = {w: k[-1] for w, k in self.ks.items()}
         self.seqs = {
             w: [[1] + [rng.randrange(3, 128000) for _ in range(n - 1)] for n in ls]
             for w, (ls, _) in lens.items()
         }
         self.res: dict[str, Any] = {w: {} for w in lens}
 
+    def _row(self, url: str, w: str, k: int) -> dict[str, Any]:
+        secs = asyncio.run(_load(url, self.seqs[w], k))
+        toks = sum(map(len, self.seqs[w]))
+        return {"tok_s": round(toks / secs), "k": k, "seconds": round(secs, 1),
+                "samples_s": round(len(self.seqs[w]) / secs, 1)}  # fmt: skip
+
+    def measure_plain(self, url: str) -> None:
+        """SGLang alone at every K; the fastest K is the one the hook and hsq get."""
+        for w, ks in self.ks.items():
+            rows = [self._row(url, w, k) for k in ks]
+            for r in rows:
+                print(f"[capacity] sglang_no_hook {w}: {r['tok_s']:,} tok/s (K={r['k']}, "
+                      f"{r['seconds']} s)", flush=True)  # fmt: skip
+            best = max(rows, key=lambda r: r["tok_s"])
+            self.workloads[w] = best["k"]
+            self.res[w]["sglang_no_hook"] = best
+            self.res[w]["sglang_no_hook_by_k"] = rows
+
     def measure(self, label: str, url: str) -> None:
         for w, k in self.workloads.items():
-            secs = asyncio.run(_load(url, self.seqs[w], k))
-            toks = sum(map(len, self.seqs[w]))
-            self.res[w][label] = {"tok_s": round(toks / secs), "k": k,
-                                  "samples_s": round(len(self.seqs[w]) / secs, 1)}  # fmt: skip
-            print(f"[capacity] {label} {w}: {toks / secs:,.0f} tok/s (K={k})", flush=True)
+            self.res[w][label] = r = self._row(url, w, k)
+            print(f"[capacity] {label} {w}: {r['tok_s']:,} tok/s (K={k}, {r['seconds']} s)",
+                  flush=True)  # fmt: skip
 
     def end_to_end(self, server: SGLangServer, redis: RedisServer) -> None:
         assert server.dump_dir is not None
@@ -156,7 +176,6 @@ class Capacity:
             argv = hsq_command(
                 "--log-format", "json", "worker", "--run", run, "--server", server.url,
                 "--dump-dir", str(server.dump_dir), "--inflight", str(k), "--burst",
-                "--persist-threads", "4",
             )  # fmt: skip
             with open(wlog, "w") as wf:
                 env = {**os.environ, "HSQ_REDIS_URL": redis.url}
@@ -175,7 +194,7 @@ class Capacity:
                              tp=a.tp, start_timeout=a.start_timeout)  # fmt: skip
         try:
             plain.start()
-            self.measure("sglang_no_hook", plain.url)
+            self.measure_plain(plain.url)
         finally:
             plain.stop()
         dump = self.dump_root / f"hsq-cap-{os.getpid()}"
@@ -220,6 +239,13 @@ class Capacity:
             )
 
 
+def _ks(text: str) -> list[int]:
+    ks = [int(x) for x in text.split(",") if x.strip()]
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of K >= 1")
+    return ks
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default=None, help="scratch folder (default: a new temporary one)")
@@ -227,10 +253,10 @@ def main() -> int:
     p.add_argument("--dump-root", default=None, help="where dump dirs go (e.g. /dev/shm)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--short", type=int, default=600)
-    p.add_argument("--long", type=int, default=60)
-    p.add_argument("--k-short", type=int, default=32)
-    p.add_argument("--k-long", type=int, default=8)
+    p.add_argument("--short", type=int, default=4000, help="short prompts (~30 s a row)")
+    p.add_argument("--long", type=int, default=450, help="long prompts (~30 s a row)")
+    p.add_argument("--k-short", type=_ks, default=[32, 64], help="K values, comma list")
+    p.add_argument("--k-long", type=_ks, default=[8, 16], help="K values, comma list")
     p.add_argument("--reference", action="store_true", help="also the reference server")
     p.add_argument("--start-timeout", type=float, default=600.0)
     a = p.parse_args()

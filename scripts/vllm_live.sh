@@ -87,6 +87,8 @@ if [ "$dry" = 0 ]; then
   done
   export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  # The bundle carries no flashinfer: vLLM falls back to its native top-k/top-p sampler.
+  export VLLM_USE_FLASHINFER_SAMPLER=0
   export VLLM_CACHE_ROOT=/tmp/vllm-cache TRITON_CACHE_DIR=/tmp/vllm-cache/triton XDG_CACHE_HOME=/tmp/vllm-cache/xdg
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ] && export CUDA_HOME=/usr/local/cuda

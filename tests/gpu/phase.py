@@ -78,9 +78,12 @@ class Phase:
 
     def run(self) -> dict[str, Any]:
         m, live = self.model, self.live
+        # A fixed KV pool: --mem-fraction-static counts what the other servers on the GPU
+        # already hold, so a server started while another allocated got 836 tokens and
+        # refused every sample longer than that (400 "Input length exceeds", live run 3).
         flags = [
-            *SGLANG_FLAGS, "--mem-fraction-static", "0.12", "--chunked-prefill-size",
-            str(live.chunk), "--max-running-requests", "64",
+            *SGLANG_FLAGS, "--mem-fraction-static", "0.12", "--max-total-tokens", "131072",
+            "--chunked-prefill-size", str(live.chunk), "--max-running-requests", "64",
         ]  # fmt: skip
         if m.moe:
             flags.append("--enable-return-routed-experts")
