@@ -30,6 +30,9 @@ def serve_reference(**values: Any) -> None:
     from hsq.sglang_server.reference.app import serve
 
     serve(take(ReferenceSettings, values))
+    # serve() returns once the dumps are flushed and `stopped` is logged: skip the
+    # interpreter's teardown, seconds of CPU with torch and transformers loaded.
+    _exit_now(0)
 
 
 @hsq_command("worker")
@@ -48,6 +51,11 @@ def worker(**values: Any) -> None:
     rc = run_worker(take(WorkerSettings, values, redis_url=redis.url()))
     # Everything is released (jobs, registration, dump dir lock) and `worker_stopped` is
     # logged: skip the interpreter's teardown, which takes seconds once torch is loaded.
+    _exit_now(rc)
+
+
+def _exit_now(rc: int) -> None:
+    """Flush stdout and stderr, then end the process without the interpreter's teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
