@@ -343,8 +343,7 @@ def main() -> None:
     shutil.rmtree(out_root, ignore_errors=True)
     shutil.rmtree(dump_root, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
-    for r in rows:
-        print(json.dumps(r))
+    # No rows again here: each was printed as JSON when its case ended (a killed run keeps them).
     if args.json_out is not None:
         args.json_out.write_text(json.dumps({**stamp, "rows": rows, "targets": verdicts}, indent=1))
 

@@ -31,7 +31,7 @@ mode=${1:-run}
 if [ "$mode" = --prepare ]; then
   [ -d "$WH/wheels" ] || die "no $WH/wheels (WH=... the SGLang wheelhouse)"
   rm -rf "$LIVE" && mkdir -p "$LIVE/wheels" "$LIVE/redis" "$LIVE/site"
-  for p in redis hiredis rq structlog xxhash click croniter python_dateutil; do
+  for p in redis hiredis rq structlog xxhash msgspec click croniter python_dateutil; do
     ls "$WH"/wheels/"$p"-*.whl >/dev/null 2>&1 || die "no $p wheel in $WH/wheels"
     cp "$WH"/wheels/"$p"-*.whl "$LIVE/wheels/"
   done

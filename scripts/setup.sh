@@ -39,6 +39,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
 "${pip[@]}" install -q --upgrade pip
+# torch does not depend on NumPy but warns "Failed to initialize NumPy" at every import
+# without it (the torch checks below printed it twice): the pinned NumPy goes in first.
+.venv/bin/python -c 'import numpy' 2>/dev/null || "${pip[@]}" install -q -c constraints.txt numpy
 
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   say "installing $TORCH_SPEC (CPU build)"

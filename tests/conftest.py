@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,9 +34,11 @@ def generate(url: str, ids: list[int], rid: str, timeout: float = 30.0) -> httpx
     return httpx.post(url + "/generate", json=body, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """Start reference servers as real subprocesses; all are stopped at session end."""
+    """Start reference servers as real subprocesses; all are stopped when the test file
+    ends (a server holds about 450 MB: a session's worth would pile up in each xdist
+    worker)."""
     started: list[ReferenceServer] = []
 
     def start(*args: str, name: str = "srv") -> ReferenceServer:
@@ -45,6 +48,8 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
         return srv
 
     yield start
+    for srv in started:  # all at once, then wait for each: they shut down side by side
+        srv.signal(signal.SIGTERM)
     for srv in started:
         srv.stop()
 

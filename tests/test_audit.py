@@ -89,10 +89,11 @@ def dataset(tmp: Path, run: str, seed: int) -> Path:
     return ds
 
 
-def audit(run: str, server: ReferenceServer, redis_url: str, *extra: str) -> tuple[int, str]:
+def audit(run: str, server: ReferenceServer, redis_url: str, *extra: str,
+          progress: bool = False) -> tuple[int, str]:  # fmt: skip
     res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
-              "--server", server.url, "--dump-dir", str(server.dump_dir), "--no-progress",
-              *extra, timeout=300)  # fmt: skip
+              "--server", server.url, "--dump-dir", str(server.dump_dir),
+              *([] if progress else ["--no-progress"]), *extra, timeout=300)  # fmt: skip
     return res.returncode, res.stdout + res.stderr
 
 
@@ -131,8 +132,9 @@ def test_audit_finds_a_mixing_server_and_requeue_repairs_the_run(
     assert st.count(st.keys.done) == N - len(mixed)
     w = start_worker(tmp_path, run, clean, redis_url, "--burst", name="redo")
     assert w.proc.wait(300) == 0, w.log_tail()
-    code, text = audit(run, clean, redis_url)
+    code, text = audit(run, clean, redis_url, progress=True)
     assert code == 0 and "mismatched      0" in text, text
+    assert f"| {N}/{N} [" in text, text  # the bar has its total (it had none: `24it`)
 
 
 def test_no_false_alarm_on_states_a_batching_server_computed_correctly(

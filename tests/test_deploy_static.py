@@ -285,3 +285,13 @@ def test_install_lines_name_the_distribution() -> None:
             if re.search(r"pip install\b.*(\bhsq(\s|$|\[)|-e\s+\S*hsq)", line):
                 bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert bad == []
+
+
+def test_setup_installs_numpy_before_it_imports_torch() -> None:
+    """torch does not depend on NumPy and warns `Failed to initialize NumPy` at each import
+    without it: setup's torch checks printed it twice on a fresh venv."""
+    lines = (ROOT / "scripts/setup.sh").read_text().splitlines()
+    code = [ln for ln in lines if not ln.lstrip().startswith("#")]
+    first_torch = next(i for i, ln in enumerate(code) if "import torch" in ln and ".venv" in ln)
+    numpy = next(i for i, ln in enumerate(code) if "install" in ln and " numpy" in ln)
+    assert numpy < first_torch and "-c constraints.txt" in code[numpy], code[numpy]

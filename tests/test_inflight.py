@@ -8,7 +8,6 @@ import os
 import signal
 import stat
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -186,7 +185,7 @@ def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
     wait_until(lambda: st.count(st.keys.done) >= 8, 90, interval=0.05)
     srv.signal(signal.SIGKILL)  # every request takes 0.3 s: K of them are in flight
     srv.proc.wait(10)
-    time.sleep(2)
+    wait_until(lambda: bool(log_events(w.log_path, "waiting_for_server")), 60, interval=0.05)
     assert w.alive()
     again = ReferenceServer(srv.dump_dir, srv.log_path, port=srv.port, args=["--threads", "2"])
     try:

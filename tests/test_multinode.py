@@ -48,7 +48,8 @@ def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
         wait_until(lambda: st.count(st.keys.done) >= 10, 60, interval=0.05)
         redis1.signal(signal.SIGKILL)  # a crash, not a clean shutdown
         redis1.proc.wait(10)
-        time.sleep(8)  # longer than the client's own retries: the worker backs off itself
+        # Down longer than the client's own retries: the worker backs off itself.
+        wait_until(lambda: bool(log_events(w.log_path, "redis_unavailable")), 60, interval=0.1)
         assert w.alive()
         redis2 = RedisServer(rdir, password="pw", appendonly=True, port=redis1.port).wait_ready()
         assert w.proc.wait(120) == 0, w.log_tail()

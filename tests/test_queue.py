@@ -278,7 +278,8 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     wait_until(lambda: st.count(st.keys.done) >= 5, 60, interval=0.05)
     srv.signal(signal.SIGKILL)
     srv.proc.wait(10)
-    time.sleep(3)  # the worker sees the server down and backs off
+    # The worker sees the server down and waits for it (an event, not a time).
+    wait_until(lambda: bool(log_events(w.log_path, "waiting_for_server")), 60, interval=0.05)
     assert w.alive()
     again = ReferenceServer(srv.dump_dir, srv.log_path, port=srv.port, args=["--threads", "2"])
     try:

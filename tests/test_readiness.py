@@ -174,10 +174,15 @@ def test_await_returns_none_when_stopped(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- processes
 
 
-def test_reference_server_writes_the_marker_before_it_is_healthy(
-    server_factory: Factory,
-) -> None:
-    srv = server_factory(name="marker").wait_ready()
+@pytest.fixture(scope="module")
+def plain(server_factory: Factory) -> ReferenceServer:
+    """One default server for the tests that only read its marker (a worker refusing it
+    at start-up sends it nothing): each start costs seconds of torch imports."""
+    return server_factory(name="plain").wait_ready()
+
+
+def test_reference_server_writes_the_marker_before_it_is_healthy(plain: ReferenceServer) -> None:
+    srv = plain
     marker = read_ready(srv.dump_dir)
     assert marker is not None and marker.server == "hsq-reference"
     info = httpx.get(srv.url + "/model_info", timeout=10).json()["hsq"]
@@ -204,9 +209,9 @@ def test_worker_refuses_a_server_without_an_active_hook(
 
 
 def test_worker_refuses_a_server_capturing_other_layers(
-    tmp_path: Path, server_factory: Factory, redis_url: str
+    tmp_path: Path, plain: ReferenceServer, redis_url: str
 ) -> None:
-    srv = server_factory(name="layers").wait_ready()
+    srv = plain
     marker = read_ready(srv.dump_dir)
     assert marker is not None
     other = ",".join(str(i + 1) for i in marker.layer_ids)

@@ -28,6 +28,13 @@ def server(server_factory: Factory) -> ReferenceServer:
     return server_factory(name="recsrv").wait_ready()
 
 
+@pytest.fixture(scope="module")
+def other_layers(server_factory: Factory) -> ReferenceServer:
+    """A server capturing layers 1,2, the other model of the identity tests (each start
+    costs seconds of torch imports); nothing sets its faults or stops it."""
+    return server_factory("--layers", "1,2", name="recother").wait_ready()
+
+
 def finish_burst(tmp: Path, run: str, server: ReferenceServer, redis_url: str, name: str) -> None:
     w = start_worker(tmp, run, server, redis_url, "--burst", name=name)
     assert w.proc.wait(300) == 0, w.log_tail()
@@ -128,14 +135,14 @@ def _split_dataset(full: Path, first: Path, rest: Path) -> None:
 
 
 def test_recover_decides_the_runs_identity_by_majority_or_announcement_never_by_one_file(
-    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+    tmp_path: Path, server: ReferenceServer, other_layers: ReferenceServer, redis_url: str
 ) -> None:
     """Issue 23 item 3: one stale file of an earlier model under the same run name came
     first in dataset order; recover pinned its model, marked it done, rejected the 11 good
     files, and the real server's worker then refused to start. Now the identity is what the
     run's servers announce (--server-dump-dir) or what most files hold; the others are stale:
     reported and enqueued, never marked done."""
-    other = server_factory("--layers", "1,2", name="recother").wait_ready()
+    other = other_layers
     full, first, rest = tmp_path / "full.jsonl", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
     write_synthetic(full, 12, seed=9, min_len=4, max_len=16)
     _split_dataset(full, first, rest)
@@ -169,9 +176,9 @@ def test_recover_decides_the_runs_identity_by_majority_or_announcement_never_by_
 
 
 def test_recover_refuses_a_tie_and_takes_an_explicit_identity(
-    tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
+    tmp_path: Path, server: ReferenceServer, other_layers: ReferenceServer, redis_url: str
 ) -> None:
-    other = server_factory("--layers", "1,2", name="rectie").wait_ready()
+    other = other_layers
     full, first, rest = tmp_path / "full.jsonl", tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
     write_synthetic(full, 2, seed=8, min_len=4, max_len=16)
     _split_dataset(full, first, rest)

@@ -59,6 +59,13 @@ def test_kill_9_of_the_group_then_the_same_command_does_each_sample_once(tmp_pat
     summary = again.summary()
     status = summary["status"]
     assert isinstance(status, dict) and status["done"] == SAMPLES and status["dead"] == 0
+    # The rate is the run's over this command's active time (it was the workers' live
+    # rate, 0 once they had ended), and the friendly output holds no structlog line.
+    made, active = SAMPLES - len(done_before), summary.get("active_s")
+    rate_ok = isinstance(active, float) and active > 0 and status["samples_per_s"] > 0
+    rate_ok = rate_ok and abs(status["samples_per_s"] * active - made) <= 0.01 * made
+    log_lines = [x for x in again.output().splitlines() if x.startswith('{"') and '"event"' in x]
+    assert rate_ok and not log_lines, (summary, log_lines)
     assert summary["verified"] == {"checked": SAMPLES, "ok": SAMPLES, "problems": 0}
     redone = done_events(worker_logs(out), offsets)
     assert not set(redone) & done_before  # nothing done before the kill was done again

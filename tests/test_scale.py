@@ -270,6 +270,50 @@ LINES = [
     "not json",
     '{"id": "aa", "input_ids": [9999999999], "loss_mask": [1]}',
     '{"id": "ab", "input_ids": [1], "loss_mask": [1]}\r',
+    # Lines msgspec (the fast path's decoder) could read otherwise than json.loads:
+    '{"id": "ac", "input_ids": [1], "loss_mask": [1], "input_ids": [1, 2]}',  # last key wins
+    '{"id": "ad", "input_ids": [1], "id": "ae"}',
+    '{"id": "af", "input_ids": [1], "loss_mask": null, "loss_mask": [1]}',
+    '{"id": "ag", "input_ids": [1, 2], "input_ids": []}',
+    '{"\\u0069d": "ah", "input_\\u0069ds": [1]}',  # escapes in keys
+    '{"id": "ai", "input_ids": [-0], "loss_mask": [-0]}',
+    '{"id": 123456789012345678901234567890, "input_ids": [1]}',
+    '{"id": ' + "9" * 128 + ', "input_ids": [1]}',
+    '{"id": ' + "9" * 129 + ', "input_ids": [1]}',
+    '{"id": ' + "9" * 5000 + ', "input_ids": [1]}',  # past int's str() limit
+    '{"id": -5, "input_ids": [1]}',
+    '{"id": 0, "input_ids": [1]}',
+    '{"id": "aj", "input_ids": [1], "loss_mask": [1.0]}',
+    '{"id": "ak", "input_ids": [NaN]}',
+    '{"id": Infinity, "input_ids": [1]}',
+    '{"id": "al", "input_ids": [1e0]}',
+    '{"id": "\\ud800", "input_ids": [1]}',
+    '{"id": "am\\u0000", "input_ids": [1]}',
+    '{"id": "an\\n", "input_ids": [1]}',
+    '\ufeff{"id": "ao", "input_ids": [1]}',
+    '{"id": "ap", "input_ids": [[1]]}',
+    '{"id": "aq", "input_ids": {"0": 1}}',
+    '{"id": "ar", "input_ids": [1], "loss_mask": [1], }',
+    '{"id": "as",\t"input_ids":\t[1 ,2]\t, "loss_mask" : [0,0] }',
+    '{"id": "at", "input_ids": "1"}',
+    '{"id": ["au"], "input_ids": [1]}',
+    '{"id": "av", "input_ids": [1], "loss_mask": [2]}',
+    '{"id": "aw", "input_ids": [1], "loss_mask": []}',
+    '{"id": "ax", "input_ids": [1], "loss_mask": true}',
+    '{"id": "ay", "input_ids": [1]} {"id": "az"}',
+    '[{"id": "ba", "input_ids": [1]}]',
+    "null",
+    '{"id": "\u00e9", "input_ids": [1]}',
+    '{"id": "bb", "input_ids": [1, 2, 3, 4, 5]}',
+    '{"id": "bc", "input_ids": [1], "loss_mask": [0, 1]}',
+    '{"id": "bd", "input_ids": [1], "extra": "x"}',
+    '{"id": 7, "input_ids": [1]}',
+    '{"id": "7", "input_ids": [1]}',
+    '{"input_ids": [1]}',
+    '{"id": "be"}',
+    '{"id": "", "input_ids": [1]}',
+    '{"id": "bf", "input_ids": [4294967296]}',
+    '{"id": "bg", "input_ids": [' + "1" * 30 + "]}",
 ]
 
 
@@ -333,6 +377,58 @@ def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(lines) + "\n")
     compare_scans(path, None, [(1, 2**20), (1, 97), (2, 4099)])
+
+
+BYTE_EDITS = [*b'0123456789,-+.eE[]{}:"\\ut n', 0, 9, 0xFF, 0xC3, 0xA9, 0xED, 0xEF]
+
+
+def damaged(rng: random.Random, i: int) -> bytes:
+    """A valid line of some shape, then up to three random byte edits (msgspec's view of
+    JSON against json.loads's: escapes, numbers, UTF-8, structure)."""
+    n = rng.randint(1, 6)
+    row: dict[str, Any] = {"id": rng.choice([f"r{i}", i, f"r{i}\u00e9"])}
+    row["input_ids"] = [rng.choice([0, 1, 255, 2147483647, 2147483648]) for _ in range(n)]
+    if rng.random() < 0.8:
+        row["loss_mask"] = [rng.randint(0, 1) for _ in range(n)]
+    if rng.random() < 0.1:
+        row["x"] = "y"
+    sep = rng.choice([(", ", ": "), (",", ":")])
+    line = bytearray(json.dumps(row, separators=sep, ensure_ascii=rng.random() < 0.5).encode())
+    for _ in range(rng.randint(0, 3)):
+        pos = rng.randrange(len(line))
+        line[pos : pos + rng.randint(0, 1)] = bytes([rng.choice(BYTE_EDITS)])
+    return bytes(line).replace(b"\n", b"")
+
+
+def test_the_fast_decoder_accepts_only_what_parse_line_accepts() -> None:
+    """The fast path's own verdict, line by line: None (parse_line decides) or exactly
+    parse_line's id, token count and spelling of the id, on 40,000 damaged lines."""
+    from hsq.dataset import parse_line
+    from hsq.errors import DatasetError
+    from hsq.producer.fastscan import _fast_count
+
+    rng = random.Random(35)
+    taken = 0
+    for i in range(40_000):
+        line = damaged(rng, i)
+        for max_tokens in (None, 3):
+            got = _fast_count(line, max_tokens)
+            if got is None:
+                continue
+            taken += 1
+            try:
+                sample = parse_line(line, max_tokens)
+            except DatasetError as exc:
+                raise AssertionError(f"fast path took {line!r}; parse_line: {exc}") from None
+            assert got == (sample.id, len(sample.input_ids), sample.id_text == sample.id), line
+    assert taken > 4_000  # not vacuous: thousands of lines survive their edits and go fast
+
+
+def test_the_fast_scan_agrees_on_randomly_damaged_bytes(tmp_path: Path) -> None:
+    rng = random.Random(350)
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(b"\n".join(damaged(rng, i) for i in range(3000)) + b"\n")
+    compare_scans(path, None, [(1, 2**20), (2, 4099)])
 
 
 def test_the_fast_scan_skips_over_long_lines_as_the_dataset_scan_does(
@@ -439,3 +535,32 @@ def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
     st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
     assert st.get_manifest("s0002") is None
     assert dict(st.iter_done())["s0002"] == b"m1|x|y"
+
+
+def test_verify_reads_the_stored_form_with_the_verdicts_of_its_json(tmp_path: Path) -> None:
+    """verify checks the done hash's compact form without turning it into JSON first; for
+    every stored value, valid or damaged, trusted_entry gives what it gives on the JSON."""
+    from hsq.app.ops import trusted_entry
+    from hsq.outputs.manifest import encode_manifest, manifest_json
+
+    out = tmp_path / "out"
+    (out / output_relpath("s1")).parent.mkdir(parents=True)
+    good = encode_manifest(
+        "s1", ManifestEntry(output_relpath("s1"), 3, 100, "crc32:1", "w", 0.5, 2)
+    )
+    rng = random.Random(7)
+    stored = [good, "m1|3|100|1|w|0.5|2|fp8-e4m3", "m1|x|y", "m1|3|100|1|w|nan|2|", good + "|"]
+    stored += ["m1|3|100|1|" + "\x01" * 20000 + "|0.5|2|", '{"path": 1}', "m1|3|1_0|1|w|1e300|+2|"]
+    for _ in range(3000):
+        b = list(good)
+        b[rng.randrange(len(b))] = rng.choice("|:0123456789.-x\x00\xe9")
+        stored.append("".join(b))
+    for sid in ("s1", "../s1"):
+        for raw in stored:
+            outcomes: list[ManifestEntry | str] = []
+            for form in (raw.encode(), manifest_json(sid, raw.encode())):
+                try:
+                    outcomes.append(trusted_entry(sid, form, out))
+                except ValueError as exc:
+                    outcomes.append(str(exc))
+            assert outcomes[0] == outcomes[1] or "nan" in raw, (sid, raw, outcomes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -587,6 +588,22 @@ def test_the_lock_file_is_never_a_link_or_a_fifo(tmp_path: Path) -> None:
     os.mkfifo(d / LOCK_NAME)
     with pytest.raises(errors.ConfigError, match="not a regular file"):
         DumpDirLock(d).acquire("w")
+
+
+def test_a_held_lock_names_its_holder_with_a_utc_time_not_an_epoch(tmp_path: Path) -> None:
+    """The refusal printed the lock file's JSON: `"since": 1764612345.12`."""
+    d = tmp_path / "dumps"
+    d.mkdir()
+    held = DumpDirLock(d)
+    held.acquire("node-0")  # flock is per open file: a second open in this process is refused
+    try:
+        with pytest.raises(errors.ConfigError, match="owned by another live worker") as exc:
+            DumpDirLock(d).acquire("node-1")
+    finally:
+        held.release()
+    text = str(exc.value)
+    assert re.search(r"worker node-0, pid \d+ on .+, since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", text)
+    assert not re.search(r"\d{10}\.\d", text), text
 
 
 def test_a_planted_staging_link_is_replaced_not_followed(tmp_path: Path) -> None:

@@ -98,8 +98,11 @@ def run_audit(
     dump_timeout_s: float = 60.0,
     request_timeout_s: float = 600.0,
     dump_dir_force: bool = False,
-    on_progress: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] = lambda _n: None,
+    on_total: Callable[[int], None] = lambda _n: None,
 ) -> AuditReport:
+    """`on_total` hears how many samples were chosen (a progress bar's total), `on_progress`
+    each one as it is audited."""
     if not 0.0 < fraction <= 1.0:
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
@@ -109,6 +112,7 @@ def run_audit(
     rng = random.Random(report.seed)
     chosen = rng.sample(sorted(done), min(len(done), math.ceil(fraction * len(done))))
     report.selected = len(chosen)
+    on_total(len(chosen))
     if not chosen:
         return report
     if check_dump_dir(dump_dir, dump_dir_force):
@@ -135,8 +139,7 @@ def run_audit(
         index = store.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:
-            if on_progress is not None:
-                on_progress(1)
+            on_progress(1)
             try:
                 entry = trusted_entry(sid, done[sid], out_root)
             except ValueError as exc:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from hsq import __version__
+from hsq.app.command import apply_log_flags
 from hsq.app.commands import (
     admin,
     demo,
@@ -34,16 +35,15 @@ from hsq.app.flags import LogFlags
 from hsq.app.options import settings_options, take
 from hsq.errors import ConfigError, HsqError, StoreError
 from hsq.extras import extra_error
-from hsq.logs import configure
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="hsq")
 @settings_options(LogFlags)
-def cli(**values: Any) -> None:
+@click.pass_context
+def cli(ctx: click.Context, /, **values: Any) -> None:
     """hsq: extract an LLM's hidden states at scale to train EAGLE-3 drafters."""
-    flags = take(LogFlags, values)
-    configure(flags.log_level, flags.log_format)
+    apply_log_flags(ctx, take(LogFlags, values))
 
 
 for _command in (

@@ -25,15 +25,16 @@ if TYPE_CHECKING:
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 REDIS_URL_HELP = (
-    "Redis URL with its auth, `redis://[USER]:PASSWORD@host:port/db` (rediss:// for TLS). Give "
-    "a password through the environment or --redis-url-file, never as a flag: every local "
-    "user sees a command line"
+    "redis://[USER]:PASSWORD@host:port/db or rediss://; the password never as a flag "
+    "(environment or --redis-url-file)"
 )
+TLS_HELP = "rediss:// only: CA bundle, client cert, its key"
+"""--help's one row for --redis-ca, --redis-cert and --redis-key (hsq/app/command.py)."""
 
 
 @dataclass(frozen=True)
 class LogFlags:
-    """`hsq`'s own options, before the command."""
+    """`hsq`'s own options, before the command or after it (hsq/app/command.py)."""
 
     log_level: str = setting(
         "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the least severe level logged"
@@ -55,8 +56,7 @@ class RedisAccess:
     redis_url_file: Path | None = setting(
         None,
         path="file",
-        help="read the Redis URL from this file (its first line; e.g. a Docker secret); "
-        "refused if its group or other users may read or write it (chmod 600)",
+        help="the URL from this file's first line (chmod 600)",
     )
     redis_ca: Path | None = setting(
         None,

@@ -68,6 +68,12 @@ def _decls(flag: str, aliases: tuple[str, ...]) -> list[str]:
 
 def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     """One click option for one settings field; the parameter name is the field's name."""
+    decls, attrs = option_args(f, hint)
+    return click.option(*decls, **attrs)
+
+
+def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[str, Any]]:
+    """click.Option's declarations and attributes for one settings field."""
     doc = setting_doc(f)
     if doc is None:
         raise TypeError(f"settings field {f.name} has no setting() description")
@@ -85,18 +91,16 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
     if kind is bool:
         if f.default is True:  # on by default: `--no-fsync` turns it off (HSQ_FSYNC=0 too)
             name = flag.removeprefix("--")
-            return click.option(f"--{name}/--no-{name}", f.name, default=True, **common)
-        return click.option(*names, f.name, is_flag=True, default=False, **common)
+            return [f"--{name}/--no-{name}", f.name], {"default": True, **common}
+        return [*names, f.name], {"is_flag": True, "default": False, **common}
     if typing.get_origin(kind) is tuple and doc.parse is None:  # repeatable: --fault A --fault B
         item = typing.get_args(kind)[0]
-        return click.option(
-            *names,
-            f.name,
-            multiple=True,
-            default=(),
-            type=_click_type(item, doc),
+        return [*names, f.name], {
+            "multiple": True,
+            "default": (),
+            "type": _click_type(item, doc),
             **common,
-        )
+        }
     callback = None
     if doc.parse is not None:
         parse = doc.parse
@@ -114,15 +118,28 @@ def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
         show = False
     if not required:  # click (>= 8.3) takes an explicit default=None as a given value
         common["default"] = f.default
-    return click.option(
-        *names,
-        f.name,
-        type=_click_type(kind, doc),
-        required=required,
-        show_default=show,
-        callback=callback,
+    return [*names, f.name], {
+        "type": _click_type(kind, doc),
+        "required": required,
+        "show_default": show,
+        "callback": callback,
         **common,
-    )
+    }
+
+
+def settings_params(cls: type) -> list[click.Option]:
+    """The options settings_options(cls) adds, as click.Option objects (for a command
+    class that adds them itself: hsq/app/command.py)."""
+    out = []
+    for f, hint in _option_fields(cls):
+        decls, attrs = option_args(f, hint)
+        out.append(click.Option(decls, **attrs))
+    return out
+
+
+def option_names(cls: type) -> tuple[str, ...]:
+    """The parameter names of the options settings_options(cls) adds."""
+    return tuple(f.name for f, _ in _option_fields(cls))
 
 
 def _option_fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:

@@ -58,15 +58,15 @@ def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
     return f"{_COMPACT}|{e.num_tokens}|{e.bytes}|{crc}|{e.worker}|{when}|{e.attempt}|{dtype}"
 
 
-def manifest_json(sample_id: str, raw: builtins.bytes | str) -> builtins.bytes:
-    """A stored done entry as the manifest JSON readers check (untrusted either way: what
-    does not decode is handed back as it is, and refused by whoever checks it)."""
+def stored_entry(sample_id: str, raw: builtins.bytes | str) -> ManifestEntry | None:
+    """The entry a compact stored form holds; None when `raw` is not one (JSON of an older
+    hsq, or damaged: untrusted either way)."""
     data = raw.encode() if isinstance(raw, str) else raw
     if not data.startswith(b"m1|"):
-        return data
+        return None
     try:
         _, tokens, nbytes, crc, worker, when, attempt, dtype = data.decode().split("|")
-        entry = ManifestEntry(
+        return ManifestEntry(
             path=output_relpath(sample_id),
             num_tokens=int(tokens),
             bytes=int(nbytes),
@@ -77,7 +77,15 @@ def manifest_json(sample_id: str, raw: builtins.bytes | str) -> builtins.bytes:
             store_dtype=dtype or BF16,
         )
     except (ValueError, UnicodeDecodeError, DatasetError):
-        return data
+        return None
+
+
+def manifest_json(sample_id: str, raw: builtins.bytes | str) -> builtins.bytes:
+    """A stored done entry as the manifest JSON readers check (untrusted either way: what
+    does not decode is handed back as it is, and refused by whoever checks it)."""
+    entry = stored_entry(sample_id, raw)
+    if entry is None:
+        return raw.encode() if isinstance(raw, str) else raw
     return entry.to_json().encode()
 
 

@@ -39,7 +39,6 @@ from hsq.producer.report import (
     count_bad,
     dead_letter_bad,
     lock_holder,
-    log_report,
     prune,
     refuse_conflicts,
 )
@@ -147,7 +146,6 @@ def _enqueue_streaming(
     dead_letter_bad(store, bad)
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
     store.end_enqueue()
-    log_report(cfg, report)
     return report
 
 

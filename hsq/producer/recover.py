@@ -128,7 +128,7 @@ def _recover_locked(
     _apply_recovery(store, plan, report)
     _enqueue_rest(store, valid, report, cfg.chunk_size)
     store.end_enqueue()
-    log_report(cfg, report)
+    log_report(cfg.run, report)
     return report
 
 

@@ -121,10 +121,12 @@ def prune(
     return n + store.delete_fields(k.dead, gone_dead)
 
 
-def log_report(cfg: RunConfig, report: EnqueueReport) -> None:
+def log_report(run: str, report: EnqueueReport) -> None:
+    """The `enqueued` log line, for the commands whose output is their log (`hsq enqueue`,
+    `hsq recover`); `hsq run` and `hsq demo` say it in their own view instead."""
     log.info(
         "enqueued",
-        run=cfg.run,
+        run=run,
         enqueued=report.enqueued,
         chunks=report.chunks,
         done=report.done,

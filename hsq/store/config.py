@@ -9,13 +9,14 @@ import json
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from itertools import chain, islice
 from typing import Any
 
 from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError
 from hsq.runconfig import RunConfig
 from hsq.store import scripts
-from hsq.store.connection import text, translate_public
+from hsq.store.connection import packed_call, text, translate_public
 from hsq.store.fence import Fence
 from hsq.store.jobs import AnyRef
 
@@ -89,16 +90,13 @@ class ConfigIndex:
     # ------------------------------------------------------------------ the index
     def put_index(self, entries: Iterable[AnyRef], batch: int = 5000) -> int:
         n = 0
-        buf: list[str] = []  # field, value, field, value...: HSET's arguments as they go
-        for sid, e in entries:
-            buf += (sid, e if isinstance(e, str) else e.encode())
-            if len(buf) >= 2 * batch:
-                self.client.hset(self.keys.index, items=buf)
-                n += len(buf) // 2
-                buf = []
-        if buf:
-            self.client.hset(self.keys.index, items=buf)
-            n += len(buf) // 2
+        it = iter(entries)
+        while part := list(islice(it, batch)):
+            # HSET's arguments, field, value, ...: flattened and packed in C (packed_call).
+            args: list[Any] = list(chain.from_iterable(part))
+            args[1::2] = [e if isinstance(e, str) else e.encode() for e in args[1::2]]
+            packed_call(self.client, "HSET", self.keys.index, *args)
+            n += len(part)
         return n
 
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:

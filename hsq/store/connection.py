@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+import hiredis
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
@@ -95,6 +96,25 @@ def connect(url: str) -> Client:
     except StoreError as exc:  # redis-py's messages name what it parsed: never a password
         raise type(exc)(scrub(str(exc), url)) from None
     return client
+
+
+def packed_call(client: Client, *args: str | bytes | int) -> Any:
+    """One idempotent command packed by hiredis in C and sent on one of the client's pooled
+    connections, with the client's retries (a retried command runs again: hence idempotent).
+    redis-py packs every argument in Python (~0.3 us each); the enqueue's index writes pass
+    10,000 at once, ~10 % of its CPU before. Errors are redis-py's, as from any command."""
+    packed = hiredis.pack_command(args)  # type: ignore[arg-type]  # its stub: a 1-tuple
+    pool = client.connection_pool
+    conn = pool.get_connection()
+
+    def call() -> Any:
+        conn.send_packed_command([packed])  # type: ignore[no-untyped-call]
+        return conn.read_response()
+
+    try:
+        return conn.retry.call_with_retry(call, lambda _err: conn.disconnect())  # type: ignore[no-untyped-call]
+    finally:
+        pool.release(conn)
 
 
 @dataclass

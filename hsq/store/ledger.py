@@ -119,20 +119,26 @@ class Ledger(Generic[E]):
         for field, raw in self.client.hscan_iter(self.keys.done, count=1000):
             yield text(field), self.codec.decode(text(field), raw)
 
-    def iter_done(self) -> Iterator[tuple[str, bytes]]:
-        """(sample id, raw manifest JSON) of every done sample; entries are untrusted."""
+    def iter_done(self, *, stored: bool = False) -> Iterator[tuple[str, bytes]]:
+        """(sample id, raw manifest JSON) of every done sample; entries are untrusted.
+        `stored`: the value as the done hash holds it (the codec's form), for a reader
+        that decodes it itself (verify: a million JSON round trips less)."""
         for field, value in self.client.hscan_iter(self.keys.done, count=1000):
             sid = text(field)
-            yield sid, self.codec.as_json(sid, value)
+            yield sid, value if stored else self.codec.as_json(sid, value)
 
-    def done_entries(self, ids: list[str]) -> list[bytes | None]:
-        """The raw (untrusted) manifest JSON of each id, None where it is not done."""
+    def done_entries(self, ids: list[str], *, stored: bool = False) -> list[bytes | None]:
+        """The raw (untrusted) manifest JSON of each id, None where it is not done
+        (`stored`: as iter_done's)."""
         if not ids:
             return []
         vals = self.client.hmget(self.keys.done, ids)
+        raws = [None if v is None else v.encode() if isinstance(v, str) else v for v in vals]
+        if stored:
+            return raws
         return [
-            None if v is None else self.codec.as_json(sid, v.encode() if isinstance(v, str) else v)
-            for sid, v in zip(ids, vals, strict=True)
+            None if v is None else self.codec.as_json(sid, v)
+            for sid, v in zip(ids, raws, strict=True)
         ]
 
     # ------------------------------------------------------------------ dead and crashes

@@ -38,7 +38,7 @@ class DumpDirLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            holder = holder_text(os.pread(fd, 4096, 0))
             os.close(fd)
             raise ConfigError(
                 f"dump dir {self.path.parent} is owned by another live worker ({holder}); "
@@ -58,3 +58,15 @@ class DumpDirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def holder_text(raw: bytes) -> str:
+    """The lock file's record in words: `worker W, pid P on H, since 2026-12-01T17:58:35Z`
+    (the record is JSON with a Unix time; anything else is shown as it is, shortened)."""
+    text = raw.decode(errors="replace").strip()
+    try:
+        info = json.loads(text)
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(info["since"])))
+        return f"worker {info['worker']}, pid {info['pid']} on {info['host']}, since {since}"
+    except (ValueError, TypeError, KeyError, OverflowError, OSError):
+        return text[:300] or "unknown"

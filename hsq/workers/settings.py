@@ -50,7 +50,7 @@ class WorkerSettings:
     persist_threads: int = setting(
         8,
         help="threads writing outputs: many small files are bound by fsync latency, which "
-        "threads overlap (BENCHMARKS.md, issue 22)",
+        "threads overlap (BENCHMARKS.md)",
     )
     persist_procs: int | None = setting(
         None,

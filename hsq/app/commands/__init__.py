@@ -3,6 +3,8 @@
 
     serve.py    serve-reference, worker, exporter      (long-running processes)
     sglang.py   launch-sglang
+    vllm.py     launch-vllm
+    launch.py   (the flags and launcher arguments launch-sglang and launch-vllm share)
     produce.py  tokenize, enqueue
     recover.py  recover
     status.py   status, runs
@@ -14,5 +16,6 @@
 
 A command parses and formats; what it decides belongs to a service or to hsq/app/ops/.
 Heavy imports (torch, Redis, the services) stay inside the command function: `hsq --help`
-starts fast. hsq/app/cli.py gathers them into the `hsq` group.
+starts fast. hsq/app/cli.py gathers them into the `hsq` group; each is an `@hsq_command`
+(hsq/app/command.py: hsq's log options after it too, --help in sections).
 """

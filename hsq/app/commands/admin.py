@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import settings_options, take
@@ -28,7 +29,7 @@ class RequeueFlags:
     dry_run: bool = setting(False, help="say what would be requeued, change nothing")
 
 
-@click.command("requeue")
+@hsq_command("requeue")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(RequeueFlags)
@@ -72,10 +73,10 @@ def requeue(**values: Any) -> None:
 
 @dataclass(frozen=True)
 class PurgeFlags:
-    yes: bool = setting(False, flag_only=True, help="do not ask for confirmation")
+    yes: bool = setting(False, flag_only=True, aliases=("-y",), help="do not ask for confirmation")
 
 
-@click.command("purge")
+@hsq_command("purge")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(PurgeFlags)
@@ -84,7 +85,7 @@ def purge(**values: Any) -> None:
 
     \b
     Example:
-      hsq purge --run old-run --yes
+      hsq purge --run old-run --yes    # or -y
     """
     from hsq.app.ops import purge as do_purge
 
@@ -104,7 +105,7 @@ class AclFlags:
     user: str | None = setting(None, default_text="hsq-RUN", help="ACL user name")
 
 
-@click.command("acl")
+@hsq_command("acl")
 @settings_options(RunName)
 @settings_options(AclFlags)
 def acl(**values: Any) -> None:

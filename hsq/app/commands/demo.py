@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
-
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisAccess
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -31,7 +30,7 @@ class DemoFlags:
     access: RedisAccess = field(default_factory=RedisAccess)
 
 
-@click.command("demo")
+@hsq_command("demo")
 @settings_options(DemoFlags)
 def demo(**values: Any) -> None:
     """Extract a synthetic dataset end to end on this machine, then verify every output.

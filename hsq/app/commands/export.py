@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
 from hsq.app.options import settings_options, take
@@ -68,7 +69,7 @@ class ExportFlags:
     )
 
 
-@click.command("export")
+@hsq_command("export")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(ExportFlags)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import given, settings_options, take
 from hsq.producer.tokenize import TokenizeSettings
@@ -41,7 +43,7 @@ class TokenizeFlags:
     no_progress: bool = setting(False, help="no progress bar")
 
 
-@click.command("tokenize")
+@hsq_command("tokenize")
 @click.argument("chats", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @settings_options(TokenizeSettings)
 @settings_options(TokenizeFlags)
@@ -69,10 +71,10 @@ def tokenize(chats: Path, **values: Any) -> None:
 
 
 @dataclass(frozen=True)
-class EnqueueFlags:
-    out: Path = setting(path="dir", help="output root; files go to OUT/RUN/")
+class DatasetFlags:
+    """How `hsq enqueue` and `hsq run` read DATASET."""
+
     strict: bool = setting(False, help="refuse the whole dataset if any line is bad")
-    no_progress: bool = setting(False, help="no progress bar")
     # Flag only: HSQ_TOKENIZER, set for `hsq tokenize`, must not turn the token rows of a
     # later `hsq enqueue` into chat rows to tokenize (and reject).
     tokenizer: Path | None = setting(
@@ -91,13 +93,48 @@ class EnqueueFlags:
     )
 
 
-@click.command("enqueue")
+@dataclass(frozen=True)
+class DatasetInput:
+    """What dataset_options parsed: the flags, the RUN_SETTINGS given, and the tokenizer's
+    settings when DATASET holds chat rows."""
+
+    flags: DatasetFlags
+    settings: dict[str, Any]
+    chat: TokenizeSettings | None
+
+
+def dataset_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a command that enqueues DATASET (enqueue, run): DatasetFlags, the
+    run's RUN_SETTINGS and the chat rows' tokenize settings; take_dataset reads them."""
+    fn = settings_options(TokenizeSettings, skip=("tokenizer",))(fn)
+    fn = settings_options(RunConfig, only=RUN_SETTINGS)(fn)
+    return settings_options(DatasetFlags)(fn)
+
+
+def take_dataset(values: dict[str, Any], command: str) -> DatasetInput:
+    """What dataset_options parsed for `command` (named in the message when --tokenizer
+    needs an extra that is not installed)."""
+    flags = take(DatasetFlags, values)
+    settings = {name: values.pop(name) for name in RUN_SETTINGS}
+    chat = None
+    if flags.tokenizer is not None:
+        extras.require("chat", f"{command} --tokenizer")
+        chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
+    return DatasetInput(flags, settings, chat)
+
+
+@dataclass(frozen=True)
+class EnqueueFlags:
+    out: Path = setting(path="dir", help="output root; files go to OUT/RUN/")
+    no_progress: bool = setting(False, help="no progress bar")
+
+
+@hsq_command("enqueue")
 @click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @settings_options(RunName)
 @settings_options(EnqueueFlags)
+@dataset_options
 @settings_options(RedisFlags)
-@settings_options(RunConfig, only=RUN_SETTINGS)
-@settings_options(TokenizeSettings, skip=("tokenizer",))
 def enqueue(dataset: Path, **values: Any) -> None:
     """Validate DATASET (JSONL) and enqueue the samples that are neither done nor queued.
 
@@ -111,26 +148,20 @@ def enqueue(dataset: Path, **values: Any) -> None:
     used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
+    from hsq.producer.report import log_report
     from hsq.runstore import RunStore
 
     run = take(RunName, values).run
     flags = take(EnqueueFlags, values)
     redis = take(RedisFlags, values)
-    settings = {name: values.pop(name) for name in RUN_SETTINGS}
-    chat = None
-    if flags.tokenizer is not None:
-        extras.require("chat", "hsq enqueue --tokenizer")
-        chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
     report = enqueue_dataset(
         RunStore(redis.client(), run),
         dataset,
         flags.out,
-        settings,
-        chat=chat,
-        tokens=flags.tokens,
-        strict=flags.strict,
+        take_dataset(values, "hsq enqueue"),
         progress=not flags.no_progress,
     )
+    log_report(run, report)
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:
@@ -141,20 +172,18 @@ def enqueue_dataset(
     store: RunStore,
     dataset: Path,
     out: Path,
-    settings: dict[str, Any],
+    data: DatasetInput,
     *,
-    chat: TokenizeSettings | None,
-    tokens: Path | None,
-    strict: bool,
     progress: bool,
 ) -> EnqueueReport:
-    """What `hsq enqueue` does (also `hsq run`'s enqueue): with `chat`, tokenize DATASET's
-    chat rows first (its rejects dead-lettered), else take the rejects file `hsq tokenize`
-    left next to it; then enqueue what is neither done nor queued. `settings`: the
-    RUN_SETTINGS given on the command line; defaults are recorded as defaulted."""
+    """What `hsq enqueue` does (also `hsq run`'s enqueue): with chat settings (--tokenizer),
+    tokenize DATASET's chat rows first (its rejects dead-lettered), else take the rejects
+    file `hsq tokenize` left next to it; then enqueue what is neither done nor queued. The
+    RUN_SETTINGS not given on the command line are recorded as defaulted."""
     from hsq.producer.enqueue import enqueue_run
     from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
 
+    chat, tokens = data.chat, data.flags.tokens
     if chat is not None:
         chat.validate()
         target = tokens or tokens_path(dataset)
@@ -165,12 +194,15 @@ def enqueue_dataset(
     else:
         rejects = read_rejects(rejects_path(dataset))
     cfg = RunConfig(
-        run=store.run, dataset=str(dataset.resolve()), out=str(out.resolve()), **settings
+        run=store.run,
+        dataset=str(dataset.resolve()),
+        out=str(out.resolve()),
+        **data.settings,
     )
     return enqueue_run(
         store,
         cfg,
-        strict=strict,
+        strict=data.flags.strict,
         progress=progress,
         rejected=[r.dead_letter() for r in rejects],
         defaulted=[name for name in RUN_SETTINGS if not given(name)],

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import given, settings_options, take
 from hsq.runconfig import RunConfig
@@ -35,7 +36,7 @@ class RecoverFlags:
     no_progress: bool = setting(False, help="no progress bar")
 
 
-@click.command("recover")
+@hsq_command("recover")
 @click.argument(
     "dataset", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
 )

@@ -12,12 +12,11 @@ from typing import Any
 import click
 
 from hsq import extras
-from hsq.app.commands.produce import RUN_SETTINGS, enqueue_dataset
+from hsq.app.command import hsq_command
+from hsq.app.commands.produce import dataset_options, enqueue_dataset, take_dataset
 from hsq.app.flags import RedisAccess
 from hsq.app.options import as_argv, settings_options, take
 from hsq.errors import ConfigError
-from hsq.producer.tokenize import TokenizeSettings
-from hsq.runconfig import RunConfig
 from hsq.settings import setting
 from hsq.workers.settings import WorkerSettings
 
@@ -74,21 +73,6 @@ class RunFlags:
         flag_only=True,
         help="serve OUT's own Redis until Ctrl-C (for hsq verify/export after a run)",
     )
-    strict: bool = setting(False, help="refuse the whole dataset if any line is bad")
-    tokenizer: Path | None = setting(
-        None,
-        path="dir",
-        exists=True,
-        flag_only=True,
-        help="DATASET holds chat rows: tokenize them with this local HF tokenizer first",
-    )
-    tokens: Path | None = setting(
-        None,
-        path="file",
-        flag_only=True,
-        default_text="DATASET's name with .tokens.jsonl, next to it",
-        help="with --tokenizer: where the tokenized JSONL goes",
-    )
     redis_url: str | None = setting(
         None,
         flag="--redis",
@@ -123,12 +107,11 @@ def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple
     return dataset, args[1:]
 
 
-@click.command("run")
+@hsq_command("run")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[DATASET] [-- SERVER_ARGS]")
 @settings_options(RunFlags)
 @settings_options(WorkerSettings, skip=(*PER_WORKER, *NODE_DECIDES))
-@settings_options(RunConfig, only=RUN_SETTINGS)
-@settings_options(TokenizeSettings, skip=("tokenizer",))
+@dataset_options
 def run(args: tuple[str, ...], **values: Any) -> None:
     """Run a whole node's share of a run: Redis, servers, workers, live view. Safe to rerun.
 
@@ -164,8 +147,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         redis_url="-", name=None, burst=True, server_kind="sglang", served_model=None,
     )  # fmt: skip
     worker.validate()
-    run_cfg = {name: values.pop(name) for name in RUN_SETTINGS}
-    chat = take(TokenizeSettings, values, tokenizer=str(f.tokenizer)) if f.tokenizer else None
+    data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
     name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
@@ -181,15 +163,10 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     )  # fmt: skip
     if plan.kind == REFERENCE:  # before Redis or any server starts
         extras.require("reference", "hsq run --server reference")
-    if chat is not None:
-        extras.require("chat", "hsq run --tokenizer")
 
     def enqueue(store: Any) -> list[str]:
         assert dataset is not None
-        report = enqueue_dataset(
-            store, dataset, f.out, run_cfg, chat=chat, tokens=f.tokens, strict=f.strict,
-            progress=False,
-        )  # fmt: skip
+        report = enqueue_dataset(store, dataset, f.out, data, progress=False)
         bad = sum(report.invalid.values())
         line = (
             f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "

@@ -7,9 +7,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import click
-
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -17,7 +16,7 @@ from hsq.sglang_server.reference.settings import ReferenceSettings
 from hsq.workers.settings import WorkerSettings
 
 
-@click.command("serve-reference")
+@hsq_command("serve-reference")
 @settings_options(ReferenceSettings)
 def serve_reference(**values: Any) -> None:
     """Serve a real transformer with SGLang's HTTP API, dumping hidden states per request.
@@ -31,9 +30,12 @@ def serve_reference(**values: Any) -> None:
     from hsq.sglang_server.reference.app import serve
 
     serve(take(ReferenceSettings, values))
+    # serve() returns once the dumps are flushed and `stopped` is logged: skip the
+    # interpreter's teardown, seconds of CPU with torch and transformers loaded.
+    _exit_now(0)
 
 
-@click.command("worker")
+@hsq_command("worker")
 @settings_options(RedisFlags)
 @settings_options(WorkerSettings, skip=("redis_url",))
 def worker(**values: Any) -> None:
@@ -49,6 +51,11 @@ def worker(**values: Any) -> None:
     rc = run_worker(take(WorkerSettings, values, redis_url=redis.url()))
     # Everything is released (jobs, registration, dump dir lock) and `worker_stopped` is
     # logged: skip the interpreter's teardown, which takes seconds once torch is loaded.
+    _exit_now(rc)
+
+
+def _exit_now(rc: int) -> None:
+    """Flush stdout and stderr, then end the process without the interpreter's teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
@@ -65,7 +72,7 @@ class ExporterFlags:
     )
 
 
-@click.command("exporter")
+@hsq_command("exporter")
 @settings_options(RedisFlags)
 @settings_options(ExporterFlags)
 def exporter(**values: Any) -> None:

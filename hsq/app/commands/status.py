@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
@@ -33,7 +34,7 @@ class StatusFlags:
     )
 
 
-@click.command("status")
+@hsq_command("status")
 @settings_options(StatusFlags)
 @settings_options(RedisFlags)
 def status(**values: Any) -> None:
@@ -101,7 +102,7 @@ def status(**values: Any) -> None:
             return
 
 
-@click.command("runs")
+@hsq_command("runs")
 @settings_options(RedisFlags)
 def runs(**values: Any) -> None:
     """List runs with their progress.

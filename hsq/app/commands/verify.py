@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from hsq import extras
+from hsq.app.command import hsq_command
 from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
 from hsq.app.options import settings_options, take
@@ -33,7 +34,7 @@ class VerifyFlags:
     )
 
 
-@click.command("verify")
+@hsq_command("verify")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(VerifyFlags)
@@ -108,7 +109,7 @@ class AuditFlags:
     dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
 
 
-@click.command("audit")
+@hsq_command("audit")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(AuditFlags)
@@ -139,6 +140,11 @@ def audit(**values: Any) -> None:
     f = take(AuditFlags, values)
     mounted = take(MountedOut, values)
     with mounted.progress(0, "auditing") as bar:
+
+        def set_total(n: int) -> None:  # known once the samples are chosen
+            bar.total = n
+            bar.refresh()
+
         report = run_audit(
             st,
             server=f.audit_server,
@@ -151,6 +157,7 @@ def audit(**values: Any) -> None:
             request_timeout_s=f.audit_request_timeout_s,
             dump_dir_force=f.dump_dir_force,
             on_progress=bar.update,
+            on_total=set_total,
         )
     for line in report.lines_out():
         click.echo(line)

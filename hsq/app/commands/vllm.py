@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
+from hsq.app.command import hsq_command
+from hsq.app.commands.launch import PASS_ON, LaunchCommon
 from hsq.app.options import settings_options, take
 from hsq.settings import int_tuple_or_none, setting
-from hsq.states import ENCODINGS, PLAIN
 
 
 @dataclass(frozen=True)
@@ -28,29 +29,17 @@ class LaunchVllmFlags:
     num_layers: int | None = setting(
         None, default_text="config.json's", help="the model's layer count (for a hub id)"
     )
-    host: str = setting("127.0.0.1", help="address to listen on")
     port: int = setting(8000, help="port to listen on")
-    tp: int = setting(1, help="tensor parallel size (GPUs of one server)")
+    common: LaunchCommon = field(default_factory=LaunchCommon)
     served_model_name: str | None = setting(
         None, help="vLLM's --served-model-name (then give the worker --served-model)"
     )
     python: str = setting(
         sys.executable, default_text="this Python", help="the Python of vLLM's environment"
     )
-    dump_encoding: str = setting(
-        PLAIN,
-        choices=ENCODINGS,
-        help="fp8-e4m3: the server quantizes the states as fp8 outputs store them (for runs "
-        "enqueued with --store-dtype fp8-e4m3)",
-    )
-    prenorm: bool = setting(False, help="also dump the final norm's input (runs with --prenorm)")
-    print_only: bool = setting(False, help="print the command, start nothing")
 
 
-@click.command(
-    "launch-vllm",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-)
+@hsq_command("launch-vllm", context_settings=PASS_ON)
 @settings_options(LaunchVllmFlags)
 @click.pass_context
 def launch_vllm(ctx: click.Context, /, **values: Any) -> None:
@@ -59,14 +48,13 @@ def launch_vllm(ctx: click.Context, /, **values: Any) -> None:
     Sets extract_hidden_states with the aux layers (plus the final layer), hsq's connector,
     --no-enable-prefix-caching and --enable-prompt-tokens-details; extra arguments go to
     vLLM unchanged, bar those that would give wrong dumps. Then execs vLLM. Run the worker
-    with --server-kind vllm (docs/vllm.md).
+    with --server-kind vllm (docs/vllm.md). hsq's --log-level and --log-format go before
+    the command here: after it, they are vLLM's.
 
     \b
     Example:
       hsq launch-vllm --model-path /models/llama-3-8b --dump-dir /dev/shm/hsq0 --layers 2,16,29
     """
-    import shlex
-
     from hsq.vllm_server.launch import run
 
     f = take(LaunchVllmFlags, values)
@@ -76,16 +64,9 @@ def launch_vllm(ctx: click.Context, /, **values: Any) -> None:
             dump_dir=f.dump_dir,
             layers=f.aux_layer_ids,
             num_layers=f.num_layers,
-            host=f.host,
             port=f.port,
-            tp_size=f.tp,
             served_model_name=f.served_model_name,
             python=f.python,
-            extra=list(ctx.args),
-            encoding=f.dump_encoding,
-            prenorm=f.prenorm,
-            print_only=f.print_only,
-            echo=click.echo,
-            quote=shlex.join,
+            **f.common.launcher_args(ctx),
         )
     )

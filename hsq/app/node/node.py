@@ -145,11 +145,11 @@ def _summary_lines(
     elapsed: float,
     verified: Any,
     auth: str,
-    tokens_before: int,
+    rate: Rate,
 ) -> list[str]:
-    made = st.tokens_done - tokens_before
     lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
-             f" ({made:,} tokens here, {made / max(elapsed, 1e-9):,.0f} tokens/s)"]  # fmt: skip
+             f" ({rate.samples} samples, {rate.tokens:,} tokens while the workers ran: "
+             f"{rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s)"]  # fmt: skip
     if stop.count >= 2:
         lines.append(
             "killed: what the workers held goes back to the queue once their heartbeats "
@@ -173,6 +173,34 @@ def _summary_lines(
                if verified.problems else "")
         )  # fmt: skip
     return lines
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The run's progress while this command's workers ran: the final summary's rate (the
+    status's own is the live workers' rate, 0 once they have ended)."""
+
+    samples: int
+    tokens: int
+    seconds: float
+
+    @classmethod
+    def between(cls, before: RunStatus, after: RunStatus, seconds: float) -> Rate:
+        return cls(after.done - before.done, after.tokens_done - before.tokens_done, seconds)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "samples_per_s": round(self.samples_per_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
 
 
 def run_node(job: NodeJob) -> int:
@@ -203,9 +231,11 @@ def run_node(job: NodeJob) -> int:
         )  # fmt: skip
         stop.install(stack)
         stack.callback(sup.shutdown, lambda: stop.count >= 2)
-        tokens_before = run_status(store).tokens_done
+        before = run_status(store)
+        active_t0 = time.monotonic()
         sup.start()
         st = _supervise(store, sup, Screen(), stop)
+        rate = Rate.between(before, st, time.monotonic() - active_t0)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
     elapsed = time.monotonic() - t0
     rc = _exit_code(st, stop, verified)
@@ -215,14 +245,15 @@ def run_node(job: NodeJob) -> int:
         summary = {
             "run": job.run, "exit_code": rc, "elapsed_s": round(elapsed, 1),
             "outputs": str(run_dir), "redis_url_file": None if url_file is None else str(url_file),
-            "interrupted": bool(stop.count), "status": st.to_dict(),
+            "interrupted": bool(stop.count), "active_s": round(rate.seconds, 3),
+            "status": {**st.to_dict(), **rate.to_dict()},
             "verified": None if verified is None else {
                 "checked": verified.checked, "ok": verified.ok, "problems": verified.problems
             },
         }  # fmt: skip
         echo(json.dumps(summary, sort_keys=True))
         return rc
-    for line in _summary_lines(job, st, stop, elapsed, verified, auth, tokens_before):
+    for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate):
         echo(line)
     echo(f"outputs  {run_dir}")
     echo("next")

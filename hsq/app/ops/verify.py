@@ -18,10 +18,13 @@ from hsq.app.ops.requeue import RequeueResult, requeue
 from hsq.errors import DatasetError
 from hsq.outputs.check import check_output
 from hsq.outputs.format import SUFFIX, output_relpath
-from hsq.outputs.manifest import ManifestEntry
+from hsq.outputs.manifest import ManifestEntry, manifest_json, stored_entry
 from hsq.runstore import RunStore
 
 MAX_MANIFEST_ENTRY = 64 * 1024
+_COMPACT_AS_JSON_SAFE = (MAX_MANIFEST_ENTRY - 512) // 6
+"""A stored form this short has JSON under MAX_MANIFEST_ENTRY (an escape is at most 6
+characters, the keys and path ~300): it may skip the JSON and keep every verdict."""
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -45,8 +48,16 @@ class VerifyResult:
 
 
 def trusted_entry(sample_id: str, raw: bytes | str, out_root: Path) -> ManifestEntry:
-    """A manifest entry read from Redis, type-checked, its path the one hsq would write for
-    this id and resolving under out_root. Raises ValueError otherwise."""
+    """A manifest entry read from Redis (its JSON, or the done hash's stored form), type-
+    checked, its path the one hsq would write for this id and resolving under out_root.
+    Raises ValueError otherwise."""
+    if len(raw) <= _COMPACT_AS_JSON_SAFE:
+        entry = stored_entry(sample_id, raw)  # the compact form: typed and its path by design
+        if entry is not None:
+            if not _resolves_under(out_root, entry.path):
+                raise ValueError(f"{entry.path!r} resolves outside {out_root.resolve()}")
+            return entry
+    raw = manifest_json(sample_id, raw)  # JSON as it is; a damaged compact form as it is
     if len(raw) > MAX_MANIFEST_ENTRY:
         raise ValueError("manifest entry too large")
     obj = jsonsafe.loads(raw)
@@ -174,7 +185,7 @@ def verify(
     orphans: list[str] = []
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ProcessPoolExecutor(n_jobs)) if n_jobs > 1 else None
-        for part in _mapped(pool, n_jobs, check, _pages(store.iter_done(), VERIFY_PAGE)):
+        for part in _mapped(pool, n_jobs, check, _pages(store.iter_done(stored=True), VERIFY_PAGE)):
             _merge(res, part)
             if on_progress is not None:
                 on_progress(part.checked)
@@ -234,7 +245,7 @@ def _orphan_candidates(store: RunStore, out_root: Path) -> Iterator[list[Candida
         for i in range(0, len(outputs), VERIFY_PAGE):
             part = outputs[i : i + VERIFY_PAGE]
             sids = [n[: -len(SUFFIX)] for n in part]
-            raws = store.done_entries(sids)
+            raws = store.done_entries(sids, stored=True)
             yield [(rels[n], sid, raw) for n, sid, raw in zip(part, sids, raws, strict=True)]
 
 

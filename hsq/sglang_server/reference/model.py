@@ -187,6 +187,23 @@ def _digest(config: dict[str, Any], extra: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _headless(auto: Any, config: Any) -> Any:
+    """The decoder class AutoModel picks for `config`, told that a checkpoint's LM head is
+    not its to load: a *ForCausalLM checkpoint's `lm_head.*` otherwise fills a `LOAD REPORT
+    ... UNEXPECTED` warning at every start. Any other unexpected or missing key is still
+    reported. AutoModel itself where the mapping has no class for the config."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        base: Any = MODEL_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return auto
+    if not isinstance(base, type):  # a mapping to several classes: AutoModel picks
+        return auto
+    ignored = [*(getattr(base, "_keys_to_ignore_on_load_unexpected", None) or []), r"^lm_head\."]
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignored})
+
+
 def load_model(
     source: str,
     *,
@@ -204,7 +221,9 @@ def load_model(
     path = Path(source)
     if path.exists():
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        decoder = AutoModel.from_pretrained(path, local_files_only=True, dtype=dtype)
+        decoder = _headless(AutoModel, config).from_pretrained(
+            path, local_files_only=True, dtype=dtype
+        )
         cfg_dict = config.to_dict()
         name = path.name
     else:
