@@ -136,14 +136,26 @@ def adopt_output(
     """Check an existing output file of `sample` as `recover` does: header, every tensor,
     token ids against the dataset line (fingerprint and values), finite states; returns
     (a manifest entry with the file's checksum, "") or (None, why not)."""
-    from hsq.dump.format import fingerprint
-    from hsq.outputs.format import read_header
-
     rel = output_relpath(sample.id)
-    path = out_root / rel
     where = placement_problem(out_root, rel)
     if where:
         return None, where
+    return judge_output(out_root / rel, rel, sample, run, store_dtype, prenorm)
+
+
+def judge_output(
+    path: Path,
+    rel: str,
+    sample: Sample,
+    run: str,
+    store_dtype: str | None = None,
+    prenorm: bool = False,
+) -> tuple[ManifestEntry | None, str]:
+    """adopt_output's checks of the file at `path` (which may be another name of it, e.g.
+    /proc/self/fd/N of a descriptor a caller holds) as `sample`'s output at `rel`."""
+    from hsq.dump.format import fingerprint
+    from hsq.outputs.format import read_header
+
     try:
         size = path.stat().st_size
         header = read_header(path)

@@ -9,6 +9,7 @@ written once, and a fault in it is fixed once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
@@ -24,6 +25,9 @@ from typing import TypeVar
 from hsq.errors import OUTPUT_READ_ONLY, CorruptDumpError, OutputError
 
 T = TypeVar("T")
+Publish = Callable[[Path, Path, T], T]
+"""How a complete, fsynced temp file takes its name: (tmp, path, what fill returned) ->
+what the write returns."""
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
@@ -140,6 +144,58 @@ def rename_durably(src: Path, dst: Path, *, fsync: bool = True) -> None:
         fsync_path(dst.parent)
 
 
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_NOREPLACE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def rename_noreplace(src: Path, dst: Path) -> bool:
+    """Give `src` the name `dst` only if no entry has that name: True if it did, False if
+    `dst` exists (`src` is left as it was). Never replaces, whoever else writes `dst`.
+
+    renameat2(RENAME_NOREPLACE): one syscall, as a plain rename. Where the filesystem or
+    libc lacks it (NFS, older kernels), link(2), which fails on an existing name too, then
+    unlink of `src` (one syscall more); where hard links are refused as well (FAT, some
+    FUSE), a look and a plain rename, which a writer racing in between can defeat
+    (docs/reliability.md)."""
+    if _renameat2 is not None:
+        names = os.fsencode(src), os.fsencode(dst)
+        if _renameat2(_AT_FDCWD, names[0], _AT_FDCWD, names[1], _RENAME_NOREPLACE) == 0:
+            return True
+        code = ctypes.get_errno()
+        if code == errno.EEXIST:
+            return False
+        if code not in _NOREPLACE_UNSUPPORTED:
+            raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        if os.path.lexists(dst):
+            return False
+        os.rename(src, dst)
+        return True
+    with contextlib.suppress(OSError):  # both names hold the file; a left temp is swept
+        os.unlink(src)
+    return True
+
+
 def temp_name(path: Path) -> Path:
     """The temp file beside `path` that a write of `path` fills: named after its writer
     (host, pid), so whoever writes `path` next can remove what a killed writer left."""
@@ -154,6 +210,7 @@ def write_atomically(
     mode: int = 0o644,
     stats: dict[str, float] | None = None,
     before_rename: Callable[[], None] | None = None,
+    publish: Publish[T] | None = None,
 ) -> T:
     """`fill(fd)` a new temp file beside `path`, fsync it, rename it to `path`, fsync the
     directory: a reader sees the old file or the whole new one, never a part. Any failure
@@ -161,7 +218,10 @@ def write_atomically(
 
     `before_rename()` runs last before the rename and may raise (nothing is renamed then);
     `stats` gets the seconds of the two fsyncs (fsync_s) and of before_rename (check_s).
-    `fsync=False` keeps the rename's atomicity without the durability (tmpfs)."""
+    `fsync=False` keeps the rename's atomicity without the durability (tmpfs).
+    `publish(tmp, path, result)` gives the temp its name instead of the replacing rename
+    (and fsyncs the directory) and returns what the write yields: an output file's writer
+    never replaces another's (hsq.outputs.publish)."""
     tmp = temp_name(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -176,7 +236,10 @@ def write_atomically(
         if before_rename is not None:
             before_rename()
         t2 = time.perf_counter()
-        rename_durably(tmp, path, fsync=fsync)
+        if publish is None:
+            rename_durably(tmp, path, fsync=fsync)
+        else:
+            result = publish(tmp, path, result)
         if stats is not None:
             stats["fsync_s"] = stats.get("fsync_s", 0.0) + t1 - t0 + time.perf_counter() - t2
             stats["check_s"] = stats.get("check_s", 0.0) + t2 - t1
@@ -200,6 +263,7 @@ def write_durably(
     *,
     stats: dict[str, float] | None = None,
     before_rename: Callable[[], None] | None = None,
+    publish: Publish[T] | None = None,
 ) -> T:
     """write_atomically for the files a run produces (outputs, exports): the directory is
     made if missing, a disk that refuses (full, read-only, ...) is an OutputError (making
@@ -208,7 +272,9 @@ def write_durably(
     afterwards (sweep_dead_temps)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        result = write_atomically(path, fill, stats=stats, before_rename=before_rename)
+        result = write_atomically(
+            path, fill, stats=stats, before_rename=before_rename, publish=publish
+        )
     except OSError as exc:
         raise output_error(f"cannot write {path}", exc) from exc
     sweep_dead_temps(path)

@@ -2,6 +2,7 @@
 
 - :mod:`hsq.outputs.format`: the layout, the metadata and the one reader (open_output).
 - :mod:`hsq.outputs.transcode`: write_output, from a validated dump to the durable file.
+- :mod:`hsq.outputs.publish`: the file takes its name without replacing another's.
 - :mod:`hsq.outputs.check`: an output against its manifest entry (`hsq verify`).
 - :mod:`hsq.outputs.manifest`: the manifest codec (ManifestEntry, the done entry's form).
 

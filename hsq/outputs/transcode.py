@@ -4,7 +4,7 @@ The one writer of output files (the worker's persist stage calls it; hsq/workers
 The call path reads one way: the output's layout and metadata (hsq.outputs.format), the
 dump's tensors as sources (hsq.dump.read.DumpTensors), fp8 quantized on the way
 (hsq.quant), the bytes through the persist stage's write engine (hsq.stfile.engine) into a
-temp file that hsq.fsio renames into place.
+temp file that takes its name without replacing any (hsq.outputs.publish).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from hsq.dataset import Sample
 from hsq.errors import CorruptDumpError, MetaMismatchError, NonFiniteDumpError
 from hsq.fsio import write_durably
 from hsq.outputs.format import IDS_TENSOR, MASK_TENSOR, output_metadata
+from hsq.outputs.publish import Publisher
 from hsq.states import BF16, FP8, scale_name, state_tensors
 from hsq.stfile.engine import Produced, Source, SourceError, WriteEngine
 from hsq.stfile.header import DTYPE_CODES, ITEMSIZE, TensorInfo, build_header, torch_dtype
@@ -107,12 +108,16 @@ def write_output(
         entries.append((info.name, info.dtype, info.shape, info.nbytes))
         sources.append(dump.source(name))
     header = build_header(entries, metadata)
+    # The file takes its name only where none is (a valid one there is adopted): no
+    # writer replaces another's, so a done mark always names the file on disk (D4).
+    publish = Publisher(sample, meta, run, store_dtype, prenorm, stats)
     try:
         return write_durably(
             path,
             lambda fd: engine.write(fd, header, sources, stats=stats),
             stats=stats,
             before_rename=before_rename,
+            publish=publish,
         )
     except NonFiniteError as exc:
         raise NonFiniteDumpError(f"dump {exc}") from exc

@@ -9,8 +9,8 @@ on disk" still holds: nothing is handed over before its file is written.
 Each sample still ends as exactly one Event: DONE once the call returned (the callback
 first logs and counts it), or FAILED with the call's exception for every sample of the
 batch (a purged run, Redis unreachable): the ack stage decides as it did for one sample.
-A worker killed with samples waiting here redoes them: their files are rewritten to the
-same bytes and marked once.
+A worker killed with samples waiting here redoes them: the redo finds each file at its
+name, adopts it (hsq/outputs/publish.py: no writer replaces a file) and marks it once.
 
 Marks are fenced by ownership (issue 33 D4): the script marks a sample only while its job
 is still in this worker's wip list. A worker stopped (SIGSTOP, a partition) with written

@@ -28,6 +28,7 @@ import structlog
 
 from hsq.dataset import Sample
 from hsq.dump.format import DumpMeta
+from hsq.outputs import publish
 from hsq.outputs.format import output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.states import FP8
@@ -253,6 +254,7 @@ class PersistStage:
         )
         t2 = time.perf_counter()
         self.metrics.observe("persist", t2 - t1)
+        self._log_publish(sid, item.item.attempt, stats)
         steps = {k.removesuffix("_s") + "_ms": round(v * 1e3, 2) for k, v in stats.items()}
 
         def marked(newly: bool) -> None:
@@ -276,3 +278,12 @@ class PersistStage:
             )
 
         self.committer.add(item.item, entry, marked)
+
+    @staticmethod
+    def _log_publish(sid: str, attempt: int, stats: dict[str, float]) -> None:
+        """What the publish met at the sample's name (hsq.outputs.publish), taken out of
+        the step timings: another writer's valid file adopted (marked with its checksum),
+        an invalid file replaced, another's file displaced by a third."""
+        seen = {k: int(stats.pop(k)) for k in publish.EVENTS if k in stats}
+        if seen:
+            log.warning("sample_name_taken", sample=sid, attempt=attempt, **seen)
