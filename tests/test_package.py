@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import hsq
-from hsq.harness.procs import RedisServer, ReferenceServer
+from hsq.harness.procs import ReferenceServer
 from hsq.sglang_server.sglang_hook.compat import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
@@ -291,7 +291,7 @@ def test_a_small_demo_runs_from_the_installed_wheel(venv: Venv) -> None:
 
 
 def test_the_wheel_without_extras_runs_the_base_roles_without_torch(
-    dist: Dist, tmp_path: Path, redis_server: RedisServer
+    dist: Dist, tmp_path: Path, redis_url: str
 ) -> None:
     """pip resolves the wheel's base requirements alone into a fresh venv (no torch shared
     in): enqueue, a worker against a reference server of this install over HTTP, status,
@@ -310,4 +310,4 @@ def test_the_wheel_without_extras_runs_the_base_roles_without_torch(
     def start(dumps: Path) -> ReferenceServer:  # from this, the full, install
         return ReferenceServer(dumps, work / "server.log", args=["--threads", "2"]).wait_ready()
 
-    base_roles(Slim(path / "bin/python", work, redis_server.url), start)
+    base_roles(Slim(path / "bin/python", work, redis_url), start)
