@@ -79,18 +79,14 @@ def test_fifos_in_the_dump_dir_block_nothing_and_sigterm_still_stops_the_worker(
     w = start_worker(tmp_path, "fifo", fresh, redis_url, "--inflight", "4", name="fifo-a")
     try:
         wait_until(started(w.log_path), 60)
-        (d / "req_990").mkdir()
-        os.mkfifo(d / "req_990" / META_FILE)
-        (d / "req_990" / DONE_FILE).touch()
+        plant_fifo_dump(tmp_path, d, "req_990")
         os.mkfifo(d / "req_991")  # a FIFO under a dump's name
         os.mkfifo(d / "req_992.tmp")
         wait_until(lambda: st.count(st.keys.done) >= 8, 60)
         planted = ("req_990", "req_991", "req_992.tmp")
         wait_until(lambda: not any(os.path.lexists(d / p) for p in planted), 30)
         # Once more with requests in flight, then SIGTERM at once: it still stops.
-        (d / "req_993").mkdir()
-        os.mkfifo(d / "req_993" / META_FILE)
-        (d / "req_993" / DONE_FILE).touch()
+        plant_fifo_dump(tmp_path, d, "req_993")
         w.signal(signal.SIGTERM)
         assert w.proc.wait(60) == 0, w.log_tail()
     finally:
@@ -101,6 +97,17 @@ def test_fifos_in_the_dump_dir_block_nothing_and_sigterm_still_stops_the_worker(
     b = start_worker(tmp_path, "fifo", fresh, redis_url, "--burst", name="fifo-b")
     assert b.proc.wait(120) == 0, b.log_tail()
     assert st.count(st.keys.done) == n and st.count(st.keys.dead) == 0
+
+
+def plant_fifo_dump(tmp_path: Path, dump_dir: Path, name: str) -> None:
+    """A dump whose meta.json is a FIFO, built beside the dump dir and renamed in whole:
+    the worker removes what it discards, so one built in place could vanish between the
+    test's own steps (seen: FileNotFoundError touching req_993/done)."""
+    stage = tmp_path / f"stage-{name}"
+    stage.mkdir()
+    os.mkfifo(stage / META_FILE)
+    (stage / DONE_FILE).touch()
+    os.rename(stage, dump_dir / name)
 
 
 def fifo_tensors(srv: HostileServer, _call: int, ids: list[int], rid: str) -> None:
