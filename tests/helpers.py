@@ -76,3 +76,23 @@ def log_events(path: Path, event: str) -> list[dict[str, object]]:
         if isinstance(rec, dict) and rec.get("event") == event:
             out.append(rec)
     return out
+
+
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (its persist processes), from /proc."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def state(pid: int) -> str:
+    """The process's state letter (T: stopped, Z: a zombie whose temp is still there), or
+    "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

@@ -18,7 +18,7 @@ from hsq.fsio import HOST
 from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
 from hsq.harness.synthetic import write_synthetic
 from hsq.workers.persist_work import WriteJob, decode_error, encode_error
-from tests.helpers import enqueue, hsq, log_events, store, wait_until
+from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
 
 FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
 
@@ -34,25 +34,6 @@ def worker(run: str, srv: NullServer, redis_url: str, log: Path, *extra: str) ->
     )
     # Its own process group: a SIGSTOP of the group stops the persist processes too.
     return ManagedProcess(argv, log, env={"HSQ_REDIS_URL": redis_url}, new_session=True)
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
-def state(pid: int) -> str:
-    """The process's state letter (T: stopped, Z: a zombie whose temp is still there), or
-    "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def temps_of(root: Path, pid: int) -> list[Path]:

@@ -17,7 +17,7 @@ import pytest
 from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
 from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.check import checksum_matches
-from tests.helpers import enqueue, hsq, log_events, store, wait_until
+from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
 
 FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,23 +59,6 @@ def worker(
     return ManagedProcess(argv, log, env={"HSQ_REDIS_URL": redis_url, **env}, new_session=True)
 
 
-def group(pid: int) -> list[int]:
-    out = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(x) for x in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
-def stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
-
-
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("procs", ["0", "1"])
 def test_a_worker_stopped_between_its_look_and_its_rename_replaces_nothing(
@@ -106,7 +89,7 @@ def test_a_worker_stopped_between_its_look_and_its_rename_replaces_nothing(
         sb.wait_ready()
         a = worker("win", sa, redis_url, tmp_path / "a.log", *extra, env=env)
         pid = a.pid
-        wait_until(lambda: any(stopped(p) for p in group(pid)), 120, 0.05)
+        wait_until(lambda: any(state(p) == "T" for p in [pid, *children(pid)]), 120, 0.05)
         a.signal_group(signal.SIGSTOP)  # the rest of A too: its heartbeat stops
         assert not list(out.rglob("*.safetensors"))  # A's file has no name yet
         b = worker("win", sb, redis_url, tmp_path / "b.log", *extra, env={})
