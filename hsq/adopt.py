@@ -23,10 +23,12 @@ from hsq.dataset import Sample
 from hsq.errors import ConfigError, HsqError
 from hsq.outputs.check import check_output, file_checksum
 from hsq.outputs.format import SUFFIX, output_relpath
+from hsq.outputs.format import read_header as read_output_header
 from hsq.outputs.manifest import ManifestEntry
 from hsq.quant import FP8_CODE
 from hsq.states import DUMP_DTYPES, PRENORM_TENSOR
 from hsq.stfile.arrays import BITS_ONLY, open_tensors
+from hsq.stfile.header import Header
 from hsq.stfile.integrity import all_finite
 
 
@@ -70,11 +72,14 @@ def _majority(out_root: Path, key: Callable[[Any], str], flag: str) -> str | Non
     return ranked[0][0]
 
 
-def file_identity(path: Path) -> tuple[str, list[int]] | None:
-    """(model_id, layer_ids) from an output file's header; None if it does not say."""
-    from hsq.outputs.format import read_header
+def _header(source: Path | Header) -> Header:
+    return source if isinstance(source, Header) else read_output_header(source)
 
-    meta = read_header(path).metadata
+
+def file_identity(source: Path | Header) -> tuple[str, list[int]] | None:
+    """(model_id, layer_ids) from an output file's header (or the file's path); None if it
+    does not say."""
+    meta = _header(source).metadata
     try:
         layers = jsonsafe.loads(meta.get("layer_ids", "null"))
     except ValueError:
@@ -89,15 +94,15 @@ def file_identity(path: Path) -> tuple[str, list[int]] | None:
     return model, layers
 
 
-def file_states(path: Path) -> tuple[str, int] | None:
-    """(dtype, hidden size) of the states an output file stores as computed: the dtype by
-    torch's name, as the worker pins it (RunConfig.dump_dtype). None for an fp8-e4m3 file,
-    which no longer says what its states were computed in, or one that does not say."""
-    from hsq.outputs.format import read_header
+def file_states(source: Path | Header) -> tuple[str, int] | None:
+    """(dtype, hidden size) of the states an output file stores as computed (from its
+    header or its path): the dtype by torch's name, as the worker pins it (RunConfig.
+    dump_dtype). None for an fp8-e4m3 file, which no longer says what its states were
+    computed in, or one that does not say."""
     from hsq.states import LAST_TENSOR
     from hsq.stfile.header import DTYPE_NAMES
 
-    info = read_header(path).tensors.get(LAST_TENSOR)
+    info = _header(source).tensors.get(LAST_TENSOR)
     if info is None or len(info.shape) != 2:
         return None
     name = DTYPE_NAMES.get(info.dtype)
@@ -150,19 +155,22 @@ def judge_output(
     run: str,
     store_dtype: str | None = None,
     prenorm: bool = False,
+    header: Header | None = None,
 ) -> tuple[ManifestEntry | None, str]:
     """adopt_output's checks of the file at `path` (which may be another name of it, e.g.
-    /proc/self/fd/N of a descriptor a caller holds) as `sample`'s output at `rel`."""
+    /proc/self/fd/N of a descriptor a caller holds) as `sample`'s output at `rel`.
+    `header`: the file's header if the caller has read it (read_output_header's), so it
+    is parsed once; its size is the file's."""
     from hsq.dump.format import fingerprint
-    from hsq.outputs.format import read_header
 
-    try:
-        size = path.stat().st_size
-        header = read_header(path)
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, ValueError) as exc:
-        return None, f"unreadable header: {exc}"
+    if header is None:
+        try:
+            header = read_output_header(path)
+        except FileNotFoundError:
+            return None, "missing"
+        except (OSError, ValueError) as exc:
+            return None, f"unreadable header: {exc}"
+    size = header.file_size
     meta = header.metadata
     if (PRENORM_TENSOR in header.tensors) != prenorm:  # a run keeps one layout (D8)
         return None, (

@@ -10,6 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,3 +261,29 @@ def test_an_adopted_or_replaced_file_is_counted_in_the_write_stats(tmp_path: Pat
         assert got == (len(kept), file_checksum(final) if kept is c else "x")
         assert not tmp.exists() and os.listdir(final.parent) == [final.name]
         final.unlink()
+
+
+def test_the_file_at_a_taken_name_is_judged_from_one_read_of_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Publisher._valid parses the header once for its three checks (judge_output, the
+    model identity, the states' dtype and size), not once each (issue 35 item 5)."""
+    from hsq.stfile.header import read_header
+
+    a, c = output_bytes(tmp_path, 1), output_bytes(tmp_path, 3)
+    final = tmp_path / "out" / output_relpath(SAMPLE.id)
+    final.parent.mkdir(parents=True)
+    final.write_bytes(c)
+    tmp = fsio.temp_name(final)
+    tmp.write_bytes(a)
+    reads: list[int] = []
+
+    def counted(fd: int, size: int | None = None, fast: Any = None) -> Any:
+        reads.append(1)
+        return read_header(fd, size, fast)
+
+    # Every read of an output's header through hsq.outputs.format (the three checks' way).
+    monkeypatch.setattr("hsq.outputs.format.read_fd_header", counted)
+    got = Publisher(SAMPLE, meta(), RUN, "bf16", False, {})(tmp, final, (len(a), "x"))
+    assert got == (len(c), file_checksum(final)) and final.read_bytes() == c  # adopted
+    assert len(reads) == 1

@@ -494,6 +494,33 @@ def test_parallel_verify_finds_what_the_single_process_one_does(
     assert one.checked == two.checked == 61
 
 
+def test_verify_judges_symlinked_outputs_by_where_they_lead(tmp_path: Path, redis_url: str) -> None:
+    """An output file that is a symlink: one leading out of the output dir is refused (and
+    its link an orphan), one leading to a file inside is checked through it, a dangling
+    one is missing; in the page pass and the orphan pass, inline and by the pool (verify
+    opens files O_NOFOLLOW and only then looks where a link leads)."""
+    out = tmp_path / "out"
+    root = out / "vr"
+    st = store(redis_url, "vr")
+    st.create_config(RunConfig(run="vr", dataset=str(tmp_path / "d.jsonl"), out=str(out)))
+    entries = [(f"l{i:03d}", write_output(root, f"l{i:03d}")) for i in range(6)]
+    st.mark_done_many(entries)
+    (outside := tmp_path / "elsewhere").mkdir()
+    (root / "keep").mkdir()
+    for i, target in ((0, outside), (1, root / "keep")):
+        entry = entries[i][1]
+        moved = target / f"copy{i}.safetensors"
+        (root / entry.path).rename(moved)
+        (root / entry.path).symlink_to(moved)  # a valid file, reached through a link
+    (root / entries[2][1].path).unlink()
+    (root / entries[2][1].path).symlink_to(root / "keep" / "gone.safetensors")  # dangling
+    for jobs in (1, 2):
+        res = verify(st, root, jobs=jobs)
+        assert list(res.refused) == ["l000"] and "resolves outside" in res.refused["l000"]
+        assert res.missing == ["l002"] and not res.corrupt and res.ok == 4, res
+        assert res.orphans == sorted([entries[0][1].path, "keep/copy1.safetensors"])
+
+
 def test_the_scale_benchmark_smoke_run(tmp_path: Path) -> None:
     """bench/scale.py at CI size: every step runs and status adds up at each state."""
     argv = [sys.executable, "-m", "bench.scale", "--samples", "3000", "--verify-files", "300"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
 import zlib
 from collections.abc import Iterator
@@ -318,3 +319,113 @@ def test_an_engine_ends_its_write_threads_when_closed(tmp_path: Path) -> None:
     engine.close()
     assert writers() == before
     assert (tmp_path / "x.bin").read_bytes() == b"H" + payload
+
+
+# ------------------------------------------------------------- the compiled header decoder
+def _output_header_texts() -> list[tuple[bytes, int]]:
+    """(header JSON, tensor bytes) of output-shaped files: bf16, fp8 with scales, the
+    pre-norm state, empty tensors."""
+    meta = {"format": "hsq-eagle3-v1", "sample_id": "s1", "num_tokens": "3", "x": 'é\\"/'}
+    shapes = [
+        [("input_ids", "I64", [3], 24), ("loss_mask", "I64", [3], 24),
+         ("aux_hidden_states", "BF16", [3, 6], 36), ("last_hidden_state", "BF16", [3, 2], 12)],
+        [("input_ids", "I64", [2], 16), ("loss_mask", "I64", [2], 16),
+         ("aux_hidden_states", "F8_E4M3", [2, 6], 12),
+         ("aux_hidden_states_scale", "F32", [2, 3], 24),
+         ("last_hidden_state", "F8_E4M3", [2, 2], 4), ("last_hidden_state_scale", "F32", [2, 1], 8),
+         ("last_hidden_state_prenorm", "F8_E4M3", [2, 2], 4),
+         ("last_hidden_state_prenorm_scale", "F32", [2, 1], 8)],
+        [("input_ids", "I64", [0], 0), ("loss_mask", "I64", [0], 0),
+         ("aux_hidden_states", "BF16", [0, 6], 0), ("last_hidden_state", "BF16", [0, 2], 0)],
+    ]  # fmt: skip
+    out = []
+    for entries in shapes:
+        raw = build_header(entries, meta)
+        out.append((raw[8:], sum(e[3] for e in entries)))
+    out.append((build_header(shapes[0], None)[8:], 96))
+    return out
+
+
+def _both(text: bytes, data: int) -> tuple[object, object]:
+    """(the strict parser's Header or error message, the fast path's Header or None)."""
+    from hsq.outputs.format import OUTPUT_HEADER
+    from hsq.stfile.header import parse_header
+
+    base = 8 + len(text)
+    try:
+        strict: object = parse_header(text, base, base + data)
+    except FormatError as exc:
+        strict = str(exc)
+    return strict, OUTPUT_HEADER.parse(text, base, base + data)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal Headers, the order of tensors and metadata included."""
+    from hsq.stfile.header import Header
+
+    assert isinstance(a, Header) and isinstance(b, Header)
+    return a == b and list(a.tensors) == list(b.tensors) and list(a.metadata) == list(b.metadata)
+
+
+def test_the_compiled_header_decoder_takes_only_what_the_parser_takes_and_builds_the_same() -> None:
+    """hsq.outputs.format.OUTPUT_HEADER (msgspec) against parse_header (json.loads and
+    Python checks): on output headers and on every kind of damage, the fast path either
+    declines (None) or gives exactly the parser's Header."""
+    texts = _output_header_texts()
+    for i, (text, data) in enumerate(texts):
+        strict, fast = _both(text, data)
+        if i == 2:  # empty tensors tie at one offset: their order is the JSON's, declined
+            assert fast is None and not isinstance(strict, str)
+        else:
+            assert fast is not None and _same(strict, fast)
+    one = b'"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}'
+    for refused in (b'{%s,"loss_mask":null}' % one, b'{%s,"loss_mask":[]}' % one):
+        strict, fast = _both(refused, 16)  # a null or non-object entry: refused, not absent
+        assert isinstance(strict, str) and fast is None
+    crafted = [
+        b'{"input_ids":{"dtype":"I64","shape":[1],"data_offsets":[0,8]},"input_ids":'
+        b'{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',  # a duplicate: the last
+        b'{"__metadata__":{"k":"1","k":"2"},"input_ids":{"dtype":"I64","shape":[2],'
+        b'"data_offsets":[0,16]}}',
+        b'{"__metadata__":"","input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',
+        b'{"__metadata__":null,"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16],"x":"\\ud800"}}',
+        b'{"input_ids":{"dtype":"I64","shape":[true,2],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[2.0],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[-2],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16,3]}}',
+        b'{"input_ids":{"dtype":"X64","shape":[2],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[99999999999999999999999],"data_offsets":[0,16]}}',
+        b'{"input_ids":{"dtype":"I64","shape":[0],"data_offsets":[0,0]},'
+        b'"loss_mask":{"dtype":"I64","shape":[0],"data_offsets":[0,0]},'
+        b'"last_hidden_state":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',  # a tie
+        b'{"other":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',
+        b'{"__metadata__":{"k":"\\ud800"},"input_ids":{"dtype":"I64","shape":[2],'
+        b'"data_offsets":[0,16]}}',
+        b'\xef\xbb\xbf{"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}}',
+        b"[]",
+        b'{"input_ids":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}} x',
+    ]
+    for text in crafted:
+        strict, fast = _both(text, 16)
+        assert fast is None or _same(strict, fast), text
+    rng = random.Random(35)
+    alphabet = b'{}[],:"\\ 0123456789-.eEtrufalsnI64BF_\x00\xff\xc3'
+    taken = 0
+    for i in range(20000):
+        text, data = texts[i % len(texts)]
+        b = bytearray(text)
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            at = rng.randrange(len(b))
+            op = rng.randrange(3)
+            if op == 0:
+                b[at] = rng.choice(alphabet)
+            elif op == 1:
+                b.insert(at, rng.choice(alphabet))
+            else:
+                del b[at]
+        strict, fast = _both(bytes(b), data)
+        if fast is not None:
+            taken += 1
+            assert _same(strict, fast), bytes(b)
+    assert taken > 100  # damage that leaves a valid header (in a string, a digit's place)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 from pathlib import Path
 
 from hsq import jsonsafe, quant
 from hsq.dump.format import fingerprint
 from hsq.errors import OutputError
-from hsq.outputs.format import IDS_TENSOR, REQUIRED_TENSORS
+from hsq.outputs.format import IDS_TENSOR, OUTPUT_HEADER, REQUIRED_TENSORS
 from hsq.outputs.manifest import ManifestEntry
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 from hsq.stfile.arrays import BITS_ONLY, open_tensors
@@ -38,20 +40,23 @@ def checksum_matches(path: Path, recorded: str) -> bool:
 
 
 def check_output(
-    path: Path,
+    path: str | Path,
     sample_id: str,
     entry: ManifestEntry,
     *,
     deep: bool = False,
     store_dtype: str | None = None,
     prenorm: bool = False,
+    follow: bool = True,
 ) -> list[str]:
     """Problems with one output file (empty list: fine). Deep reads every byte.
 
     `store_dtype` is the run's storage format: a file in another format is a problem (a
     run holds one format, so readers never meet a mix). `prenorm`: the run stores the
-    pre-norm final state, so a file without it is a problem."""
-    got = read_output_header(path)
+    pre-norm final state, so a file without it is a problem. `follow=False`: a symlink
+    at `path` is not opened but raises OSError(ELOOP), for a caller that decides first
+    where a link may lead (verify: one open per file instead of an lstat and an open)."""
+    got = read_output_header(path, follow=follow)
     if got is None:
         return ["missing"]
     size, header = got
@@ -65,27 +70,32 @@ def check_output(
     except (ValueError, OutputError) as exc:
         return [*problems, f"unreadable header: {exc}"]
     if deep and not problems:
-        problems += _deep_check(path, entry, fmt)
+        problems += _deep_check(Path(path), entry, fmt)
     return problems
 
 
-def read_output_header(path: Path) -> tuple[int, Header | Exception] | None:
+def read_output_header(
+    path: str | Path, *, follow: bool = True
+) -> tuple[int, Header | Exception] | None:
     """The read path of a header check: the file's size and its header, or why the header
     could not be read; None when there is no file. One open, fstat and (for a header under
-    16 KiB) one read: a verify of a million files does this a million times."""
+    16 KiB) one read: a verify of a million files does this a million times. `follow`: as
+    check_output's."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY if follow else os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as exc:  # e.g. no read permission: the size still says something
+        if not follow and exc.errno == errno.ELOOP:
+            raise
         try:
-            return path.stat().st_size, exc
+            return os.stat(path).st_size, exc
         except FileNotFoundError:
             return None
     try:
         size = os.fstat(fd).st_size
         try:
-            return size, read_fd_header(fd, size)
+            return size, read_fd_header(fd, size, OUTPUT_HEADER)
         except (OSError, ValueError, OutputError) as exc:
             return size, exc
     finally:
@@ -122,10 +132,20 @@ def header_problems(
         problems.append(f"stored as {fmt}, the run stores {store_dtype}")
     if entry.store_dtype != fmt:
         problems.append(f"stored as {fmt}, manifest says {entry.store_dtype}")
-    layer_ids = jsonsafe.loads(meta.get("layer_ids", "null"))
-    groups = len(layer_ids) if isinstance(layer_ids, list) and layer_ids else None
+    text = meta.get("layer_ids", "null")
+    groups = _groups_cached(text) if len(text) <= 512 else _groups(text)
     problems += quant.layout_problems(fmt, header.tensors, n, groups)
     return fmt
+
+
+def _groups(layer_ids: str) -> int | None:
+    """The number of aux layers a `layer_ids` metadata value names (None: not a list)."""
+    ids = jsonsafe.loads(layer_ids)
+    return len(ids) if isinstance(ids, list) and ids else None
+
+
+_groups_cached = functools.lru_cache(maxsize=64)(_groups)
+"""A run's files share one `layer_ids`: parsed once, not per file (short values only)."""
 
 
 def _deep_check(path: Path, entry: ManifestEntry, fmt: str) -> list[str]:

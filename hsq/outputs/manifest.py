@@ -61,20 +61,37 @@ def encode_manifest(sample_id: str, e: ManifestEntry) -> str:
 def stored_entry(sample_id: str, raw: builtins.bytes | str) -> ManifestEntry | None:
     """The entry a compact stored form holds; None when `raw` is not one (JSON of an older
     hsq, or damaged: untrusted either way)."""
+    got = _compact(sample_id, raw)
+    if got is None:
+        return None
+    path, tokens, nbytes, crc, worker, when, attempt, dtype = got
+    return ManifestEntry(path, tokens, nbytes, crc, worker, when, attempt, dtype)
+
+
+def stored_path(sample_id: str, raw: builtins.bytes | str) -> str | None:
+    """The path a compact stored form implies (stored_entry's verdict, no entry built:
+    verify's orphan pass asks this of a million files); None when `raw` is not one."""
+    got = _compact(sample_id, raw)
+    return None if got is None else got[0]
+
+
+def _compact(
+    sample_id: str, raw: builtins.bytes | str
+) -> tuple[str, int, int, str, str, float, int, str] | None:
     data = raw.encode() if isinstance(raw, str) else raw
     if not data.startswith(b"m1|"):
         return None
     try:
         _, tokens, nbytes, crc, worker, when, attempt, dtype = data.decode().split("|")
-        return ManifestEntry(
-            path=output_relpath(sample_id),
-            num_tokens=int(tokens),
-            bytes=int(nbytes),
-            checksum=crc if ":" in crc else f"crc32:{crc}",
-            worker=worker,
-            time=float(when),
-            attempt=int(attempt),
-            store_dtype=dtype or BF16,
+        return (
+            output_relpath(sample_id),
+            int(tokens),
+            int(nbytes),
+            crc if ":" in crc else f"crc32:{crc}",
+            worker,
+            float(when),
+            int(attempt),
+            dtype or BF16,
         )
     except (ValueError, UnicodeDecodeError, DatasetError):
         return None

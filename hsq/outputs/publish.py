@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from hsq.dataset import Sample
 from hsq.errors import HsqError
 from hsq.fsio import fsync_path, rename_noreplace, temp_name
-from hsq.outputs.format import output_relpath
+from hsq.outputs.format import output_relpath, read_header
 
 if TYPE_CHECKING:
     from hsq.dump.format import DumpMeta
@@ -146,14 +146,18 @@ class Publisher:
         rel = output_relpath(self.sample.id)
         meta = self.meta
         try:
+            header = read_header(path)  # parsed once, for the three checks
+        except (OSError, ValueError):  # gone, or unreadable: judge_output's "no" for these
+            return None
+        try:
             entry, _why = judge_output(
-                path, rel, self.sample, self.run, self.store_dtype, prenorm=self.prenorm
+                path, rel, self.sample, self.run, self.store_dtype, self.prenorm, header
             )
             if entry is None:
                 return None
-            if file_identity(path) != (meta.model.model_id, list(meta.layer_ids)):
+            if file_identity(header) != (meta.model.model_id, list(meta.layer_ids)):
                 return None
-            if file_states(path) not in (None, (meta.dtype, meta.hidden_size)):
+            if file_states(header) not in (None, (meta.dtype, meta.hidden_size)):
                 return None
         except (ValueError, HsqError):  # a header too damaged to read: not adoptable
             return None  # (an OSError, e.g. EIO, propagates: the write is retried)

@@ -177,6 +177,7 @@ def _plan_recovery(
     """Check every file under OUT/RUN/ (read-only), decide the run's identity, and list the
     files to mark done: valid ones of that identity. The others are in report.rejected_files."""
     from hsq.adopt import adopt_output, file_identity, file_states
+    from hsq.outputs.format import read_header
 
     out_root = Path(cfg.out) / cfg.run
     dataset = Path(cfg.dataset)
@@ -203,11 +204,12 @@ def _plan_recovery(
                 if why != "missing":
                     report.rejected_files[sid] = why
                 continue
-            ident = file_identity(out_root / manifest.path)
+            header = read_header(out_root / manifest.path)  # once, for identity and states
+            ident = file_identity(header)
             if ident is None:
                 report.rejected_files[sid] = "model_id or layer_ids missing from the header"
                 continue
-            found.append((sid, manifest, ident, file_states(out_root / manifest.path)))
+            found.append((sid, manifest, ident, file_states(header)))
     counts = Counter(_key(i) for _, _, i, _ in found)
     identity, how = decide_identity(cfg, hint, counts)
     ours = [s for _, _, i, s in found if i == identity]

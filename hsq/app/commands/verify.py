@@ -32,6 +32,11 @@ class VerifyFlags:
         default_text="the CPUs, from 20,000 samples",
         help="processes checking files",
     )
+    read_threads: int = setting(
+        8,
+        minimum=1,
+        help="threads a process reading files (a disk queue for files not in the page cache)",
+    )
 
 
 @hsq_command("verify")
@@ -57,7 +62,9 @@ def verify(**values: Any) -> None:
     mounted = take(MountedOut, values)
     root = mounted.run_dir(st)
     with mounted.progress(st.count(st.keys.done), "verifying") as bar:
-        res = do_verify(st, root, deep=f.deep, on_progress=bar.update, jobs=f.jobs)
+        res = do_verify(
+            st, root, deep=f.deep, on_progress=bar.update, jobs=f.jobs, threads=f.read_threads
+        )
     click.echo(
         f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
         f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}, refused {len(res.refused)}"
