@@ -9,7 +9,8 @@ times include Python's start):
   status     `hsq status --json` with every sample queued, then mid-run (half the samples
              done, 1% dead, jobs held by workers), and `hsq status --recount` (the slow path)
   requeue    `hsq requeue --failed` of the 1% dead
-  verify     `hsq verify` (headers) of a run of --verify-files real output files
+  verify     `hsq verify` (headers) of a run of --verify-files real output files (and with
+             --verify-cold again after their pages are dropped from the page cache)
   recover    `hsq recover` of a run of --recover-files real output files, Redis purged
   capacity   bench/redis_capacity.py at chunk sizes --cap-chunks (commands per sample and
              samples/s per saturated Redis core)
@@ -223,6 +224,22 @@ def make_outputs(work: Path, run: str, n: int, url: str) -> tuple[Path, Path]:
     return ds, out
 
 
+def evict_pages(root: Path) -> int:
+    """Drop the page-cache pages of every file under root (posix_fadvise DONTNEED; no root
+    needed, nothing else's cache touched): verify then reads them from the disk. Inodes and
+    directory entries stay cached. Returns the number of files."""
+    n = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            n += 1
+    return n
+
+
 # ---------------------------------------------------------------------------- steps
 def run_progress(url: str, n: int) -> None:
     """Mid-run state without servers: half the samples claimed and marked done, 1% of the
@@ -310,6 +327,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--verify-files", type=int, default=1_000_000)
+    ap.add_argument(
+        "--verify-cold", action="store_true", help="verify again after dropping the files' pages"
+    )
     ap.add_argument("--recover-files", type=int, default=20_000)
     ap.add_argument("--cap-samples", type=int, default=200_000)
     ap.add_argument("--cap-chunks", default="16,64,256")
@@ -371,6 +391,21 @@ def main() -> None:
                 files_per_s=round(args.verify_files / times["wall_s"]),
                 output=proc.stdout.strip().splitlines()[0],
             )
+            if args.verify_cold:
+
+                def cold(_i: int) -> subprocess.CompletedProcess[str]:
+                    evict_pages(out / vrun)  # not timed
+                    return hsq(*vcmd)
+
+                times, proc = measured(client, rep, cold)
+                report(
+                    "verify_headers_cold",
+                    files=args.verify_files,
+                    **times,
+                    files_per_s=round(args.verify_files / times["wall_s"]),
+                    output=proc.stdout.strip().splitlines()[0],
+                    note="each run after the files' pages were dropped from the page cache",
+                )
         if "recover" in steps and args.recover_files:
             rrun = "scale-recover"
             rds, rout = make_outputs(work, rrun, args.recover_files, url)
@@ -415,6 +450,7 @@ TARGETS = (
     # (step, what, the target's size, seconds at that size, the size this run measured)
     ("enqueue", "`hsq enqueue` of 10M lines", 10_000_000, 60.0, "samples"),
     ("verify_headers", "`hsq verify` of 1M outputs", 1_000_000, 60.0, "files"),
+    ("verify_headers_cold", "`hsq verify` of 1M outputs, pages dropped", 1_000_000, 60.0, "files"),
 )
 
 
