@@ -85,3 +85,16 @@ def test_a_re_enqueue_rewrites_the_index_entries_that_changed_and_only_adds_new_
     assert (report.enqueued, report.outstanding) == (1, 50)
     assert index_of(st) == scanned(ds)
     assert queued_ids(st) == sorted(["new", *ids])
+
+
+def test_commands_packed_per_key_are_what_hiredis_packs_for_each(redis_url: str) -> None:
+    from hsq.store.connection import connect, pack, pack_per_key, send_packed_many
+
+    args = ["a", "", "\u00e9t\u00e9", "x" * 300, "s\r\n1"]
+    keys = ["k1", "key:\u00e9", "k" * 40]
+    packed = pack_per_key("HMGET", keys, args)
+    assert packed == [pack("HMGET", key, *args) for key in keys]
+    client = connect(redis_url)
+    client.hset("k1", mapping={"a": "1", "s\r\n1": "2"})
+    replies = send_packed_many(client, packed)
+    assert replies == [[b"1", None, None, None, b"2"], [None] * 5, [None] * 5]

@@ -16,7 +16,14 @@ from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError
 from hsq.runconfig import RunConfig
 from hsq.store import scripts
-from hsq.store.connection import packed_call, send_packed, text, translate_public
+from hsq.store.connection import (
+    pack_per_key,
+    packed_call,
+    send_packed,
+    send_packed_many,
+    text,
+    translate_public,
+)
 from hsq.store.fence import Fence
 from hsq.store.jobs import AnyRef
 
@@ -120,10 +127,8 @@ class ConfigIndex:
         letter (three HMGETs, one trip)."""
         if not ids:
             return [], [], []
-        p = self.client.pipeline(transaction=False)
-        for key in (self.keys.index, self.keys.done, self.keys.dead):
-            p.hmget(key, ids)
-        index, done, dead = p.execute()
+        keys = (self.keys.index, self.keys.done, self.keys.dead)
+        index, done, dead = send_packed_many(self.client, pack_per_key("HMGET", keys, ids))
         return (
             [None if v is None else text(v) for v in index],
             [v is not None for v in done],
