@@ -289,10 +289,10 @@ def scan_batches(
         packed: list[Packed] | None = p.packed if index_key is not None else None
         out = ScanBatch(lines=p.lines, bytes=p.bytes)
         out.bad = [(f"line:{base + n}", DatasetError(msg, why), sid) for n, msg, why, sid in p.bad]
-        firsts = dict(zip(p.ids, p.line_nos, strict=True))
+        firsts = dict(zip(p.ids, map(base.__add__, p.line_nos), strict=True))
         if len(firsts) == len(p.ids) and seen.keys().isdisjoint(firsts):
             # No duplicate: every id is new (the usual case, settled at C speed).
-            seen.update(zip(p.ids, map(base.__add__, p.line_nos), strict=True))
+            seen.update(firsts)
             valid, out.tokens = list(zip(p.ids, p.entries, strict=True)), p.tokens
             numeric.update(p.ids[i] for i in p.numeric)
         else:
