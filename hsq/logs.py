@@ -1,8 +1,10 @@
 """Logging set-up; only entry points call it (no configuration at import time).
 
 structlog is imported here on first use, not at this module's import: hsq/app/ imports
-this module for `progress`, and a command that logs nothing (`hsq --version`, any
-`--help`) should not pay for structlog (about a third of the CLI's start).
+this module for `progress`, and `hsq --version` or any `--help` should not pay for
+structlog (about a third of the CLI's start). It is imported without rich (hsq.lean): the
+chain formats exceptions itself (format_exc_info, before the renderer), so neither
+renderer, JSON or console, ever calls rich.
 """
 
 from __future__ import annotations
@@ -39,22 +41,11 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
 
 
 def _load_structlog() -> None:
-    """Import structlog without rich.
+    """Import structlog without rich (hsq.lean: no renderer of this chain calls rich)."""
+    from hsq.lean import PRETTY, hidden
 
-    `import structlog` imports structlog.dev and structlog.tracebacks, which import rich
-    when it is installed (for pretty tracebacks): some 60 ms of CPU in every process. The
-    chain above formats exceptions itself (format_exc_info, before the renderer), so
-    neither renderer, JSON or console, ever calls rich: the first import of structlog in a
-    process is made with rich hidden (a None in sys.modules makes `import rich` fail, as
-    structlog expects where rich is not installed). Where structlog or rich is loaded
-    already, nothing changes."""
-    if "structlog" in sys.modules or "rich" in sys.modules:
-        return
-    sys.modules["rich"] = None  # type: ignore[assignment]
-    try:
+    with hidden(*PRETTY):
         import structlog  # noqa: F401
-    finally:
-        del sys.modules["rich"]
 
 
 def progress(total: int, unit: str, desc: str, *, enabled: bool = True) -> Any:

@@ -136,3 +136,29 @@ def test_json_logs_load_structlog_without_rich_and_console_logs_still_show_trace
         if fmt == "json":
             event = json.loads(res.stderr.splitlines()[-1])
             assert event["event"] == "boom" and event["x"] == 1
+
+
+def test_a_worker_loads_structlog_and_httpx_without_their_pretty_printers() -> None:
+    """`hsq worker` configures logging (HsqCommand.invoke), then imports the worker: rich and
+    pygments, which structlog and httpx would pull in, stay out (hsq.lean)."""
+    code = (
+        "import sys\nfrom hsq.logs import configure\nconfigure()\n"
+        "import hsq.workers.worker\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'rich', 'pygments'}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_a_hidden_module_imports_again_after_the_block() -> None:
+    code = (
+        "import importlib, sys\nfrom hsq.lean import hidden\n"
+        "with hidden('os', 'csv'):\n"  # os is loaded already: it stays
+        "    import os\n"
+        "    try:\n        import csv\n    except ImportError:\n        print('hidden')\n"
+        "import csv\nprint(csv.__name__)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert res.stdout.split() == ["hidden", "csv"], res.stdout

@@ -12,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from hsq import jsonsafe
 from hsq.errors import ServerRejectedError, ServerUnavailableError
+from hsq.lean import PRETTY, hidden
+
+with hidden(*PRETTY):  # for httpx's own command line, never used here
+    import httpx
 
 # A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
 MAX_ANSWER_BYTES = 1 << 20
