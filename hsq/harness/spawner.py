@@ -33,10 +33,18 @@ from hsq.harness.zygote import PRELOAD
 
 SPAWNER_ENV = "HSQ_TEST_SPAWNER"
 """`fresh`: the test session starts every server with a fresh exec (no zygote)."""
-RUNTIME_ENV_PREFIXES = ("HSQ_", "SGLANG_HS_", "PYTEST_CURRENT_TEST")
-"""Variables read only once a command runs (hsq's settings; pytest's per-test name): a
-child's environment may differ from the zygote's in these. Any other difference (a
-PYTHON*, OMP_*, TORCH_* ... that an import may have read) makes the start a fresh one."""
+RUNTIME_ENV_PREFIXES = (
+    "HSQ_",
+    "SGLANG_HS_",
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TOKENIZERS_PARALLELISM",
+)
+"""Variables read only once a command runs: a child's environment may differ from the
+zygote's in these. hsq's settings; pytest's per-test name; two that a test process sets
+on itself while it runs (torch, to the default it computes, once inductor asks for its
+cache dir; hsq.producer.tokenize). Any other difference (a PYTHON*, OMP_*, TORCH_* ...
+that an import may have read) makes the start a fresh one, noted in the zygote's log."""
 READY_TIMEOUT = 300.0
 ANSWER_TIMEOUT = 60.0
 
@@ -210,8 +218,12 @@ class ZygoteSpawner:
             if route is None or self._closed.is_set():
                 return self._fresh(req)
             if self._control is None:
-                self._start(req.env)
-            if not _env_compatible(self._base_env, req.env):
+                # This process's environment, as ManagedProcess hands it on: not the
+                # first request's, whose extra variables the imports would read.
+                self._start({**os.environ, "PYTHONUNBUFFERED": "1"})
+            differ = _env_differences(self._base_env, req.env)
+            if differ:
+                self._note(f"fresh start of {req.argv[:4]}: the environment differs in {differ}")
                 return self._fresh(req)
             assert self._control is not None
             module, args = route
@@ -236,6 +248,10 @@ class ZygoteSpawner:
                 theirs.close()
             self.starts["zygote"] += 1
         return ForkedChild(req.argv, ours)
+
+    def _note(self, line: str) -> None:
+        with open(self.log_path, "a") as log:
+            log.write(f"hsq.harness.spawner: {line}\n")
 
     def _fresh(self, req: SpawnRequest) -> ChildProcess:
         self.starts["fresh"] += 1
@@ -300,6 +316,8 @@ class ZygoteSpawner:
         handles stop them)."""
         with self._lock:
             self._closed.set()
+            if self._proc is not None:
+                self._note(f"closing: {self.starts}")
             if self._control is not None:
                 self._control.close()
                 self._control = None
@@ -318,9 +336,10 @@ def _module_of(argv: list[str]) -> tuple[str, list[str]] | None:
     return argv[2], argv[3:]
 
 
-def _env_compatible(base: dict[str, str], env: dict[str, str]) -> bool:
+def _env_differences(base: dict[str, str], env: dict[str, str]) -> list[str]:
+    """The variables, beyond RUNTIME_ENV_PREFIXES, in which `env` differs from `base`."""
     differ = {k for k in base.keys() | env.keys() if base.get(k) != env.get(k)}
-    return all(k.startswith(RUNTIME_ENV_PREFIXES) for k in differ)
+    return sorted(k for k in differ if not k.startswith(RUNTIME_ENV_PREFIXES))
 
 
 def _umask() -> int:
