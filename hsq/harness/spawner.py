@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hsq.errors import HsqError
-from hsq.harness.zygote import PRELOAD
 
 SPAWNER_ENV = "HSQ_TEST_SPAWNER"
 """`fresh`: the test session starts every server with a fresh exec (no zygote)."""
@@ -198,9 +197,12 @@ class ZygoteSpawner:
 
     name = "zygote"
 
-    def __init__(self, log_path: Path, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, log_path: Path, preload: tuple[str, ...] | None = None) -> None:
+        """`preload`: the modules the zygote imports; None: hsq.harness.zygote.PRELOAD."""
+        from hsq.harness.zygote import PRELOAD  # here: `hsq run` imports this module too
+
         self.log_path = log_path
-        self.preload = preload
+        self.preload = PRELOAD if preload is None else preload
         self._lock = threading.Lock()
         self._control: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None

@@ -3,7 +3,8 @@ once, and forks `python -m MODULE ARGS` children on request (fork without exec),
 test session pays those imports (about 7 s of CPU) once instead of at every server start.
 
 Run by hsq.harness.spawner (the client side, which decides what may start here); not a
-product command: `hsq run` and `hsq demo` start their servers fresh (docs/testing.md).
+product command: `hsq run` and `hsq demo` start their servers fresh
+(docs/reference-server.md, "Many servers in the tests").
 
 Protocol, over the SOCK_SEQPACKET socket inherited as --fd: the zygote sends
 {"ready": true, "pid": N} once its imports are done; each request is one JSON message
