@@ -1,6 +1,14 @@
 from __future__ import annotations
 
 import os
+
+# Idle OpenMP threads sleep instead of spinning (libgomp reads this when torch loads it:
+# before any import of torch). With two torch threads per server on a shared 2-core
+# machine, spinning cost ~9x the CPU of each tiny forward (docs/reference-server.md).
+# Set for the test process and everything it starts, the zygote and its servers included;
+# the computation, so every state, is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import signal
 import sys
 from collections.abc import Iterator
