@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from hsq.harness.toytok import build_chatml_tokenizer
-from hsq.producer.tokenize import TokenizeSettings, tokenize_file
+from hsq.producer.settings import TokenizeSettings
+from hsq.producer.tokenize import tokenize_file
 
 WORDS = [
     "the",

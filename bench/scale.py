@@ -284,11 +284,12 @@ def time_enqueue(
                 return proc
             return hsq(*enq[:3], f"{RUN}-{i}", *enq[4:])
 
-        times, _ = measured(client, rep, first_enqueue)
+        times, proc = measured(client, rep, first_enqueue)
         report(
             "enqueue",
             samples=n,
-            chunk=chunk,
+            chunk=chunk or "default",
+            output=proc.stdout.strip().splitlines()[-1],
             **times,
             lines_per_s=round(n / times["wall_s"]),
             redis_bytes_per_sample_queued=round((mem1 - mem0) / n, 1),
@@ -308,7 +309,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10_000_000)
     ap.add_argument("--min-tokens", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=80)
-    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=16, help="--chunk-size; 0: hsq's default")
     ap.add_argument("--verify-files", type=int, default=1_000_000)
     ap.add_argument("--recover-files", type=int, default=20_000)
     ap.add_argument("--cap-samples", type=int, default=200_000)
@@ -339,7 +340,7 @@ def main() -> None:
                 "gen", samples=n, bytes=size, bytes_per_line=round(size / n), wall_s=round(wall, 1)
             )
         enq = ["enqueue", str(ds), "--run", RUN, "--out", str(out), "--redis", url]
-        enq += ["--no-progress", "--chunk-size", str(args.chunk)]
+        enq += ["--no-progress"] + (["--chunk-size", str(args.chunk)] if args.chunk else [])
         time_enqueue(client, enq, n, args.chunk, steps, rep)
         if "status" in steps:
             report("status_all_queued", **status_time(url, repeat=rep))

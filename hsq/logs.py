@@ -1,4 +1,11 @@
-"""Logging set-up; only entry points call it (no configuration at import time)."""
+"""Logging set-up; only entry points call it (no configuration at import time).
+
+structlog is imported here on first use, not at this module's import: hsq/app/ imports
+this module for `progress`, and `hsq --version` or any `--help` should not pay for
+structlog (about a third of the CLI's start). It is imported without rich (hsq.lean): the
+chain formats exceptions itself (format_exc_info, before the renderer), so neither
+renderer, JSON or console, ever calls rich.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,12 @@ import logging
 import sys
 from typing import Any
 
-import structlog
-
 
 def configure(level: str = "INFO", fmt: str = "json") -> None:
     """Structured, unbuffered logs on stderr: one JSON object (or key=value line) per event."""
+    _load_structlog()
+    import structlog
+
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
@@ -30,6 +38,14 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+def _load_structlog() -> None:
+    """Import structlog without rich (hsq.lean: no renderer of this chain calls rich)."""
+    from hsq.lean import PRETTY, hidden
+
+    with hidden(*PRETTY):
+        import structlog  # noqa: F401
 
 
 def progress(total: int, unit: str, desc: str, *, enabled: bool = True) -> Any:

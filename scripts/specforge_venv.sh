@@ -16,6 +16,9 @@
 # where hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Nothing from the caller's path: with hsq's tests' PYTHONPATH (.trainers/ holds specforge's
+# code) pip took specforge as installed already and left it out of the venv.
+unset PYTHONPATH PYTHONHOME VIRTUAL_ENV
 DIR=${1:?usage: scripts/specforge_venv.sh DIR}
 PY=${PYTHON:-python3}
 if [ -z "${TORCH_SPEC:-}" ]; then

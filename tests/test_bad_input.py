@@ -21,7 +21,8 @@ from hsq.errors import DatasetError
 from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.harness.toytok import build_chatml_tokenizer
-from hsq.producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
+from hsq.producer.settings import TokenizeSettings
+from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
 from hsq.workers.startup import STAGING, fresh_staging
 from tests.helpers import enqueue, hsq, start_worker, store
 

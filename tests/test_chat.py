@@ -14,7 +14,8 @@ import pytest
 from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
 from hsq.errors import ConfigError, DatasetError
 from hsq.harness.toytok import build_chatml_tokenizer
-from hsq.producer.tokenize import TokenizeSettings, read_rejects, rejects_path, tokenize_file
+from hsq.producer.settings import TokenizeSettings
+from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
 
 try:
     from specforge.data.parse import GeneralParser

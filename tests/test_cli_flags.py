@@ -43,7 +43,7 @@ SHARED = ("--run", "--redis", "--redis-url-file", "--redis-ca", "--redis-cert", 
 def options() -> dict[tuple[str, str], list[str]]:
     """(command, flag) -> the environment variables the option reads, for every option."""
     found: dict[tuple[str, str], list[str]] = {}
-    commands: dict[str, click.Command] = {"hsq": cli.cli, **cli.cli.commands}
+    commands: dict[str, click.Command] = {"hsq": cli.cli, **cli.every_command()}
     for name, command in commands.items():
         for param in command.params:
             if isinstance(param, click.Option) and not param.is_eager:  # --help, --version

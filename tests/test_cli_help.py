@@ -59,7 +59,7 @@ def test_a_bogus_log_level_after_the_command_is_refused() -> None:
 
 
 def test_every_command_is_an_hsq_command_with_the_log_options_unless_it_passes_them_on() -> None:
-    for name, command in cli.cli.commands.items():
+    for name, command in cli.every_command().items():
         assert isinstance(command, HsqCommand), name
         names = {p.name for p in command.params}
         has_log = {"log_level", "log_format"} <= names
@@ -94,7 +94,7 @@ def test_the_redis_options_are_still_accepted(tmp_path: Path) -> None:
 
 def test_no_help_names_an_issue_number() -> None:
     texts = {"hsq": invoke("--help").output}
-    for name in cli.cli.commands:
+    for name in cli.every_command():
         res = invoke(name, "--help")
         assert res.exit_code == 0, (name, res.output)
         texts[name] = res.output

@@ -225,8 +225,9 @@ def venv(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Venv]
     run([sys.executable, "-m", "venv", str(path)])
     site = path / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
     share_torch(site, base / "shared-torch")
+    # [reference]: the demo runs the reference server (transformers; torch is shared in).
     v(v.python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-      "-c", str(ROOT / "constraints.txt"), str(dist.wheel), timeout=600)  # fmt: skip
+      "-c", str(ROOT / "constraints.txt"), f"{dist.wheel}[reference]", timeout=600)  # fmt: skip
     yield v
 
 

@@ -149,7 +149,11 @@ def test_the_view_puts_each_server_beside_its_worker_and_other_nodes_below() -> 
     assert "[starting]" in lines[4]
     assert "(another node)" in lines[5] and "[server_down]" in lines[5]
     line = log_line(st, pairs, 31.0)
-    assert "done=4/10" in line and "n-0=working" in line and "dead_by_reason=too_long:1" in line
+    assert "done=4/10" in line and "dead_by_reason=too_long:1" in line
+    # n-1's worker has no record yet: its server's state says what it waits for.
+    assert " n-0=working " in line and line.endswith(" n-1=starting(server-starting)")
+    gone = PairView(1, "reference", "http://127.0.0.1:2", "exited 1, given up", "n-1", None)
+    assert log_line(st, [gone], 31.0).endswith(" n-1=starting(server-exited-1-given-up)")
 
 
 def test_plain_lines_when_stdout_is_not_a_terminal() -> None:

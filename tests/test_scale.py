@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from collections.abc import Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from hsq.producer.fastscan import scan_batches
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import chunked, job_size
+from hsq.store.connection import pack
 from hsq.workers.chunks import WorkItem
 from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
@@ -340,16 +342,26 @@ def compare_scan(path: Path, max_tokens: int | None, procs: int, piece: int) -> 
     fast_bad: list[tuple[int, str | None, str]] = []
     seen: dict[str, int] = {}
     lines = size = 0
-    for b in scan_batches(path, max_tokens, batch=3, seen=seen, procs=procs, piece=piece):
+    packed = batches = 0
+    scan = scan_batches(
+        path, max_tokens, batch=3, seen=seen, procs=procs, piece=piece, index_key="i"
+    )
+    for b in scan:
         lines += b.lines
         size += b.bytes
         fast_valid += b.valid
+        batches += bool(b.valid)
+        if b.packed_index is not None:  # the batch's own index write, packed in the scan
+            assert b.packed_index == pack("HSET", "i", *chain.from_iterable(b.valid))
+            packed += 1
         fast_bad += [(int(k.split(":")[1]), sid, err.reason) for k, err, sid in b.bad]
     assert fast_valid == [(sid, e) for _, sid, e, reason in slow if reason is None]
     assert fast_bad == [(n, sid, reason) for n, sid, _, reason in slow if reason is not None]
     assert lines == len(slow) and size == path.stat().st_size
     first = {sid: n for n, sid, _, reason in reversed(slow) if reason is None}
     assert seen == first  # every valid id with the line it was first met on
+    if all(reason != "duplicate_id" for *_, reason in slow):
+        assert packed == batches  # no duplicates: every batch's index write came packed
 
 
 @pytest.mark.parametrize("max_tokens", [None, 4])
@@ -359,6 +371,21 @@ def test_the_fast_scan_decides_every_line_as_the_dataset_scan_does(
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(LINES) + "\n")
     compare_scans(path, max_tokens)
+
+
+def test_the_fast_scan_packs_each_batchs_index_write(tmp_path: Path) -> None:
+    """No duplicate: every batch comes with its HSET packed (compare_scan checks its bytes)."""
+    from bench.scale import write_dataset
+
+    path = tmp_path / "unique.jsonl"
+    write_dataset(path, 500, 1, 6)
+    compare_scans(path, None, [(1, 2**20), (1, 61), (2, 4099)])
+
+
+def test_the_fast_scan_reads_crlf_lines_as_the_dataset_scan_does(tmp_path: Path) -> None:
+    path = tmp_path / "crlf.jsonl"
+    path.write_bytes(("\r\n".join(LINES) + "\r\n\r\r\n").encode())
+    compare_scans(path, None)
 
 
 def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:

@@ -94,6 +94,16 @@ def test_a_run_through_the_vllm_client(
         assert c.ok, c
     assert "ok 10" in hsq("verify", "--run", "v", "--redis", redis_url, "--deep").stdout
 
+    # hsq audit speaks vLLM's API too: each sample re-extracted alone through the connector.
+    audit = ["audit", "--run", "v", "--redis", redis_url, "--sample-fraction", "1", "--out",
+             str(out), "--server", server.url, "--dump-dir", str(server.dump_dir)]  # fmt: skip
+    wrong = hsq(*audit, timeout=300)  # SGLang's client: refused before any request
+    assert wrong.returncode == 2 and "--server-kind vllm" in wrong.stderr, wrong.stderr
+    res = hsq(*audit, "--server-kind", "vllm", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "audited         10 of 10" in res.stdout and "match           10" in res.stdout
+    assert "mismatched      0" in res.stdout
+
 
 def test_the_wrong_server_kind_is_refused_at_start(
     tmp_path: Path, server: FakeVllmServer, redis_url: str

@@ -40,9 +40,9 @@ from hsq.errors import (
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
-from hsq.workers.client import ServerClient
+from hsq.workers.client import ServerClient, make_client
 from hsq.workers.lock import DumpDirLock
-from hsq.workers.readiness import await_hook
+from hsq.workers.readiness import await_hook, check_server_kind
 from hsq.workers.runview import RunView
 from hsq.workers.startup import check_dump_dir
 
@@ -98,11 +98,14 @@ def run_audit(
     dump_timeout_s: float = 60.0,
     request_timeout_s: float = 600.0,
     dump_dir_force: bool = False,
+    server_kind: str = "sglang",
+    served_model: str | None = None,
     on_progress: Callable[[int], None] = lambda _n: None,
     on_total: Callable[[int], None] = lambda _n: None,
 ) -> AuditReport:
     """`on_total` hears how many samples were chosen (a progress bar's total), `on_progress`
-    each one as it is audited."""
+    each one as it is audited. `server_kind` is the server's API, as a worker's
+    --server-kind (the dump protocol is the same for both)."""
     if not 0.0 < fraction <= 1.0:
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
@@ -120,11 +123,11 @@ def run_audit(
     _require_reachable(server, request_timeout_s)
     lock = DumpDirLock(dump_dir)
     lock.acquire(f"hsq-audit:{socket.gethostname()}:{os.getpid()}")  # refuses a worker's
-    client = ServerClient(server, request_timeout=request_timeout_s)
+    client = make_client(server_kind, server, request_timeout=request_timeout_s, model=served_model)
     try:
         # Not a worker's 30 minutes for a starting checkpoint: the audit's own request
         # timeout bounds the wait for a server that answers but is not healthy yet.
-        await_hook(
+        marker = await_hook(
             dump_dir,
             client.healthy,
             layer_ids=cfg.layer_ids,
@@ -134,6 +137,8 @@ def run_audit(
             timeout_s=request_timeout_s,
             stop=threading.Event(),
         )
+        if marker is not None:  # the wrong client: every request would fail or never dump
+            check_server_kind(marker, server_kind, who="audit")
         clear_dump_dir(dump_dir)
         target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
         index = store.get_index(chosen)

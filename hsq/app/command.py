@@ -3,10 +3,11 @@ command too, and --help with the options every command shares under headings of 
 own, after the command's own, so `hsq X --help` reads as X's options first.
 
 `hsq status --log-format console` and `hsq --log-format console status` are the same: the
-group configures logging from its options (apply_log_flags), a command's log option given
-on its command line configures it again. Commands that hand unknown options to another
-program (launch-sglang, launch-vllm: SGLang has a --log-level of its own) take them only
-before the command.
+group keeps its log options (apply_log_flags), a command's log option given on its command
+line replaces the group's, and logging is configured once, from the result, when the
+command runs (not for its --help: structlog is not even imported then). Commands that hand
+unknown options to another program (launch-sglang, launch-vllm: SGLang has a --log-level
+of its own) take them only before the command.
 """
 
 from __future__ import annotations
@@ -57,10 +58,15 @@ SECTIONS = (
 
 
 def apply_log_flags(ctx: click.Context, flags: LogFlags) -> None:
-    """Configure logging from `flags` and keep them for a command's own log options."""
+    """Keep `flags` as the log options the command runs with (HsqCommand.invoke)."""
+    ctx.meta[_LOG_META] = flags
+
+
+def configure_logs(ctx: click.Context) -> None:
+    """Configure logging from the log options kept so far (the defaults if none were)."""
     from hsq.logs import configure
 
-    ctx.meta[_LOG_META] = flags
+    flags = ctx.meta.get(_LOG_META, LogFlags())
     configure(flags.log_level, flags.log_format)
 
 
@@ -87,6 +93,10 @@ class HsqCommand(click.Command):
         super().__init__(*args, **kwargs)
         if not self.context_settings.get("ignore_unknown_options"):
             self.params.extend(_log_params())
+
+    def invoke(self, ctx: click.Context) -> Any:
+        configure_logs(ctx)
+        return super().invoke(ctx)
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         section_of = {name: s for s in SECTIONS for name in s.names}

@@ -13,17 +13,37 @@ name them; hsq's own code imports from the modules.
 
 from __future__ import annotations
 
-from hsq.outputs.check import check_output, checksum_matches, file_checksum
-from hsq.outputs.format import (
-    OUTPUT_FORMAT,
-    SUFFIX,
-    OutputSample,
-    open_output,
-    output_relpath,
-    read_header,
-)
-from hsq.outputs.manifest import ManifestEntry
-from hsq.outputs.transcode import write_output
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hsq.outputs.check import check_output, checksum_matches, file_checksum
+    from hsq.outputs.format import (
+        OUTPUT_FORMAT,
+        SUFFIX,
+        OutputSample,
+        open_output,
+        output_relpath,
+        read_header,
+    )
+    from hsq.outputs.manifest import ManifestEntry
+    from hsq.outputs.transcode import write_output
+
+# Loaded on first use (PEP 562), as hsq's own: `hsq status` and `hsq enqueue` read the
+# manifest codec (manifest.py, format.py) without the writer's and the checker's modules.
+_WHERE: dict[str, str] = {
+    "check_output": "hsq.outputs.check",
+    "checksum_matches": "hsq.outputs.check",
+    "file_checksum": "hsq.outputs.check",
+    "OUTPUT_FORMAT": "hsq.outputs.format",
+    "SUFFIX": "hsq.outputs.format",
+    "OutputSample": "hsq.outputs.format",
+    "open_output": "hsq.outputs.format",
+    "output_relpath": "hsq.outputs.format",
+    "read_header": "hsq.outputs.format",
+    "ManifestEntry": "hsq.outputs.manifest",
+    "write_output": "hsq.outputs.transcode",
+}
 
 __all__ = [
     "OUTPUT_FORMAT",
@@ -38,3 +58,14 @@ __all__ = [
     "read_header",
     "write_output",
 ]
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above; unknown names stay errors
+
+    def __getattr__(name: str) -> Any:
+        module = _WHERE.get(name)
+        if module is None:
+            raise AttributeError(f"module 'hsq.outputs' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # resolved once
+        return value

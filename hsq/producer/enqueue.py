@@ -42,7 +42,7 @@ from hsq.producer.report import (
     prune,
     refuse_conflicts,
 )
-from hsq.runconfig import RunConfig
+from hsq.runconfig import DEFAULT_CHUNK_SIZE, RunConfig
 from hsq.runstore import RunStore
 from hsq.store import AnyRef, chunked
 
@@ -80,6 +80,21 @@ def enqueue_run(
 
 
 STREAM_BATCH = 5000
+JOBS_TARGET = 8192
+"""Left at its default, the chunk size is chosen so a large dataset makes about this many
+jobs or more (auto_chunk_size): enough to spread over a thousand workers, few enough that
+RQ's per-job cost (~0.3 ms of the enqueue's CPU a job, whatever its size) stays small."""
+MAX_AUTO_CHUNK = 1024
+
+
+def auto_chunk_size(lines: float) -> int:
+    """The chunk size for a dataset of about `lines` lines when --chunk-size is left at its
+    default: the default up to JOBS_TARGET jobs' worth, then the largest power of two that
+    still gives JOBS_TARGET jobs, at most MAX_AUTO_CHUNK (10M lines: 1024)."""
+    size = DEFAULT_CHUNK_SIZE
+    while size * 2 <= MAX_AUTO_CHUNK and lines / (size * 2) >= JOBS_TARGET:
+        size *= 2
+    return size
 
 
 def _enqueue_streaming(
@@ -115,28 +130,39 @@ def _enqueue_streaming(
     seen: dict[str, int] = {}
     bad: Bad = []
     tokens = 0
+    read = 0  # bytes of the file scanned so far
     started = False
     exact: dict[str, str] | None = None  # id -> place of every queued sample, if needed
     pending: list[AnyRef] = []
     with logs.progress(path.stat().st_size, "B", "enqueueing", enabled=progress) as bar:
-        for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen=seen):
+        # A new run's index entries are written as they are: packed by the scan's processes.
+        key = store.keys.index if existing is None else None
+        for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen=seen, index_key=key):
             bar.update(b.bytes)
+            read += b.bytes
             report.lines += b.lines
             bad += b.bad
             count_bad(report, b.bad)
             if not b.valid:
                 continue
             if not started:
+                if "chunk_size" in defaulted:  # from the lines the file holds (estimated)
+                    est = path.stat().st_size * report.lines / max(read, 1)
+                    cfg = replace(cfg, chunk_size=auto_chunk_size(est))
                 exact = _start(store, cfg, existing)
                 started = True
             tokens += b.tokens
-            pending += _decide(store, b.valid, exact, report, existing is not None)
+            todo, changed = _decide(store, b.valid, exact, report, existing is not None)
+            pending += todo
             full = len(pending) - len(pending) % cfg.chunk_size
             _enqueue_chunks(store, cfg, pending[:full], report)
             del pending[:full]  # the rest waits for the next batch: chunks stay full
             # An interrupted enqueue leaves indexed samples in no queue: `begin_enqueue`'s
             # flag makes the next one look at every job.
-            store.put_index(b.valid)
+            if b.packed_index is not None and existing is None:
+                store.put_index_packed(b.packed_index)
+            else:
+                store.put_index(changed)
     _enqueue_chunks(store, cfg, pending, report)
     add_rejected(report, bad, rejected)
     report.valid = len(seen)  # only valid lines' ids are recorded
@@ -181,15 +207,18 @@ def _decide(
     exact: dict[str, str] | None,
     report: EnqueueReport,
     existed: bool,
-) -> list[AnyRef]:
-    """The samples of a batch to enqueue: neither done, nor queued or held, nor dead."""
+) -> tuple[list[AnyRef], list[tuple[str, str]]]:
+    """The samples of a batch to enqueue (neither done, nor queued or held, nor dead), and
+    the index entries to write: those not in the index as they are (a re-enqueue of an
+    unchanged dataset writes none)."""
     if not existed:
-        return list(valid)
+        return list(valid), valid
     ids = [sid for sid, _ in valid]
-    indexed, done, dead = store.presence(ids)
+    index, done, dead = store.presence(ids)
     todo: list[AnyRef] = []
-    for ref, was_indexed, is_done, is_dead in zip(valid, indexed, done, dead, strict=True):
-        queued = ref[0] in exact if exact is not None else was_indexed and not is_dead
+    changed = [ref for ref, v in zip(valid, index, strict=True) if v != ref[1]]
+    for ref, entry, is_done, is_dead in zip(valid, index, done, dead, strict=True):
+        queued = ref[0] in exact if exact is not None else entry is not None and not is_dead
         if is_done:
             report.done += 1
         elif queued:
@@ -198,4 +227,4 @@ def _decide(
             report.dead += 1
         else:
             todo.append(ref)
-    return todo
+    return todo, changed

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Annotated
 
@@ -43,8 +44,11 @@ from hsq import dataset
 from hsq.dataset import MAX_TOKEN_ID, SAFE_ID_RE, duplicate_id_error, parse_line
 from hsq.dataset import _best_effort_id as _best_effort_id  # the id scan_dataset records
 from hsq.errors import DatasetError
+from hsq.store.connection import pack
 
 Bad = tuple[str, DatasetError, str | None]
+Packed = bytes
+"""A Redis command packed as RESP (hsq.store.connection.pack)."""
 
 
 class _Row(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,7 +64,11 @@ _decode_row = msgspec.json.Decoder(_Row).decode
 _ID_LIMIT = 10**128  # an integer id of more digits is unsafe (SAFE_ID_RE: 128 characters)
 
 
-def _fast_count(line: bytes, max_tokens: int | None) -> tuple[str, int, bool] | None:
+FastCount = tuple[str, int, bool]
+"""(id, token count, whether the id is written as a JSON integer) of a valid line."""
+
+
+def _fast_count(line: bytes, max_tokens: int | None) -> FastCount | None:
     """(id, token count, whether the id is a JSON integer) if the line is certainly valid;
     None if parse_line must decide. msgspec agrees with json.loads on what it accepts here
     (a repeated key: the last wins in both; escapes in keys and strings; no NaN, no floats
@@ -91,6 +99,9 @@ class ScanBatch:
     bad: list[Bad] = field(default_factory=list)
     lines: int = 0
     bytes: int = 0
+    packed_index: Packed | None = None
+    """`valid`'s index HSET, packed by the scanning process (scan_batches' index_key), or
+    None: the caller writes `valid` itself."""
 
 
 @dataclass
@@ -113,6 +124,8 @@ class Piece:
     numeric: list[int] = field(default_factory=list)
     """Indices (into `ids`) of the samples whose id the line wrote as a JSON integer: only
     digit-only ids can be, and the duplicate message names each spelling (issue 33 D14)."""
+    packed: list[Packed] = field(default_factory=list)
+    """HSET commands of the index entries, `batch` samples each (scan_piece's index_key)."""
 
 
 PIECE_BYTES = 8 * 2**20
@@ -122,14 +135,20 @@ PARALLEL_FROM = 64 * 2**20
 
 
 def scan_piece(
-    path: Path, start: int, end: int, max_tokens: int | None, limit: int | None = None
+    path: Path,
+    start: int,
+    end: int,
+    max_tokens: int | None,
+    limit: int | None = None,
+    index_key: str | None = None,
+    batch: int = 5000,
 ) -> Piece:
     """Scan the lines that start in [start, end). A line that began before `start` is the
-    previous piece's, and is skipped here; the last line is read to its end wherever that is."""
+    previous piece's, and is skipped here; the last line is read to its end wherever that is.
+    `index_key`: also pack the HSETs of the entries into that hash, `batch` a command (here,
+    beside the caller, so its process only sends them)."""
     limit = dataset.MAX_LINE_BYTES if limit is None else limit  # read now: tests lower it
     out = Piece()
-    crc32 = zlib.crc32
-    fast = _fast_count
     with open(path, "rb") as f:
         offset = start
         if start > 0:
@@ -139,42 +158,83 @@ def scan_piece(
                     offset += len(part)
                 offset += len(part)
         first = offset
+        # The whole lines of the range in one read, split in C; the last line (the one that
+        # runs on past `end`, or ends the file without a newline) line by line below.
+        whole = f.read(end - offset).split(b"\n") if offset < end else [b""]
+        rest = whole.pop()  # the start of the last line, or b"" if the range ends at one's end
+        line_no = _scan_lines(out, whole, offset, 0, max_tokens, limit)
+        offset += sum(map(len, whole)) + len(whole)
+        f.seek(offset)
         readline = f.readline
-        line_no = 0
-        while offset < end and (line := readline(limit + 1)):
+        while rest and offset < end and (line := readline(limit + 1)):
             line_no += 1
             size = len(line)
             at, offset = offset, offset + size
-            out.lines += 1
             if not line.endswith(b"\n") and size > limit:
                 while line and not line.endswith(b"\n"):  # skipped in pieces, never held
                     line = readline(2**20)
                     offset += len(line)
+                out.lines += 1
                 msg = f"line of {offset - at} bytes, longer than the limit of {limit}"
                 out.bad.append((line_no, msg, "too_long", None))
                 continue
-            body = line.rstrip(b"\r\n")
-            got = fast(body, max_tokens)
-            if got is None:
-                if not body.strip():
-                    out.lines -= 1  # blank lines are not dataset lines
-                    continue
-                try:
-                    sample = parse_line(body, max_tokens)
-                except DatasetError as exc:
-                    out.bad.append((line_no, str(exc), exc.reason, _best_effort_id(body)))
-                    continue
-                got = (sample.id, len(sample.input_ids), sample.id_text == sample.id)
-            sid, n, numeric = got
-            if numeric:  # the id written as a JSON integer (id_text: `1`, not `'1'`)
-                out.numeric.append(len(out.ids))
-            out.ids.append(sid)
-            out.entries.append(f"{at}:{len(body)}:{crc32(body)}:{n}")
-            out.line_nos.append(line_no)
-            out.tokens += n
+            _scan_lines(out, [line.rstrip(b"\r\n")], at, line_no - 1, max_tokens, limit)
         out.physical = line_no
         out.bytes = offset - first
+    if index_key is not None:
+        for i in range(0, len(out.ids), batch):
+            pairs = chain.from_iterable(
+                zip(out.ids[i : i + batch], out.entries[i : i + batch], strict=True)
+            )
+            out.packed.append(pack("HSET", index_key, *pairs))
     return out
+
+
+def _scan_lines(
+    out: Piece, lines: list[bytes], at: int, line_no: int, max_tokens: int | None, limit: int
+) -> int:
+    """Judge `lines` (without their newline; the first starts at byte `at`, after line
+    `line_no`) into `out`; returns the last line's number. The hot loop: locals only."""
+    crc32, fast = zlib.crc32, _fast_count
+    ids, entries, line_nos, numeric = out.ids, out.entries, out.line_nos, out.numeric
+    bad = out.bad
+    tokens = blank = 0
+    for line in lines:
+        line_no += 1
+        size = len(line)
+        body = line.rstrip(b"\r") if line.endswith(b"\r") else line
+        if size > limit:  # (a whole line's length counts its newline)
+            msg = f"line of {size + 1} bytes, longer than the limit of {limit}"
+            bad.append((line_no, msg, "too_long", None))
+        elif (got := fast(body, max_tokens)) is not None or (
+            got := _slow(out, body, line_no, max_tokens)
+        ):
+            sid, n, is_number = got
+            if is_number:  # the id written as a JSON integer (id_text: `1`, not `'1'`)
+                numeric.append(len(ids))
+            ids.append(sid)
+            entries.append(f"{at}:{len(body)}:{crc32(body)}:{n}")
+            line_nos.append(line_no)
+            tokens += n
+        elif not body.strip():
+            blank += 1  # blank lines are not dataset lines
+        at += size + 1
+    out.tokens += tokens
+    out.lines += len(lines) - blank
+    return line_no
+
+
+def _slow(out: Piece, body: bytes, line_no: int, max_tokens: int | None) -> FastCount | None:
+    """parse_line's verdict on a line the fast path did not take: the sample, or None (the
+    line went to `out.bad`, or is blank)."""
+    if not body.strip():
+        return None
+    try:
+        sample = parse_line(body, max_tokens)
+    except DatasetError as exc:
+        out.bad.append((line_no, str(exc), exc.reason, _best_effort_id(body)))
+        return None
+    return sample.id, len(sample.input_ids), sample.id_text == sample.id
 
 
 def _ranges(size: int, piece: int) -> Iterator[tuple[int, int]]:
@@ -182,18 +242,26 @@ def _ranges(size: int, piece: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + piece, size)
 
 
-def _pieces(path: Path, max_tokens: int | None, piece: int, procs: int | None) -> Iterator[Piece]:
+def _pieces(
+    path: Path,
+    max_tokens: int | None,
+    piece: int,
+    procs: int | None,
+    index_key: str | None,
+    batch: int,
+) -> Iterator[Piece]:
     """Every piece of the file, in file order: in process, or by a pool a few pieces ahead."""
     size = path.stat().st_size
     n = procs if procs is not None else (os.cpu_count() or 1)
     if n <= 1 or (procs is None and size < PARALLEL_FROM):
         for start, end in _ranges(size, piece):
-            yield scan_piece(path, start, end, max_tokens)
+            yield scan_piece(path, start, end, max_tokens, None, index_key, batch)
         return
     with ProcessPoolExecutor(n) as pool:
         ahead: deque[Future[Piece]] = deque()
         for start, end in _ranges(size, piece):
-            ahead.append(pool.submit(scan_piece, path, start, end, max_tokens))
+            task = (path, start, end, max_tokens, None, index_key, batch)
+            ahead.append(pool.submit(scan_piece, *task))
             if len(ahead) > 2 * n:  # bounded: memory holds a few pieces, never the file
                 yield ahead.popleft().result()
         while ahead:
@@ -208,30 +276,36 @@ def scan_batches(
     seen: dict[str, int],
     procs: int | None = None,
     piece: int = PIECE_BYTES,
+    index_key: str | None = None,
 ) -> Iterator[ScanBatch]:
     """Scan a JSONL dataset in batches of at most `batch` valid samples. `seen` (id -> line
     of its first occurrence) is filled as the scan goes; ids met again are `duplicate_id`.
     `procs`: scanning processes (default: the CPUs, for files of PARALLEL_FROM bytes or more;
-    1: in process)."""
+    1: in process). `index_key`: each batch of a piece without duplicates comes with its
+    index HSET into that hash packed (ScanBatch.packed_index)."""
     base = 0  # lines before the piece
     numeric: set[str] = set()  # ids whose first line wrote them as a JSON integer
-    for p in _pieces(path, max_tokens, piece, procs):
+    for p in _pieces(path, max_tokens, piece, procs, index_key, batch):
+        packed: list[Packed] | None = p.packed if index_key is not None else None
         out = ScanBatch(lines=p.lines, bytes=p.bytes)
         out.bad = [(f"line:{base + n}", DatasetError(msg, why), sid) for n, msg, why, sid in p.bad]
-        firsts = dict(zip(p.ids, p.line_nos, strict=True))
+        firsts = dict(zip(p.ids, map(base.__add__, p.line_nos), strict=True))
         if len(firsts) == len(p.ids) and seen.keys().isdisjoint(firsts):
             # No duplicate: every id is new (the usual case, settled at C speed).
-            seen.update(zip(p.ids, map(base.__add__, p.line_nos), strict=True))
+            seen.update(firsts)
             valid, out.tokens = list(zip(p.ids, p.entries, strict=True)), p.tokens
             numeric.update(p.ids[i] for i in p.numeric)
         else:
             valid = _drop_duplicates(p, base, seen, out, numeric)
+            packed = None  # made for every id of the piece: the duplicates' too
         base += p.physical
         if out.bad:  # keep the lines in file order: bad ones before the next batch
             out.bad.sort(key=lambda b: int(b[0][5:]))
         for i in range(0, max(len(valid), 1), batch):
             part = out if i == 0 else ScanBatch()  # the first carries the piece's counts
             part.valid = valid[i : i + batch]
+            if packed and part.valid:
+                part.packed_index = packed[i // batch]
             yield part
 
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from hsq import fsio, logs
-from hsq.chat import ChatOptions, ChatTokenizer, Markers, infer_markers, load_tokenizer
+from hsq.chat import ChatTokenizer, Markers, infer_markers, load_tokenizer
 from hsq.dataset import bounded_lines, load_row
 from hsq.errors import DatasetError
-from hsq.settings import setting
+from hsq.producer.settings import TokenizeSettings
 
 if TYPE_CHECKING:
     from hsq.producer.report import Rejected
@@ -43,36 +43,6 @@ log = structlog.get_logger("hsq.tokenize")
 MAX_LINE = 64 * 2**20
 BATCH = 256
 BATCH_BYTES = 4 * 2**20
-
-
-@dataclass(frozen=True)
-class TokenizeSettings:
-    """Each field a flag of `hsq tokenize` and `hsq enqueue --tokenizer` (hsq.settings);
-    `options` brings ChatOptions' flags."""
-
-    tokenizer: str = setting(
-        path="dir",
-        exists=True,
-        help="local Hugging Face tokenizer directory (nothing is downloaded)",
-    )
-    template: str | None = setting(
-        None,
-        path="file",
-        exists=True,
-        default_text="the tokenizer's own",
-        help="Jinja chat template file",
-    )
-    assistant_header: str | None = setting(
-        None, default_text="read off the template", help="text opening an assistant turn"
-    )
-    end_of_turn: str | None = setting(
-        None, default_text="read off the template", help="text closing an assistant turn"
-    )
-    options: ChatOptions = field(default_factory=ChatOptions)
-    jobs: int | None = setting(None, default_text="every core", help="processes")
-
-    def validate(self) -> None:
-        self.options.validate()
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from hsq.dataset import IndexEntry
 from hsq.errors import ConfigError
 from hsq.runconfig import RunConfig
 from hsq.store import scripts
-from hsq.store.connection import packed_call, text, translate_public
+from hsq.store.connection import (
+    pack_per_key,
+    packed_call,
+    send_packed,
+    send_packed_many,
+    text,
+    translate_public,
+)
 from hsq.store.fence import Fence
 from hsq.store.jobs import AnyRef
 
@@ -99,6 +106,11 @@ class ConfigIndex:
             n += len(part)
         return n
 
+    def put_index_packed(self, packed: bytes) -> None:
+        """An index HSET already packed (hsq.store.connection.pack) by the enqueue's
+        scanning processes, on this run's index key (`keys.index`, the one they were given)."""
+        send_packed(self.client, packed)
+
     def get_index(self, ids: list[str]) -> dict[str, IndexEntry]:
         if not ids:
             return {}
@@ -110,16 +122,15 @@ class ConfigIndex:
                     out[sid] = IndexEntry.decode(v)
         return out
 
-    def presence(self, ids: list[str]) -> tuple[list[bool], list[bool], list[bool]]:
-        """For each id: in the index, done, in the dead letter (three HMGETs, one trip)."""
+    def presence(self, ids: list[str]) -> tuple[list[str | None], list[bool], list[bool]]:
+        """For each id: its index entry as stored (None: not indexed), done, in the dead
+        letter (three HMGETs, one trip)."""
         if not ids:
             return [], [], []
-        p = self.client.pipeline(transaction=False)
-        for key in (self.keys.index, self.keys.done, self.keys.dead):
-            p.hmget(key, ids)
-        index, done, dead = p.execute()
+        keys = (self.keys.index, self.keys.done, self.keys.dead)
+        index, done, dead = send_packed_many(self.client, pack_per_key("HMGET", keys, ids))
         return (
-            [v is not None for v in index],
+            [None if v is None else text(v) for v in index],
             [v is not None for v in done],
             [v is not None for v in dead],
         )

@@ -44,6 +44,7 @@ class Store(Generic[E]):
         self.pin_model = config_index.pin_model
         self.pin_dump_identity = config_index.pin_dump_identity
         self.put_index = config_index.put_index
+        self.put_index_packed = config_index.put_index_packed
         self.get_index = config_index.get_index
         self.presence = config_index.presence
         self.iter_hash_keys = config_index.iter_hash_keys

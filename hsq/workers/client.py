@@ -9,13 +9,17 @@ killing it forever); 4xx/5xx answers are the sample's.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Any
-
-import httpx
+from urllib.parse import urlsplit
 
 from hsq import jsonsafe
 from hsq.errors import ServerRejectedError, ServerUnavailableError
+from hsq.lean import PRETTY, hidden
+
+with hidden(*PRETTY):  # for httpx's own command line, never used here
+    import httpx
 
 # A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
 MAX_ANSWER_BYTES = 1 << 20
@@ -35,6 +39,17 @@ class PrefillAnswer:
     raw: dict[str, Any]
 
 
+def tls_verify(url: str) -> ssl.SSLContext | bool:
+    """httpx's `verify` for a server at `url`. https://: the default trust store. http://:
+    a client TLS context that trusts nothing (every check on, no CA loaded), as no TLS is
+    spoken there: loading the CA bundle cost 30-50 ms of CPU at every worker start, and a
+    redirect to https (not followed anyway) would fail its verification, never pass
+    unchecked."""
+    if urlsplit(url).scheme.lower() == "https":
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 class ServerClient:
     def __init__(
         self,
@@ -49,6 +64,7 @@ class ServerClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
             transport=transport,
+            verify=tls_verify(self.base_url),
         )
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """The worker's record in Redis: registered at start, renewed every --heartbeat-interval
 (while it is fresh no reaper takes the worker's jobs; the Lease knows whether it stayed
-fresh without a break), removed at exit."""
+fresh without a break) and at once when the worker's state changes (`poke`: a run's live
+view would otherwise show `starting` for up to an interval while samples are done),
+removed at exit."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class Heartbeat:
         self.info = info
         self.lease = lease
         self._stop = stop
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -47,8 +50,16 @@ class Heartbeat:
         self.lease.renewed(sent)
         self._thread.start()
 
+    def poke(self) -> None:
+        """Renew now (from any thread): the record then shows a state change at once."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 sent = time.monotonic()
                 self.store.heartbeat(self.worker_id, self.info())
@@ -58,6 +69,7 @@ class Heartbeat:
 
     def end(self) -> None:
         """After ``stop``: release what is still held and remove the record."""
+        self._wake.set()  # the loop sees ``stop`` now, not an interval later
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         try:

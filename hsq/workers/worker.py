@@ -82,7 +82,7 @@ class Worker:
         self.metrics = WorkerMetrics(s.run, self.name, self.view.out_root)
         self.tally = Tally()
         self.notices = Notices(self.metrics.on_notice, self.tally)
-        self.state = StateCell(lambda st: self.notices.emit(StateChanged(st)))
+        self.state = StateCell(self._state_changed)
         self.rate = RateWindow(60.0)
         self._stop = threading.Event()
         self.events: queue.Queue[Event] = queue.Queue()
@@ -349,6 +349,10 @@ class Worker:
         self.view = view
         self.notices.emit(OutputDirMoved(view.out_root))
         self.state.set(WorkerState.WORKING)
+
+    def _state_changed(self, state: WorkerState) -> None:
+        self.notices.emit(StateChanged(state))
+        self.heartbeat.poke()  # `hsq status` and `hsq run`'s view see it now
 
     def _info(self) -> dict[str, Any]:
         """The worker's record in Redis (`hsq status`): its keys are stable."""

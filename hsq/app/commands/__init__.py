@@ -15,7 +15,9 @@
     run.py      run                                    (a node: hsq/app/node/)
 
 A command parses and formats; what it decides belongs to a service or to hsq/app/ops/.
-Heavy imports (torch, Redis, the services) stay inside the command function: `hsq --help`
-starts fast. hsq/app/cli.py gathers them into the `hsq` group; each is an `@hsq_command`
+Heavy imports (torch, Redis, the services, structlog) stay inside the command function and
+a module imports at its top only what its options are built from: `hsq X --help` starts
+fast (tests/test_cli_start.py). hsq/app/cli.py names them in the `hsq` group's lazy table
+(a module is imported when one of its commands is asked for); each is an `@hsq_command`
 (hsq/app/command.py: hsq's log options after it too, --help in sections).
 """

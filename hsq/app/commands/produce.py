@@ -13,7 +13,7 @@ from hsq import extras
 from hsq.app.command import hsq_command
 from hsq.app.flags import RedisFlags, RunName
 from hsq.app.options import given, settings_options, take
-from hsq.producer.tokenize import TokenizeSettings
+from hsq.producer.settings import TokenizeSettings
 from hsq.runconfig import RunConfig
 from hsq.settings import setting
 

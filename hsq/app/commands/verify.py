@@ -16,6 +16,7 @@ from hsq.app.exits import EXIT_PROBLEMS
 from hsq.app.flags import MountedOut, RedisFlags, RunName
 from hsq.app.options import settings_options, take
 from hsq.settings import setting
+from hsq.workers.settings import SERVER_KINDS
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,19 @@ class AuditFlags:
         "become healthy (a server that cannot be reached fails at once)",
     )
     dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
+    audit_server_kind: str = setting(
+        "sglang",
+        flag="--server-kind",
+        choices=SERVER_KINDS,
+        help="--server's API, as a worker's --server-kind: sglang (/generate) or vllm "
+        "(stock vLLM with hsq's connector: /v1/completions)",
+    )
+    audit_served_model: str | None = setting(
+        None,
+        flag="--served-model",
+        default_text="the server's only model",
+        help="vLLM only: the `model` of each completions request (--served-model-name)",
+    )
 
 
 @hsq_command("audit")
@@ -132,6 +146,9 @@ def audit(**values: Any) -> None:
     Example (a spare server; HSQ_REDIS_URL set):
       hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:30009 \\
           --dump-dir /dev/shm/hsq-audit --requeue
+      # a vLLM server (hsq launch-vllm) of its own:
+      hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:8009 \\
+          --server-kind vllm --dump-dir /dev/shm/hsq-audit
     """
     extras.require("reference", "hsq audit")  # it compares states as tensors (torch)
     from hsq.app.audit import run_audit
@@ -156,6 +173,8 @@ def audit(**values: Any) -> None:
             dump_timeout_s=f.dump_timeout_s,
             request_timeout_s=f.audit_request_timeout_s,
             dump_dir_force=f.dump_dir_force,
+            server_kind=f.audit_server_kind,
+            served_model=f.audit_served_model,
             on_progress=bar.update,
             on_total=set_total,
         )

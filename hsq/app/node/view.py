@@ -7,6 +7,7 @@ puts it on a terminal in place, or as plain lines when stdout is not one.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ def duration(seconds: float | None) -> str:
         return "-"
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _token(text: str) -> str:
+    """`text` as one word of a key=value line ("exited 1, given up" -> "exited-1-given-up")."""
+    return re.sub(r"[^\w.]+", "-", text).strip("-")
 
 
 def _cause(w: WorkerStatus) -> str:
@@ -94,6 +100,8 @@ def log_line(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> str:
             state = _ended(p).replace(" ", "-")
         else:
             state = (w.state or "?") if w is not None else "starting"
+            if p.server_state != "up":  # a worker waiting on its server: the server says why
+                state += f"(server-{_token(p.server_state)})"
         states.append(f"{p.worker_name}={state}{_cause(w) if w else ''}")
     dead = ",".join(f"{r}:{n}" for r, n in sorted(st.dead_by_reason.items())) or "-"
     return (
