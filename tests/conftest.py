@@ -1,6 +1,14 @@
 from __future__ import annotations
 
 import os
+
+# Idle OpenMP threads sleep instead of spinning (libgomp reads this when torch loads it:
+# before any import of torch). With two torch threads per server on a shared 2-core
+# machine, spinning cost ~9x the CPU of each tiny forward (docs/reference-server.md).
+# Set for the test process and everything it starts, the zygote and its servers included;
+# the computation, so every state, is the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import signal
 import sys
 from collections.abc import Iterator
@@ -12,6 +20,7 @@ import pytest
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected
 from hsq.harness.procs import RedisServer, ReferenceServer
+from hsq.harness.spawner import FRESH, SPAWNER_ENV, Spawner, ZygoteSpawner, install
 from hsq.stfile.engine import WriteEngine
 
 # SpecForge's and speculators' code, which the tests compare hsq with, is in .trainers/ (no
@@ -34,16 +43,33 @@ def generate(url: str, ids: list[int], rid: str, timeout: float = 30.0) -> httpx
     return httpx.post(url + "/generate", json=body, timeout=timeout)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
+    """One zygote per test session (per xdist worker), started at the first server: each
+    ReferenceServer is then a fork of a process that has imported torch and transformers
+    (seconds of CPU a start), not a fresh interpreter. HSQ_TEST_SPAWNER=fresh: no zygote."""
+    if os.environ.get(SPAWNER_ENV, "zygote") == "fresh":
+        yield FRESH
+        return
+    z = ZygoteSpawner(tmp_path_factory.mktemp("zygote") / "zygote.log")
+    previous = install(z)
+    yield z
+    install(previous)
+    z.close()
+
+
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """Start reference servers as real subprocesses; all are stopped when the test file
-    ends (a server holds about 450 MB: a session's worth would pile up in each xdist
-    worker)."""
+    """Start reference servers as real processes (forks of the session's zygote unless
+    `spawner=FRESH`); all are stopped when the test file ends (a server holds about
+    450 MB: a session's worth would pile up in each xdist worker)."""
     started: list[ReferenceServer] = []
 
-    def start(*args: str, name: str = "srv") -> ReferenceServer:
+    def start(*args: str, name: str = "srv", spawner: Spawner | None = None) -> ReferenceServer:
         base = tmp_path_factory.mktemp(name)
-        srv = ReferenceServer(base / "dumps", base / "server.log", args=["--threads", "2", *args])
+        srv = ReferenceServer(
+            base / "dumps", base / "server.log", args=["--threads", "2", *args], spawner=spawner
+        )
         started.append(srv)
         return srv
 

@@ -21,6 +21,7 @@ from hsq.dump.format import FORMAT_VERSION, ModelIdentity
 from hsq.dump.ready import READY_FILE, READY_MAX_BYTES, ReadyMarker, read_ready, write_ready
 from hsq.errors import HookInactiveError
 from hsq.harness.procs import ReferenceServer
+from hsq.harness.spawner import FRESH
 from hsq.harness.synthetic import write_synthetic
 from hsq.workers.readiness import await_hook, check_marker
 from tests.helpers import enqueue, start_worker, store
@@ -177,8 +178,11 @@ def test_await_returns_none_when_stopped(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def plain(server_factory: Factory) -> ReferenceServer:
     """One default server for the tests that only read its marker (a worker refusing it
-    at start-up sends it nothing): each start costs seconds of torch imports."""
-    return server_factory(name="plain").wait_ready()
+    at start-up sends it nothing). A fresh exec: the marker as `hsq serve-reference`
+    writes it from a process start of its own."""
+    srv = server_factory(name="plain", spawner=FRESH).wait_ready()
+    assert srv.spawned_by == "fresh"
+    return srv
 
 
 def test_reference_server_writes_the_marker_before_it_is_healthy(plain: ReferenceServer) -> None:

@@ -18,6 +18,7 @@ from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
 from hsq.dump.format import TMP_SUFFIX
 from hsq.dump.read import read_dump, read_meta
 from hsq.harness.procs import ReferenceServer
+from hsq.harness.spawner import FRESH
 from hsq.sglang_server.reference.engine import CRASH_EXIT_CODE
 from hsq.sglang_server.reference.model import load_model
 from hsq.sglang_server.reference.tolerance import closeness
@@ -239,10 +240,15 @@ def test_crash_fault_kills_the_process_mid_request(server_factory: Factory) -> N
     assert [p.name for p in scan(srv.dump_dir).pending] == ["req_0.tmp"]
 
 
+@pytest.mark.parametrize("start", ["zygote", "fresh"])
 def test_two_processes_give_bit_identical_states(
-    server: ReferenceServer, server_factory: Factory
+    server: ReferenceServer, server_factory: Factory, start: str
 ) -> None:
-    other = server_factory("--warmup", "1", name="twin").wait_ready()
+    """`server` as the session starts servers (a fork of the zygote unless
+    HSQ_TEST_SPAWNER=fresh), the twin forked from it too or exec'd fresh."""
+    spawner = FRESH if start == "fresh" else None
+    other = server_factory("--warmup", "1", name="twin", spawner=spawner).wait_ready()
+    assert other.spawned_by == ("fresh" if start == "fresh" else server.spawned_by)
     dumps = []
     for srv in (server, other):
         clear_dump_dir(srv.dump_dir)
@@ -256,7 +262,9 @@ def test_two_processes_give_bit_identical_states(
 
 
 def test_sigterm_stops_the_server_cleanly(server_factory: Factory) -> None:
-    srv = server_factory(name="term").wait_ready()
+    # A fresh exec: the signal handling as `hsq serve-reference` sets it up from nothing.
+    srv = server_factory(name="term", spawner=FRESH).wait_ready()
+    assert srv.spawned_by == "fresh"
     assert generate(srv.url, IDS, "t").status_code == 200
     srv.signal(signal.SIGTERM)
     assert srv.proc.wait(15) == 0

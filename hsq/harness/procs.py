@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 
 from hsq.errors import ConfigError, HsqError
+from hsq.harness.spawner import FRESH, ChildProcess, ForkedChild, Spawner, SpawnRequest, installed
 
 
 def hsq_command(*args: str) -> list[str]:
@@ -43,6 +44,7 @@ class ManagedProcess:
     as SGLang forks its schedulers): `signal_group` reaches all of them, and `stop` ends
     the whole group. ``parent_death_signal`` (Linux): the signal the child gets when this
     process dies, even by SIGKILL, so a supervisor's crash leaves no orphan behind.
+    ``spawner``: where the child comes from (hsq.harness.spawner); a fresh exec unless given.
     """
 
     def __init__(
@@ -53,23 +55,20 @@ class ManagedProcess:
         *,
         new_session: bool = False,
         parent_death_signal: int | None = None,
+        spawner: Spawner | None = None,
     ):
         self.argv = list(argv)
         self.log_path = log_path
         self.new_session = new_session
         log_path.parent.mkdir(parents=True, exist_ok=True)
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-                start_new_session=new_session,
-                preexec_fn=None
-                if parent_death_signal is None
-                else _on_parent_death(parent_death_signal),
-            )
+        request = SpawnRequest(self.argv, log_path, child_env, new_session, parent_death_signal)
+        self.proc: ChildProcess = (spawner or FRESH).spawn(request)
+
+    @property
+    def spawned_by(self) -> str:
+        """ "zygote" (forked from the session's zygote) or "fresh" (exec'd)."""
+        return "zygote" if isinstance(self.proc, ForkedChild) else "fresh"
 
     @property
     def pid(self) -> int:
@@ -116,18 +115,6 @@ class ManagedProcess:
         self.stop()
 
 
-def _on_parent_death(sig: int) -> Callable[[], None]:
-    """A preexec function: prctl(PR_SET_PDEATHSIG, sig), where the platform has it."""
-
-    def arm() -> None:
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-
-    return arm
-
-
 def wait_http_ok(url: str, proc: ManagedProcess, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -157,6 +144,7 @@ class DumpServer(ManagedProcess):
         args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         parent_death_signal: int | None = None,
+        spawner: Spawner | None = None,
     ) -> None:
         self.port = port or free_port()
         self.dump_dir = dump_dir
@@ -168,6 +156,7 @@ class DumpServer(ManagedProcess):
             log_path,
             env,
             parent_death_signal=parent_death_signal,
+            spawner=spawner,
         )
 
     def wait_ready(self, timeout: float = 120.0) -> Self:
@@ -177,7 +166,9 @@ class DumpServer(ManagedProcess):
 
 class ReferenceServer(DumpServer):
     """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
-    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
+    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules).
+    ``spawner`` None: the installed one (hsq.harness.spawner: the tests' zygote), else a
+    fresh exec; `spawner=FRESH` asks for a fresh exec whatever is installed."""
 
     module = ("hsq", "serve-reference")
 
@@ -191,6 +182,7 @@ class ReferenceServer(DumpServer):
         env: dict[str, str] | None = None,
         parent_death_signal: int | None = None,
         admin: bool = True,
+        spawner: Spawner | None = None,
     ) -> None:
         extra = ["--admin"] if admin and "--admin" not in args else []
         super().__init__(
@@ -200,6 +192,7 @@ class ReferenceServer(DumpServer):
             args=[*extra, *args],
             env=env,
             parent_death_signal=parent_death_signal,
+            spawner=spawner or installed(),
         )
 
 

@@ -27,6 +27,10 @@ def serve_reference(**values: Any) -> None:
       hsq serve-reference --model /models/llama --device cuda --dump-dir /dev/shm/d0
     """
     extras.require("reference", "hsq serve-reference")
+    # Before torch loads. Idle OpenMP threads spin after each forward: on a CPU that is the
+    # workers' CPU (20 forwards of 200 tokens: 6.3-6.9 s of CPU, 0.7 s passive; the same
+    # threads, so the same states). A value the user set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from hsq.sglang_server.reference.app import serve
 
     serve(take(ReferenceSettings, values))
