@@ -249,11 +249,25 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         assert recovered_in < 90
         assert log_events(procs["workerC"].log_path, "recovered_dead_worker_jobs")
         assert st.count(st.keys.dead) == 0
-        done_events = log_events(procs["workerB"].log_path, "sample_done") + log_events(
-            procs["workerC"].log_path, "sample_done"
-        )
-        per_sample = Counter(str(e["sample"]) for e in done_events)
-        assert len(per_sample) == 80 and set(per_sample.values()) == {1}  # acknowledged once
+        logged = {
+            host: [str(e["sample"]) for e in log_events(procs[f"worker{host}"].log_path,
+                                                        "sample_done")]
+            for host in ("B", "C")
+        }  # fmt: skip
+        per_sample = Counter(logged["B"] + logged["C"])
+        assert set(per_sample.values()) == {1}  # never acknowledged twice
+        # Each done entry names the worker that marked it, and it is the one that logged it.
+        # A batched mark Redis applied while the cut link lost its reply has no log line
+        # (B cannot know it landed; seen once under load: a chunk of 4): it must be B's.
+        ids = [json.loads(x)["id"] for x in ds.read_text().splitlines()]
+        marked_by = {}
+        for sid in ids:
+            entry = st.get_manifest(sid)
+            assert entry is not None, sid
+            marked_by[sid] = entry.worker.split(".")[0]
+        for host in ("B", "C"):
+            assert all(marked_by[sid] == f"host{host}" for sid in logged[host])
+        assert all(marked_by[sid] == "hostB" for sid in set(ids) - set(per_sample))
         files = list((out / "net").rglob("*"))
         assert len([p for p in files if p.suffix == ".safetensors"]) == 80
         assert not [p for p in files if p.name.endswith(".tmp")]
