@@ -7,8 +7,9 @@ so `import hsq` stays cheap: operator commands start without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hsq.lean import lazy_attributes
 
 __version__ = "0.2.0"
 
@@ -147,14 +148,7 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above; unknown names stay errors
-
-    def __getattr__(name: str) -> Any:
-        module = _WHERE.get(name)
-        if module is None:
-            raise AttributeError(f"module 'hsq' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # resolved once
-        return value
+    __getattr__ = lazy_attributes(__name__, _WHERE, globals())
 
 
 def __dir__() -> list[str]:

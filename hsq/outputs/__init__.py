@@ -13,8 +13,9 @@ name them; hsq's own code imports from the modules.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hsq.lean import lazy_attributes
 
 if TYPE_CHECKING:
     from hsq.outputs.check import check_output, checksum_matches, file_checksum
@@ -61,11 +62,4 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above; unknown names stay errors
-
-    def __getattr__(name: str) -> Any:
-        module = _WHERE.get(name)
-        if module is None:
-            raise AttributeError(f"module 'hsq.outputs' has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # resolved once
-        return value
+    __getattr__ = lazy_attributes(__name__, _WHERE, globals())
