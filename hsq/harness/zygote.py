@@ -81,6 +81,10 @@ class Zygote:
         """Each live child's status socket."""
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
+        # What a fresh child of our parent would get for SIGINT: Python keeps an ignored
+        # SIGINT ignored at start (a parent run in the background, nohup), else installs
+        # KeyboardInterrupt. Taken before serve() ignores it for the zygote itself.
+        self.child_sigint = signal.getsignal(signal.SIGINT)
 
     def serve(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the test session's to take
@@ -151,7 +155,7 @@ class Zygote:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, self.child_sigint)
             signal.pthread_sigmask(signal.SIG_SETMASK, set())
             if request["new_session"]:
                 os.setsid()
