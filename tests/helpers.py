@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
+from hsq.harness.spawner import ZygoteSpawner, installed
 from hsq.runstore import RunStore
 from hsq.store import connect
 
@@ -25,15 +28,21 @@ def hsq(
     check: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`hsq ARGS` as a subprocess, no terminal on stdin (prompts refuse), output captured."""
-    proc = subprocess.run(
-        hsq_argv(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-        env=None if env is None else dict(env),
-    )
+    """`hsq ARGS` as a subprocess, no terminal on stdin (prompts refuse), output captured:
+    forked from the session's zygote (hsq.harness.spawner) where one is installed and the
+    environment allows, else a fresh exec."""
+    spawner = installed()
+    if isinstance(spawner, ZygoteSpawner):
+        proc = spawner.run(hsq_argv(*args), os.environ if env is None else env, timeout)
+    else:
+        proc = subprocess.run(
+            hsq_argv(*args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
+        )
     if check and proc.returncode != 0:
         raise AssertionError(f"hsq {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -45,12 +54,18 @@ def enqueue(dataset: Path, run: str, out: Path, redis_url: str, *extra: str) -> 
     return hsq(*args, "--no-progress", *extra, check=True).stdout
 
 
+def spawn_worker(*args: Any, **kw: Any) -> ManagedProcess:
+    """hsq.harness.procs.worker_process, the worker forked from the session's zygote where
+    one is installed (hsq.harness.spawner; a fresh exec where it cannot be)."""
+    return worker_process(*args, spawner=installed(), **kw)
+
+
 def start_worker(
     base: Path, run: str, server: ReferenceServer, redis_url: str, *extra: str, name: str = "w"
 ) -> ManagedProcess:
-    return worker_process(
-        run, server.url, server.dump_dir, redis_url, base / f"{name}.log", "--name", name, *extra
-    )
+    """`hsq worker` for `server`, forked from the session's zygote where one is installed."""
+    log = base / f"{name}.log"
+    return spawn_worker(run, server.url, server.dump_dir, redis_url, log, "--name", name, *extra)
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.2) -> float:

@@ -20,11 +20,11 @@ import torch
 from hsq.dump.format import expected_shapes
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.sglang_server.reference.faults import FaultRule, mix_sources
 from hsq.states import FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name, state_tensors
-from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, hsq, log_events, spawn_worker, start_worker, store, wait_until
 from tests.hostile import HIDDEN, IDENT, LAYERS, HostileServer, meta_for, tensors_for
 
 Factory = Callable[..., ReferenceServer]
@@ -269,7 +269,7 @@ def test_the_audit_checks_each_dump_as_the_worker_does(
         ds = tmp_path / "data.jsonl"
         write_synthetic(ds, 4, seed=41, min_len=4, max_len=24)
         enqueue(ds, run, tmp_path / "out", redis_url, *(["--prenorm"] if prenorm else []))
-        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
         st = store(redis_url, run)
         assert st.count(st.keys.done) == 4
@@ -301,7 +301,7 @@ def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_messa
         ds = tmp_path / "data.jsonl"
         write_synthetic(ds, 3, seed=43, min_len=4, max_len=12)
         enqueue(ds, run, tmp_path / "out", redis_url)
-        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         srv.stop()

@@ -16,12 +16,12 @@ import pytest
 
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
-from hsq.harness.procs import NullServer, worker_process
+from hsq.harness.procs import NullServer
 from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.check import checksum_matches, file_checksum
 from hsq.outputs.format import open_output
 from hsq.stfile.integrity import Digest
-from tests.helpers import enqueue, hsq, log_events, store, wait_until
+from tests.helpers import enqueue, hsq, log_events, spawn_worker, store, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_a_burst_worker_against_the_null_server(
     srv = null_server(tmp_path, "--max-tokens", "512")
     with srv:
         srv.wait_ready()
-        w = worker_process("nul", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker("nul", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
     done = log_events(tmp_path / "w.log", "sample_done")
     assert len(done) == 10
@@ -115,12 +115,12 @@ def test_a_woken_worker_does_not_replace_a_file_redone_by_another(
     try:
         sa.wait_ready()
         sb.wait_ready()
-        a = worker_process(
+        a = spawn_worker(
             "woke", sa.url, sa.dump_dir, redis_url, tmp_path / "a.log", "--burst", *fast
         )
         wait_until(lambda: httpx.get(sa.url + "/server_info").json()["requests_served"] == 1, 60)
         a.signal(signal.SIGSTOP)  # the dump is written; the answer comes in 4 s
-        b = worker_process(
+        b = spawn_worker(
             "woke", sb.url, sb.dump_dir, redis_url, tmp_path / "b.log", "--burst", *fast
         )
         # A's heartbeat expires (10 s), B's reaper takes A's job back, B does the sample.

@@ -21,10 +21,9 @@ from hsq import quant
 from hsq.dump.format import expected_shapes
 from hsq.dump.write import write_dump
 from hsq.errors import CorruptDumpError, NonFiniteDumpError
-from hsq.harness.procs import worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.states import FP8, LAST_TENSOR, scale_name, state_tensors
-from tests.helpers import enqueue, store
+from tests.helpers import enqueue, spawn_worker, store
 from tests.hostile import HIDDEN, LAYERS, HostileServer, meta_for, tensors_for
 
 Coded = dict[str, torch.Tensor]
@@ -77,7 +76,7 @@ def test_a_worker_refuses_server_made_fp8_dumps_that_break_verifys_rules(
         write_synthetic(ds, 6, seed=61, min_len=4, max_len=24)
         enqueue(ds, run, tmp_path / "out", redis_url, "--store-dtype", FP8,
                 "--max-attempts", "2")  # fmt: skip
-        w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         srv.stop()

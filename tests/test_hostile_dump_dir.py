@@ -25,9 +25,9 @@ from hsq.app.ops import verify
 from hsq.dump.format import DONE_FILE, META_FILE, TENSOR_FILE
 from hsq.dump.ready import READY_FILE, read_ready, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.procs import ReferenceServer, worker_process
+from hsq.harness.procs import ReferenceServer
 from hsq.harness.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, hsq, log_events, spawn_worker, start_worker, store, wait_until
 from tests.hostile import HostileServer, meta_for, once_per_sample, tensors_for
 
 Factory = Callable[..., ReferenceServer]
@@ -130,7 +130,7 @@ def test_a_fifo_as_the_tensor_file_fails_that_attempt_and_nothing_hangs(
     srv = HostileServer(tmp_path / "dumps", once_per_sample(fifo_tensors))
     try:
         enqueue(dataset(tmp_path, n, seed=72), "fifot", tmp_path / "out", redis_url)
-        w = worker_process("fifot", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker("fifot", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         srv.stop()
@@ -219,7 +219,7 @@ def test_a_stale_readiness_marker_does_not_vouch_for_a_server_that_never_dumps(
     write_ready(stale, replace(marker, pid=gone.pid))
     enqueue(dataset(tmp_path, n, seed=74), "stale", tmp_path / "out", redis_url,
             "--max-attempts", "1")  # fmt: skip
-    w = worker_process("stale", fresh.url, stale, redis_url, tmp_path / "w.log",
+    w = spawn_worker("stale", fresh.url, stale, redis_url, tmp_path / "w.log",
                        "--burst", "--inflight", "2", "--dump-timeout", "2")  # fmt: skip
     assert w.proc.wait(90) == 2, w.log_tail()
     assert "not from a live dump hook" in w.log_path.read_text()
@@ -361,7 +361,7 @@ def test_two_full_dumps_for_one_rid_fail_the_attempt_with_multiple_dumps(
     srv = HostileServer(tmp_path / "dumps", once_per_sample(two_full_dumps))
     try:
         enqueue(dataset(tmp_path, n, seed=77), "twice", tmp_path / "out", redis_url)
-        w = worker_process("twice", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
+        w = spawn_worker("twice", srv.url, srv.dump_dir, redis_url, tmp_path / "w.log", "--burst")
         assert w.proc.wait(120) == 0, w.log_tail()
     finally:
         srv.stop()

@@ -22,10 +22,9 @@ from hsq.harness.procs import (
     exporter_process,
     free_port,
     wait_http_ok,
-    worker_process,
 )
 from hsq.harness.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, store, wait_until
+from tests.helpers import enqueue, hsq, spawn_worker, store, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"
@@ -210,7 +209,7 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
     enqueue(ds, "mon", tmp_path / "out", redis_url, "--chunk-size", "4")
     wport, eport = free_port(), free_port()
     prom = prometheus(wport, eport)  # first, so it scrapes the whole run
-    worker = worker_process(
+    worker = spawn_worker(
         "mon",
         srv.url,
         srv.dump_dir,

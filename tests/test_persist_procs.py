@@ -16,6 +16,7 @@ import pytest
 
 from hsq.fsio import HOST
 from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
+from hsq.harness.spawner import installed
 from hsq.harness.synthetic import write_synthetic
 from hsq.workers.persist_work import WriteJob, decode_error, encode_error
 from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
@@ -33,7 +34,8 @@ def worker(run: str, srv: NullServer, redis_url: str, log: Path, *extra: str) ->
         "worker", "--run", run, "--server", srv.url, "--dump-dir", str(srv.dump_dir), *extra
     )
     # Its own process group: a SIGSTOP of the group stops the persist processes too.
-    return ManagedProcess(argv, log, env={"HSQ_REDIS_URL": redis_url}, new_session=True)
+    env = {"HSQ_REDIS_URL": redis_url}
+    return ManagedProcess(argv, log, env=env, new_session=True, spawner=installed())
 
 
 def temps_of(root: Path, pid: int) -> list[Path]:

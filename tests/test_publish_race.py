@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
+from hsq.harness.spawner import installed
 from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.check import checksum_matches
 from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
@@ -56,7 +57,8 @@ def worker(
         "worker", "--run", run, "--server", srv.url, "--dump-dir", str(srv.dump_dir), *extra
     )
     # Its own process group: a SIGSTOP of the group stops its persist processes too.
-    return ManagedProcess(argv, log, env={"HSQ_REDIS_URL": redis_url, **env}, new_session=True)
+    env = {"HSQ_REDIS_URL": redis_url, **env}
+    return ManagedProcess(argv, log, env=env, new_session=True, spawner=installed())
 
 
 @pytest.mark.timeout(500)

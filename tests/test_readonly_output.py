@@ -18,10 +18,9 @@ import pytest
 
 from hsq import errors
 from hsq.fsio import write_durably
-from hsq.harness.procs import worker_process
 from hsq.harness.synthetic import write_synthetic
 from hsq.workers.policy import Kind, Pause, classify
-from tests.helpers import enqueue, log_events, store, wait_until
+from tests.helpers import enqueue, log_events, spawn_worker, store, wait_until
 from tests.hostile import HostileServer
 
 
@@ -81,7 +80,7 @@ def test_a_worker_pauses_on_a_read_only_output_as_such_and_finishes_once_writabl
     (out / run).mkdir(parents=True, exist_ok=True)
     remount(mnt, "ro")
     srv = HostileServer(tmp_path / "dumps")
-    w = worker_process(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log")
+    w = spawn_worker(run, srv.url, srv.dump_dir, redis_url, tmp_path / "w.log")
     try:
         wait_until(lambda: bool(log_events(w.log_path, "sample_handed_back")), timeout=180)
         remount(mnt, "rw")

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 
 from hsq.app.cli import cli
 from hsq.errors import StoreError
-from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port, worker_process
+from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port
 from hsq.harness.synthetic import write_synthetic
 from hsq.redisurl import RedisTls
 from hsq.store import connect
-from tests.helpers import hsq
+from tests.helpers import hsq, spawn_worker
 
 Factory = Callable[..., ReferenceServer]
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_a_whole_run_over_tls_as_the_least_privileged_acl_user(
     server = server_factory(name="tlssrv").wait_ready()
     query = (f"?ssl_ca_certs={d}/ca.crt&ssl_certfile={d}/client.crt"
              f"&ssl_keyfile={d}/client.key")  # fmt: skip
-    w = worker_process("tls", server.url, server.dump_dir, url + query, tmp_path / "w.log",
+    w = spawn_worker("tls", server.url, server.dump_dir, url + query, tmp_path / "w.log",
                        "--burst", "--name", "tls-w")  # fmt: skip
     assert w.proc.wait(180) == 0, w.log_tail()
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from hsq.closeness import closeness
-from hsq.harness.procs import FakeVllmServer, ManagedProcess, worker_process
+from hsq.harness.procs import FakeVllmServer, ManagedProcess
 from hsq.harness.synthetic import write_synthetic
 from hsq.harness.tinymodel import build
 from hsq.outputs.format import open_output
-from tests.helpers import enqueue, hsq, store
+from tests.helpers import enqueue, hsq, spawn_worker, store
 
 LAYERS = (4, 2, 5)  # tiny: L = 8; deliberately not ascending
 
@@ -56,7 +56,7 @@ def start_worker(
     tmp_path: Path, run: str, srv: FakeVllmServer, redis_url: str, *extra: str
 ) -> ManagedProcess:
     log = tmp_path / f"worker-{run}.log"
-    return worker_process(run, srv.url, srv.dump_dir, redis_url, log, "--name", "w", *extra)
+    return spawn_worker(run, srv.url, srv.dump_dir, redis_url, log, "--name", "w", *extra)
 
 
 def hf_states(model: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from hsq.errors import HsqError
-from hsq.harness.procs import ManagedProcess
+from hsq.harness.procs import ManagedProcess, NullServer, worker_process
 from hsq.harness.spawner import FRESH, Spawner, ZygoteSpawner
-from tests.helpers import state, wait_until
+from hsq.harness.synthetic import write_synthetic
+from tests.helpers import children, enqueue, log_events, state, store, wait_until
 
 TESTS = Path(__file__).resolve().parent
 INHERITED = (
@@ -229,3 +230,98 @@ def test_what_the_zygote_cannot_start_as_a_fresh_start_would_is_started_fresh(
     script = ManagedProcess([sys.executable, "-c", "pass"], tmp_path / "c.log", spawner=light)
     assert script.spawned_by == "fresh" and script.proc.wait(60) == 0
     assert light.starts == {"zygote": 1, "fresh": 2}
+
+
+def test_run_captures_stdout_and_stderr_apart_as_subprocess_run_does(
+    light: ZygoteSpawner, tmp_path: Path
+) -> None:
+    """ZygoteSpawner.run (tests/helpers.py's `hsq()`): the same CompletedProcess as
+    subprocess.run with capture_output, text and stdin DEVNULL, the child forked here."""
+    argv = [sys.executable, "-m", "zygote_probe", "speak", "5"]
+    env = {**os.environ, "HSQ_PROBE": "1"}
+    want = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, env=env
+    )
+    got = light.run(argv, env, 60)
+    assert light.starts == {"zygote": 1, "fresh": 0}
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert got.returncode == 5 and got.stdout.startswith("out: one\nout: two \u00e9\n")
+    assert "stdin: ''" in got.stdout and got.stderr == "err: one\nerr: two\n"
+    seen = tmp_path / "state.json"
+    assert (
+        light.run([sys.executable, "-m", "zygote_probe", "state", str(seen)], env, 60).returncode
+        == 0
+    )
+    stdin, stdout, stderr = json.loads(seen.read_text())["std"]
+    assert stdin == os.devnull and stdout != stderr
+    # What the zygote cannot start as a fresh start would is run fresh, with the same result.
+    fresh = light.run(argv, {**env, "OMP_NUM_THREADS": "1"}, 60)
+    assert (fresh.returncode, fresh.stdout, fresh.stderr) == (5, want.stdout, want.stderr)
+    assert light.starts == {"zygote": 2, "fresh": 0}  # subprocess.run, not spawn
+
+
+def test_run_kills_a_child_past_its_timeout_as_subprocess_run_does(light: ZygoteSpawner) -> None:
+    with pytest.raises(subprocess.TimeoutExpired):
+        light.run([sys.executable, "-m", "zygote_probe", "sleep"], dict(os.environ), 0.5)
+    assert light.starts["zygote"] == 1
+    assert light.pid is not None and children(light.pid) == []  # killed and reaped
+    out = light.run([sys.executable, "-m", "zygote_probe", "exit", "0"], dict(os.environ), 60)
+    assert out.returncode == 0  # the zygote serves on
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["fresh", "zygote"])
+def test_a_forked_worker_behaves_as_a_fresh_one_under_its_signals(
+    kind: str, full: ZygoteSpawner, redis_url: str, tmp_path: Path
+) -> None:
+    """`hsq worker` forked from the zygote (as tests/helpers.py's start_worker starts it)
+    against a real null server and Redis: it does the run with its persist processes
+    (fresh execs of its own), SIGSTOP stops it and SIGCONT resumes it, SIGTERM ends it
+    with exit 0 after `worker_stopped`; another dies by SIGKILL with -9. A fresh one the
+    same."""
+    spawner: Spawner = full if kind == "zygote" else FRESH
+    n = 30
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, n, seed=5, min_len=16, max_len=96)
+    enqueue(ds, "zw", tmp_path / "out", redis_url)
+    srv = NullServer(tmp_path / "dumps", tmp_path / "srv.log", spawner=full).wait_ready()
+    st = store(redis_url, "zw")
+    workers: list[ManagedProcess] = []
+    try:
+        log = tmp_path / "w.log"
+        w = worker_process(
+            "zw", srv.url, srv.dump_dir, redis_url, log, "--persist-procs", "1", spawner=spawner
+        )
+        workers.append(w)
+        assert w.spawned_by == kind
+        wait_until(lambda: st.counts().done == n or not w.alive(), 120)
+        assert w.alive(), w.log_tail()
+        persist = [c for c in children(w.pid) if "hsq.workers.persist_procs" in _cmdline(c)]
+        assert len(persist) == 1, w.log_tail()
+        w.signal(signal.SIGSTOP)
+        wait_until(lambda: state(w.pid) in ("T", "t"), 30, 0.02)
+        w.signal(signal.SIGCONT)
+        wait_until(lambda: state(w.pid) not in ("T", "t"), 30, 0.02)
+        w.signal(signal.SIGTERM)
+        assert w.proc.wait(60) == 0, w.log_tail()
+        assert len(log_events(log, "worker_stopped")) == 1
+        wait_until(lambda: all(state(c) in ("", "Z", "X") for c in persist), 30, 0.05)
+        killed = worker_process(
+            "zw", srv.url, srv.dump_dir, redis_url, tmp_path / "k.log", spawner=spawner
+        )
+        workers.append(killed)
+        wait_until(lambda: bool(log_events(killed.log_path, "worker_started")), 60)
+        killed.proc.kill()
+        assert killed.proc.wait(60) == -signal.SIGKILL
+    finally:
+        for p in workers:
+            p.stop()
+        srv.stop()
+    assert st.counts().done == n

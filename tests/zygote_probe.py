@@ -4,6 +4,8 @@ state FILE   write what a process inherits (argv, env, cwd, descriptors, signals
              seeds, ...) to FILE as JSON, then exit 0
 exit N       exit with status N
 raise        raise an uncaught exception (the interpreter's exit 1 and traceback)
+speak N      write lines to stdout and to stderr (a CRLF and a non-ASCII character among
+             them), what stdin holds to stdout, then exit with status N
 sleep        print "sleeping" and wait for a signal
 """
 
@@ -90,6 +92,12 @@ def main() -> None:
         with open(sys.argv[2], "w") as f:
             json.dump(seen, f)
     elif mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    elif mode == "speak":
+        print("out: one\r\nout: two \u00e9")
+        print("err: one", file=sys.stderr)
+        print(f"stdin: {sys.stdin.read()!r}")
+        print("err: two", file=sys.stderr)
         sys.exit(int(sys.argv[2]))
     elif mode == "raise":
         raise RuntimeError("the probe raised")

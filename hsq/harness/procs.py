@@ -131,7 +131,10 @@ def wait_http_ok(url: str, proc: ManagedProcess, timeout: float = 120.0) -> None
 
 class DumpServer(ManagedProcess):
     """A server that writes dumps, as a child process on a free port; `module` is what
-    `python -m` runs (it takes --dump-dir and --port)."""
+    `python -m` runs (it takes --dump-dir and --port). ``spawner`` None: the installed one
+    (hsq.harness.spawner: the tests' zygote; a fresh exec where none is, as in `hsq run`,
+    `hsq demo` and the benchmarks); `spawner=FRESH` asks for a fresh exec whatever is
+    installed."""
 
     module: tuple[str, ...] = ()
 
@@ -156,7 +159,7 @@ class DumpServer(ManagedProcess):
             log_path,
             env,
             parent_death_signal=parent_death_signal,
-            spawner=spawner,
+            spawner=spawner or installed(),
         )
 
     def wait_ready(self, timeout: float = 120.0) -> Self:
@@ -166,9 +169,7 @@ class DumpServer(ManagedProcess):
 
 class ReferenceServer(DumpServer):
     """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
-    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules).
-    ``spawner`` None: the installed one (hsq.harness.spawner: the tests' zygote), else a
-    fresh exec; `spawner=FRESH` asks for a fresh exec whatever is installed."""
+    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
 
     module = ("hsq", "serve-reference")
 
@@ -192,7 +193,7 @@ class ReferenceServer(DumpServer):
             args=[*extra, *args],
             env=env,
             parent_death_signal=parent_death_signal,
-            spawner=spawner or installed(),
+            spawner=spawner,
         )
 
 
@@ -297,9 +298,11 @@ def worker_process(
     *extra: str,
     prefix: Sequence[str] = (),
     parent_death_signal: int | None = None,
+    spawner: Spawner | None = None,
 ) -> ManagedProcess:
     """`hsq worker` for one server; `prefix` runs it elsewhere (e.g. `ip netns exec NS`).
-    The Redis URL (a password) goes in the environment, never on the command line."""
+    The Redis URL (a password) goes in the environment, never on the command line.
+    ``spawner``: a fresh exec unless given (the tests pass their zygote's)."""
     argv = hsq_command(
         "worker", "--run", run, "--server", server_url, "--dump-dir", str(dump_dir), *extra
     )
@@ -308,6 +311,7 @@ def worker_process(
         log_path,
         env={"HSQ_REDIS_URL": redis_url},
         parent_death_signal=parent_death_signal,
+        spawner=spawner,
     )
 
 

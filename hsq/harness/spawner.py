@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import locale
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from hsq.errors import HsqError
 
@@ -44,6 +46,8 @@ zygote's in these. hsq's settings; pytest's per-test name; two that a test proce
 on itself while it runs (torch, to the default it computes, once inductor asks for its
 cache dir; hsq.producer.tokenize). Any other difference (a PYTHON*, OMP_*, TORCH_* ...
 that an import may have read) makes the start a fresh one, noted in the zygote's log."""
+BASE_EXTRA = {"PYTHONUNBUFFERED": "1"}
+"""What the zygote's environment has beyond this process's (as ManagedProcess hands it on)."""
 READY_TIMEOUT = 300.0
 ANSWER_TIMEOUT = 60.0
 
@@ -70,10 +74,12 @@ class ChildProcess(Protocol):
 class SpawnRequest:
     argv: list[str]
     log_path: Path
+    """The child's stdout, and its stderr unless `stderr_path` is given."""
     env: dict[str, str]
     """The child's whole environment."""
     new_session: bool = False
     parent_death_signal: int | None = None
+    stderr_path: Path | None = None
 
 
 class Spawner(Protocol):
@@ -88,11 +94,12 @@ class FreshSpawner:
     name = "fresh"
 
     def spawn(self, req: SpawnRequest) -> ChildProcess:
-        with open(req.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+        # The child keeps its own copies of the descriptors.
+        with open(req.log_path, "ab") as log, _stderr_file(req) as err:
             return subprocess.Popen(
                 req.argv,
                 stdout=log,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT if err is None else err,
                 env=req.env,
                 start_new_session=req.new_session,
                 preexec_fn=None
@@ -102,6 +109,15 @@ class FreshSpawner:
 
 
 FRESH = FreshSpawner()
+
+
+@contextlib.contextmanager
+def _stderr_file(req: SpawnRequest) -> Iterator[BinaryIO | None]:
+    if req.stderr_path is None:
+        yield None
+        return
+    with open(req.stderr_path, "ab") as err:
+        yield err
 
 
 def on_parent_death(sig: int) -> Callable[[], None]:
@@ -222,7 +238,7 @@ class ZygoteSpawner:
             if self._control is None:
                 # This process's environment, as ManagedProcess hands it on: not the
                 # first request's, whose extra variables the imports would read.
-                self._start({**os.environ, "PYTHONUNBUFFERED": "1"})
+                self._start({**os.environ, **BASE_EXTRA})
             differ = _env_differences(self._base_env, req.env)
             if differ:
                 self._note(f"fresh start of {req.argv[:4]}: the environment differs in {differ}")
@@ -240,8 +256,8 @@ class ZygoteSpawner:
                 "pdeathsig": req.parent_death_signal,
             }
             try:
-                with open(req.log_path, "ab") as log:
-                    fds = [theirs.fileno(), log.fileno()]
+                with open(req.log_path, "ab") as log, _stderr_file(req) as err:
+                    fds = [theirs.fileno(), log.fileno(), *([] if err is None else [err.fileno()])]
                     socket.send_fds(self._control, [json.dumps(request).encode()], fds)
             except OSError as exc:
                 ours.close()
@@ -250,6 +266,44 @@ class ZygoteSpawner:
                 theirs.close()
             self.starts["zygote"] += 1
         return ForkedChild(req.argv, ours)
+
+    def run(
+        self, argv: list[str], env: Mapping[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """`subprocess.run(argv, capture_output=True, text=True, stdin=DEVNULL, env=env,
+        timeout=timeout)`, the child forked here where it can be: stdout and stderr apart,
+        the exit code (-N for a signal), TimeoutExpired after killing it. The child's
+        environment gains PYTHONUNBUFFERED=1 (the zygote's streams are unbuffered anyway;
+        the output, captured whole, is the same)."""
+        child_env = {**env, "PYTHONUNBUFFERED": "1"}
+        if not self.forks(argv, child_env):
+            return subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+                env=dict(env),
+            )
+        with tempfile.TemporaryDirectory(prefix="hsq-spawn-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            child = self.spawn(SpawnRequest(argv, out, child_env, stderr_path=err))
+            try:
+                rc = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                raise subprocess.TimeoutExpired(
+                    argv, timeout, output=_text(out), stderr=_text(err)
+                ) from None
+            return subprocess.CompletedProcess(argv, rc, _text(out), _text(err))
+
+    def forks(self, argv: list[str], env: Mapping[str, str]) -> bool:
+        """Whether spawn would fork `argv` with `env` here (else it starts it fresh)."""
+        if _module_of(argv) is None or self._closed.is_set():
+            return False
+        base = self._base_env if self._control is not None else {**os.environ, **BASE_EXTRA}
+        return not _env_differences(base, dict(env))
 
     def _note(self, line: str) -> None:
         with open(self.log_path, "a") as log:
@@ -349,6 +403,12 @@ def _umask() -> int:
         if line.startswith("Umask:"):
             return int(line.split()[1], 8)
     return 0o022
+
+
+def _text(path: Path) -> str:
+    """A captured stream as subprocess.run(text=True) decodes it (universal newlines)."""
+    data = path.read_bytes().decode(locale.getpreferredencoding(False))
+    return data.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _tail(path: Path, n: int = 30) -> str:

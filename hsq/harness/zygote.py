@@ -1,6 +1,8 @@
 """The zygote: a process that has imported torch, transformers and the reference server
 once, and forks `python -m MODULE ARGS` children on request (fork without exec), so a
-test session pays those imports (about 7 s of CPU) once instead of at every server start.
+test session pays those imports (about 7 s of CPU) once instead of at every server start;
+and hsq's worker and commands, whose start (about 0.6-0.9 s of CPU, mostly imports) the
+tests pay hundreds of times.
 
 Run by hsq.harness.spawner (the client side, which decides what may start here); not a
 product command: `hsq run` and `hsq demo` start their servers fresh
@@ -8,8 +10,9 @@ product command: `hsq run` and `hsq demo` start their servers fresh
 
 Protocol, over the SOCK_SEQPACKET socket inherited as --fd: the zygote sends
 {"ready": true, "pid": N} once its imports are done; each request is one JSON message
-{"module", "args", "env", "cwd", "umask", "new_session", "pdeathsig"} carrying two
-descriptors (SCM_RIGHTS): a status socket and the child's log file. On the status socket
+{"module", "args", "env", "cwd", "umask", "new_session", "pdeathsig"} carrying two or
+three descriptors (SCM_RIGHTS): a status socket, then the child's log file (its stdout and
+stderr both), or its stdout and its stderr apart. On the status socket
 the zygote answers {"pid": N} (or {"error": ...}), then {"returncode": RC} (Popen's
 convention: -N for a signal) once it has reaped the child. EOF on the control socket
 (the client closed it, or died) ends the zygote.
@@ -43,8 +46,17 @@ PRELOAD = (
     "hsq.sglang_server.reference.app",
     "hsq.app.cli",
     "hsq.app.commands.serve",
+    "hsq.workers.worker",
+    "hsq.app.commands.admin",
+    "hsq.app.commands.export",
+    "hsq.app.commands.produce",
+    "hsq.app.commands.recover",
+    "hsq.app.commands.status",
+    "hsq.app.commands.verify",
 )
-"""What `hsq serve-reference` imports, loaded before the first fork."""
+"""What `hsq serve-reference`, `hsq worker` and the commands the tests run import (each
+command's module imports the rest of its code when it runs), loaded before the first
+fork. Imports only: none of these starts a thread or opens a connection at import."""
 PRELOAD_NAMES = ("AutoConfig", "AutoModel", "LlamaConfig", "LlamaModel", "MODEL_MAPPING")
 """transformers' lazy attributes the reference model uses: each resolves a submodule."""
 MAX_MESSAGE = 1 << 20
@@ -122,33 +134,35 @@ class Zygote:
     def _take_request(self) -> bool:
         """One request from the control socket; False at EOF (the client is gone)."""
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.control, MAX_MESSAGE, 2)
+            data, fds, _flags, _addr = socket.recv_fds(self.control, MAX_MESSAGE, 3)
         except InterruptedError:
             return True
         if not data and not fds:
             return False
-        if len(fds) != 2:
+        if len(fds) not in (2, 3):
             for fd in fds:
                 os.close(fd)
             return True  # no status socket to answer on: a broken client
         status = socket.socket(fileno=fds[0])
-        log_fd = fds[1]
+        out_fd, err_fd = fds[1], fds[-1]  # one log for both, or stdout and stderr apart
         try:
             request = json.loads(data)
             pid = os.fork()
         except Exception as exc:  # a bad request or a failed fork: this request fails
             _send(status, {"error": f"{type(exc).__name__}: {exc}"})
             status.close()
-            os.close(log_fd)
+            for fd in fds[1:]:
+                os.close(fd)
             return True
         if pid == 0:
-            self._become(request, log_fd)  # never returns
-        os.close(log_fd)
+            self._become(request, out_fd, err_fd)  # never returns
+        for fd in fds[1:]:
+            os.close(fd)
         self.children[pid] = status
         _send(status, {"pid": pid})
         return True
 
-    def _become(self, request: dict[str, Any], log_fd: int) -> None:
+    def _become(self, request: dict[str, Any], out_fd: int, err_fd: int) -> None:
         """In the forked child: the state a fresh `python -m MODULE ARGS` would have, then
         run MODULE as __main__ and exit as the interpreter would."""
         code = 1
@@ -163,7 +177,7 @@ class Zygote:
                 _prctl(PR_SET_PDEATHSIG, int(request["pdeathsig"]))
                 if os.getppid() != self.pid:  # the zygote died before the prctl took
                     os.kill(os.getpid(), int(request["pdeathsig"]))
-            self._own_descriptors(log_fd)
+            self._own_descriptors(out_fd, err_fd)
             os.chdir(request["cwd"])
             os.umask(int(request["umask"]))
             os.environ.clear()
@@ -180,9 +194,9 @@ class Zygote:
         finally:
             _finish(code)
 
-    def _own_descriptors(self, log_fd: int) -> None:
-        """stdin /dev/null, stdout and stderr the log, every other descriptor closed (as
-        Popen's close_fds leaves a child)."""
+    def _own_descriptors(self, out_fd: int, err_fd: int) -> None:
+        """stdin /dev/null, stdout and stderr the files given, every other descriptor
+        closed (as Popen's close_fds leaves a child)."""
         self.selector.close()
         for sock in (self.control, *self.children.values()):
             sock.close()
@@ -191,8 +205,8 @@ class Zygote:
             os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
 
 
