@@ -1,9 +1,11 @@
 """Where a ManagedProcess's child comes from: a fresh exec (subprocess.Popen), or a fork of
 a zygote that has imported torch and transformers once (hsq.harness.zygote).
 
-The tests install a ZygoteSpawner for their session (tests/conftest.py); ReferenceServer
-uses the installed one. Nothing else does: `hsq run`, `hsq demo` and the benchmarks start
-every server fresh. HSQ_TEST_SPAWNER=fresh turns the zygote off for a whole test run.
+The tests install a ZygoteSpawner for their session (tests/conftest.py); the dump servers
+(hsq.harness.procs.DumpServer: reference, null, fake vLLM) use the installed one, and the
+tests' helpers pass it for `hsq worker` and run their `hsq` commands through
+ZygoteSpawner.run. Nothing else installs one: `hsq run`, `hsq demo` and the benchmarks
+start every process fresh. HSQ_TEST_SPAWNER=fresh turns the zygote off for a test run.
 
 A forked child is the zygote's child, not this process's: ForkedChild gives what Popen
 gives (pid, poll, wait with the exit code, signals) from the status the zygote reports
