@@ -207,6 +207,12 @@ def run_case(
         "exit_s": round(t_exit - t_last, 3),
         "redis_cmds_per_sample": round(calls / len(done), 2),
         "worker_peak_rss_mb": stopped[0].get("peak_rss_mb") if stopped else None,
+        # The worker's own interpreter, its persist processes not counted: the serial part.
+        "worker_own_cpu_ms_per_sample": (
+            round(float(stopped[0]["cpu_s"]) * 1e3 / len(done), 2)
+            if stopped and "cpu_s" in stopped[0]
+            else None
+        ),
         "stage_median_ms": stages,
     }
 
