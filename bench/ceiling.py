@@ -147,7 +147,8 @@ def run_case(
     if profile is not None:  # py-spy samples the worker: collapsed stacks, one file per run
         profile.mkdir(parents=True, exist_ok=True)
         spy = shutil.which("py-spy") or str(Path(argv[0]).with_name("py-spy"))
-        rec = [spy, "record", "--format", "raw", "--rate", "250", "--threads"]
+        rate = os.environ.get("HSQ_PROFILE_RATE", "250")
+        rec = [spy, "record", "--format", "raw", "--rate", rate, "--threads"]
         rec += ["--gil"] if os.environ.get("HSQ_PROFILE_GIL") == "1" else []
         argv = [*rec, "-o", str(profile / f"{run}.txt"), "--", *argv]
     c0 = redis_calls(client)

@@ -91,7 +91,10 @@ case "$mode" in
       --procs 8 --long-samples 200 --long-inflight 8 --disk-mb 0 --out-root "$DISK" \
       --label fp8-long-disk
     phase node 150 bench.node --null --workers 8 --shape 8b --workload long \
-      --samples-per-worker 20 --inflight 4 --disk-mb 2048 --out-root "$DISK" ;;
+      --samples-per-worker 20 --inflight 4 --disk-mb 2048 --out-root "$DISK"
+    phase short-prof 80 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 1500 --short-inflight 32 --disk-mb 0 --out-root "$SHM" \
+      --profile "$OUT/prof" --label short-tmpfs-profiled ;;
   --small)
     PY=.venv/bin/python
     phase ceiling 600 bench.ceiling --small --procs 0,2 --short-samples 60 --long-samples 6 \
@@ -128,7 +131,7 @@ if [ "$mode" != --small ] && [ -z "${NO_INSTALL:-}" ]; then  # NO_INSTALL=1: a r
     export PATH="$PWD/$LIVE/bin:$PATH"
   fi
 fi
-export PYTHONUNBUFFERED=1 HSQ_PROFILE_GIL=${HSQ_PROFILE_GIL:-1}
+export PYTHONUNBUFFERED=1 HSQ_PROFILE_GIL=${HSQ_PROFILE_GIL:-1} HSQ_PROFILE_RATE=${HSQ_PROFILE_RATE:-100}
 say "python $("$PY" -c 'import sys, torch, hsq; print(sys.version.split()[0], "torch", torch.__version__, "hsq", hsq.__version__)'), $(nproc) cpus, redis $(redis-server --version | cut -d' ' -f3), plan $mode"
 df -h "$DISK" "$SHM" 2>/dev/null | sed 's/^/[gpu_bench.sh] /' || true
 
