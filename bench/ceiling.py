@@ -147,7 +147,8 @@ def run_case(
     if profile is not None:  # py-spy samples the worker: collapsed stacks, one file per run
         profile.mkdir(parents=True, exist_ok=True)
         spy = shutil.which("py-spy") or str(Path(argv[0]).with_name("py-spy"))
-        rec = [spy, "record", "--format", "raw", "--rate", "250", "--threads"]
+        rate = os.environ.get("HSQ_PROFILE_RATE", "250")
+        rec = [spy, "record", "--format", "raw", "--rate", rate, "--threads"]
         rec += ["--gil"] if os.environ.get("HSQ_PROFILE_GIL") == "1" else []
         argv = [*rec, "-o", str(profile / f"{run}.txt"), "--", *argv]
     c0 = redis_calls(client)
@@ -207,6 +208,12 @@ def run_case(
         "exit_s": round(t_exit - t_last, 3),
         "redis_cmds_per_sample": round(calls / len(done), 2),
         "worker_peak_rss_mb": stopped[0].get("peak_rss_mb") if stopped else None,
+        # The worker's own interpreter, its persist processes not counted: the serial part.
+        "worker_own_cpu_ms_per_sample": (
+            round(float(stopped[0]["cpu_s"]) * 1e3 / len(done), 2)
+            if stopped and "cpu_s" in stopped[0]
+            else None
+        ),
         "stage_median_ms": stages,
     }
 

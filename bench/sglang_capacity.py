@@ -134,6 +134,11 @@ class Capacity:
         }
         self.res: dict[str, Any] = {w: {} for w in lens}
 
+    def save(self) -> None:
+        """The figures so far (a run cut short by its time limit keeps its rows)."""
+        if self.a.json:
+            Path(self.a.json).write_text(json.dumps(self.res, indent=1))
+
     def _row(self, url: str, w: str, k: int) -> dict[str, Any]:
         secs = asyncio.run(_load(url, self.seqs[w], k))
         toks = sum(map(len, self.seqs[w]))
@@ -151,12 +156,14 @@ class Capacity:
             self.workloads[w] = best["k"]
             self.res[w]["sglang_no_hook"] = best
             self.res[w]["sglang_no_hook_by_k"] = rows
+            self.save()
 
     def measure(self, label: str, url: str) -> None:
         for w, k in self.workloads.items():
             self.res[w][label] = r = self._row(url, w, k)
             print(f"[capacity] {label} {w}: {r['tok_s']:,} tok/s (K={k}, {r['seconds']} s)",
                   flush=True)  # fmt: skip
+            self.save()
 
     def end_to_end(self, server: SGLangServer, redis: RedisServer) -> None:
         assert server.dump_dir is not None
@@ -183,6 +190,8 @@ class Capacity:
                                       timeout=600).returncode  # fmt: skip
             rate = {**steady_rate(wlog), "wall_s": round(time.monotonic() - t, 1), "exit": code}
             self.res[w]["hsq"] = rate
+            print(f"[capacity] hsq {w}: {rate}", flush=True)
+            self.save()
             shutil.rmtree(self.out / run, ignore_errors=True)
 
     def run(self) -> dict[str, Any]:

@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# gpu_bench.sh [--prepare | --dry-run | --small]: issue 35's worker benchmarks in one call on
-# the GPU machine (16 cores; the GPU itself is not used: null-model servers), results as JSON
-# in $OUT. About 200 s in all, each phase bounded (ceiling 150 s, node 75 s).
+# gpu_bench.sh [--prepare | --dry-run | --small | PLAN]: issue 35's worker benchmarks on the
+# GPU machine (16 cores; the GPU itself is not used: null-model servers), results as JSON in
+# $OUT. Each phase is bounded by `timeout`.
 #
-#   here, once:   scripts/gpu_bench.sh --prepare     # fills the ignored .live/ (~12 MB)
-#   device call:  run(command="bash scripts/gpu_bench.sh", carry=[".live"], timeout_s=280)
+#   here, once:   scripts/gpu_bench.sh --prepare     # fills the ignored .live/ (~20 MB)
+#   device call:  run(command="bash scripts/gpu_bench.sh bf16", carry=[".live"], timeout_s=600)
 #
-# Phases: (1) python -m bench.ceiling, 8B shape, short (64-512) and long (1024-4096) samples,
-# bf16 / fp8 quantized by the worker / fp8 made by the server, each with --persist-procs 0
-# and 8, then the disk probe (targets: >= 400 samples/s short and >= 0.9 of the disk's best
-# on long, bf16); (2) python -m bench.node --null: 8 null servers and 8 workers writing to
-# one disk, bf16 and server-made fp8 (target >= 0.9 of the disk's best).
-# Writes $OUT/ceiling.json, $OUT/node.json and each phase's log ($OUT/*.log).
+# Plans (one device call each, ~300 s):
+#   run (default)  the first round's: bench.ceiling (8B, short and long, bf16 / fp8 by the
+#                  worker / fp8 by the server, --persist-procs 0 and 8, disk probe), then
+#                  bench.node --null (8 null servers and 8 workers, bf16 and server fp8).
+#   bf16           the worker's ceiling, bf16: short samples with the outputs on tmpfs (the
+#                  worker's own limit: 400 short samples/s of the 8B shape are 3.8 GB/s, past
+#                  any one disk here), K 16 / 32 / 64, one run sampled by py-spy (GIL holders),
+#                  short on the disk, long on the disk with --persist-procs 0 and 8, and the
+#                  disk's best durable rate in the same run (targets: >= 400 samples/s short,
+#                  >= 0.9 of the disk's best on long).
+#   fp8node        fp8 by the worker and by the server (short on tmpfs, long on the disk, 8
+#                  persist processes), then a node: 8 null servers and 8 workers on one disk,
+#                  bf16 and server fp8, with the disk probe (target >= 0.9 of the disk's best).
+# Writes $OUT/<phase>.json and each phase's log ($OUT/<phase>.log).
 #
 # .live/ holds what the base image lacks (it has torch, numpy, safetensors, transformers,
 # httpx): the bundle's wheels of hsq's other dependencies (from $WH, the SGLang wheelhouse of
-# scripts/sglang_wheelhouse.sh), Debian's redis-server with its libraries, and two pure-Python
-# packages the bundle has no wheel of (prometheus_client, tqdm), copied from .venv.
+# scripts/sglang_wheelhouse.sh), Debian's redis-server with its libraries, two pure-Python
+# packages the bundle has no wheel of (prometheus_client, tqdm), copied from .venv, and
+# py-spy (a static binary) when .venv has it.
 # --small: CPU-machine sizes with this checkout's .venv, nothing installed (a rehearsal).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +36,8 @@ SITE=${SITE:-/tmp/hsq-bench-site}
 say() { printf '[gpu_bench.sh] %s\n' "$*"; }
 die() { say "$*" >&2; exit 2; }
 mode=${1:-run}
+dry=0
+if [ "$mode" = --dry-run ]; then dry=1; mode=${2:-run}; fi
 
 if [ "$mode" = --prepare ]; then
   [ -d "$WH/wheels" ] || die "no $WH/wheels (WH=... the SGLang wheelhouse)"
@@ -42,32 +53,70 @@ if [ "$mode" = --prepare ]; then
     cp -r "$src" "$LIVE/site/"
   done
   find "$LIVE/site" -name __pycache__ -prune -exec rm -rf {} +
+  if [ -x .venv/bin/py-spy ]; then mkdir -p "$LIVE/bin" && cp .venv/bin/py-spy "$LIVE/bin/"; fi
   say "prepared $LIVE ($(du -sh "$LIVE" | cut -f1)); carry it: carry=[\"$LIVE\"]"
   exit 0
 fi
 
-CEIL=(--shapes 8b --procs 0,8 --short-samples 800 --long-samples 100 --disk-mb 1024
-      --out-root "${OUT_DISK:-/root}" --label h200-issue35)
-NODE=(--null --workers 8 --shape 8b --workload long --samples-per-worker 12 --inflight 4
-      --disk-mb 512 --out-root "${OUT_DISK:-/root}")
-T_CEIL=${T_CEIL:-150} T_NODE=${T_NODE:-75}
+DISK=${OUT_DISK:-/root}
+SHM=${OUT_SHM:-/dev/shm}
+C8=(--shapes 8b --persist-threads 8)
+# Each phase: NAME SECONDS ARGS... (a python -m module and its arguments).
+PHASES=()
+phase() { PHASES+=("$*"); }
+case "$mode" in
+  run)
+    phase ceiling 150 bench.ceiling "${C8[@]}" --procs 0,8 --short-samples 800 --long-samples 100 \
+      --disk-mb 1024 --out-root "$DISK" --label h200-issue35
+    phase node 75 bench.node --null --workers 8 --shape 8b --workload long \
+      --samples-per-worker 12 --inflight 4 --disk-mb 512 --out-root "$DISK" ;;
+  bf16)
+    phase short-shm 110 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 0,8 \
+      --short-samples 4000 --short-inflight 32 --disk-mb 0 --out-root "$SHM" --label short-tmpfs-k32
+    phase short-shm-k16 40 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 3000 --short-inflight 16 --disk-mb 0 --out-root "$SHM" --label short-tmpfs-k16
+    phase short-shm-k64 40 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 3000 --short-inflight 64 --disk-mb 0 --out-root "$SHM" --label short-tmpfs-k64
+    phase short-prof 40 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 2000 --short-inflight 32 --disk-mb 0 --out-root "$SHM" \
+      --profile "$OUT/prof" --label short-tmpfs-profiled
+    phase disk 150 bench.ceiling "${C8[@]}" --dtypes bf16 --procs 0,8 --short-samples 1000 \
+      --short-inflight 32 --long-samples 150 --long-inflight 8 --disk-mb 2048 \
+      --out-root "$DISK" --label disk ;;
+  fp8node)
+    phase fp8-short 70 bench.ceiling "${C8[@]}" --workloads short --dtypes fp8-e4m3,fp8-server \
+      --procs 8 --short-samples 3000 --short-inflight 32 --disk-mb 0 --out-root "$SHM" \
+      --label fp8-short-tmpfs
+    phase fp8-long 70 bench.ceiling "${C8[@]}" --workloads long --dtypes fp8-e4m3,fp8-server \
+      --procs 8 --long-samples 200 --long-inflight 8 --disk-mb 0 --out-root "$DISK" \
+      --label fp8-long-disk
+    phase node 150 bench.node --null --workers 8 --shape 8b --workload long \
+      --samples-per-worker 20 --inflight 4 --disk-mb 2048 --out-root "$DISK"
+    phase short-prof 80 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 1500 --short-inflight 32 --disk-mb 0 --out-root "$SHM" \
+      --profile "$OUT/prof" --label short-tmpfs-profiled ;;
+  --small)
+    PY=.venv/bin/python
+    phase ceiling 600 bench.ceiling --small --procs 0,2 --short-samples 60 --long-samples 6 \
+      --disk-mb 64 --label cpu-rehearsal
+    phase node 300 bench.node --null --workers 2 --shape 8b --workload long \
+      --samples-per-worker 3 --inflight 2 --disk-mb 64 ;;
+  *) die "unknown option or plan $mode (see the header of $0)" ;;
+esac
 PY=${PY:-python3}
-[ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
-if [ "$mode" = --small ]; then
-  PY=.venv/bin/python
-  CEIL=(--small --procs 0,2 --short-samples 60 --long-samples 6 --disk-mb 64 --label cpu-rehearsal)
-  NODE=(--null --workers 2 --shape 8b --workload long --samples-per-worker 3 --inflight 2 --disk-mb 64)
-  T_CEIL=600 T_NODE=300
+if [ "$mode" != --small ] && [ -x /opt/torch/.venv/bin/python3 ]; then
+  PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
 fi
-if [ "$mode" = --dry-run ]; then
-  say "plan: $PY -m bench.ceiling ${CEIL[*]} --json-out $OUT/ceiling.json (<= ${T_CEIL}s)"
-  say "plan: $PY -m bench.node ${NODE[*]} --json-out $OUT/node.json (<= ${T_NODE}s)"
+if [ "$dry" = 1 ]; then
+  for ph in "${PHASES[@]}"; do
+    read -r name secs mod args <<<"$ph"
+    say "plan $mode: $name (<= ${secs}s): $PY -m $mod $args --json-out $OUT/$name.json"
+  done
   exit 0
 fi
-[ "$mode" = run ] || [ "$mode" = --small ] || die "unknown option $mode (see the header of $0)"
 mkdir -p "$OUT"
 
-if [ "$mode" = run ]; then
+if [ "$mode" != --small ] && [ -z "${NO_INSTALL:-}" ]; then  # NO_INSTALL=1: a rehearsal here
   [ -d "$LIVE/wheels" ] || die "no $LIVE/wheels: run scripts/gpu_bench.sh --prepare here and carry $LIVE"
   rm -rf "$SITE" && mkdir -p "$SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
@@ -77,22 +126,27 @@ if [ "$mode" = run ]; then
   export PATH="$PWD/$LIVE/redis:$PATH"
   export LD_LIBRARY_PATH="$PWD/$LIVE/redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  if [ -x "$LIVE/bin/py-spy" ] || [ -f "$LIVE/bin/py-spy" ]; then
+    chmod 755 "$LIVE/bin/py-spy"
+    export PATH="$PWD/$LIVE/bin:$PATH"
+  fi
 fi
-export PYTHONUNBUFFERED=1
-say "python $("$PY" -c 'import sys, torch, hsq; print(sys.version.split()[0], "torch", torch.__version__, "hsq", hsq.__version__)'), $(nproc) cpus, redis $(redis-server --version | cut -d' ' -f3)"
-df -h "${OUT_DISK:-/root}" /dev/shm 2>/dev/null | sed 's/^/[gpu_bench.sh] /' || true
+export PYTHONUNBUFFERED=1 HSQ_PROFILE_GIL=${HSQ_PROFILE_GIL:-1} HSQ_PROFILE_RATE=${HSQ_PROFILE_RATE:-100}
+say "python $("$PY" -c 'import sys, torch, hsq; print(sys.version.split()[0], "torch", torch.__version__, "hsq", hsq.__version__)'), $(nproc) cpus, redis $(redis-server --version | cut -d' ' -f3), plan $mode"
+df -h "$DISK" "$SHM" 2>/dev/null | sed 's/^/[gpu_bench.sh] /' || true
 
 t0=$(date +%s)
-rc=0
-timeout -k 5 "$T_CEIL" "$PY" -m bench.ceiling "${CEIL[@]}" --json-out "$OUT/ceiling.json" \
-  >"$OUT/ceiling.log" 2>&1 || rc=$?
-say "ceiling: rc $rc after $(( $(date +%s) - t0 )) s"
-grep -E "^  |target" "$OUT/ceiling.log" | tail -40 || true
-t1=$(date +%s)
-rc2=0
-timeout -k 5 "$T_NODE" "$PY" -m bench.node "${NODE[@]}" --json-out "$OUT/node.json" \
-  >"$OUT/node.log" 2>&1 || rc2=$?
-say "node: rc $rc2 after $(( $(date +%s) - t1 )) s"
-grep -E "^  |^hsq node" "$OUT/node.log" | tail -10 || true
-say "total $(( $(date +%s) - t0 )) s; JSON in $OUT (ceiling.json, node.json; per-run lines in the logs)"
-[ "$rc" = 0 ] && [ "$rc2" = 0 ]
+failed=0
+for ph in "${PHASES[@]}"; do
+  read -r -a words <<<"$ph"
+  name=${words[0]} secs=${words[1]} mod=${words[2]}
+  t1=$(date +%s)
+  rc=0
+  timeout -k 5 "$secs" "$PY" -m "$mod" "${words[@]:3}" --json-out "$OUT/$name.json" \
+    >"$OUT/$name.log" 2>&1 || rc=$?
+  say "$name: rc $rc after $(( $(date +%s) - t1 )) s"
+  grep -E "^  |target|^hsq node" "$OUT/$name.log" | tail -30 || true
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+done
+say "total $(( $(date +%s) - t0 )) s, $failed phase(s) failed; JSON and logs in $OUT"
+[ "$failed" = 0 ]

@@ -540,3 +540,49 @@ def test_a_chunk_handed_back_does_not_bring_back_its_retried_samples(
     every_sample_marked_once(store, refs)
     first = fingerprint(read_sample(ds, refs[0][0], refs[0][1]).input_ids)
     assert calls[first] == 2  # the bad attempt and its retry, not a third from the chunk
+
+
+def test_the_server_gets_k_new_requests_while_k_answered_wait_for_their_dumps(
+    tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
+) -> None:
+    """A request's slot on the server is freed by its answer, not by its dump being
+    matched and handed on (BENCHMARKS.md 8d: holding it left SGLang below K). The first K
+    answers come with their dumps held back; the next K requests must all reach the
+    server at once (a barrier of K) before any of those dumps is written."""
+    ds, refs = dataset
+    k = 4
+    barrier = threading.Barrier(k, timeout=20)
+    release = threading.Event()
+    met: list[bool] = []
+
+    class Holding(FakeServer):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path != "/generate":
+                return super().__call__(request)
+            body = json.loads(request.content)
+            with self._lock:
+                call = next(self._calls)
+            ids, rid = body["input_ids"], body["rid"]
+            if call < k:  # answered now, its dump written only once the next K came
+
+                def later() -> None:
+                    release.wait()
+                    self._dump(ids, rid, {})
+
+                threading.Thread(target=later, daemon=True).start()
+            else:
+                if call < 2 * k:
+                    try:
+                        barrier.wait()
+                        met.append(True)
+                    except threading.BrokenBarrierError:
+                        met.append(False)
+                    release.set()
+                self._dump(ids, rid, {})
+            return httpx.Response(200, json={"meta_info": {"prompt_tokens": len(ids)}})
+
+    store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
+    w = run_worker(tmp_path, store, Holding(tmp_path), inflight=k, dump_timeout_s=60.0)
+    every_sample_marked_once(store, refs)
+    assert met == [True] * k
+    assert w.inflight.total == 0

@@ -89,6 +89,8 @@ class Dispatcher:
         self._stop = False
         self._on_discard = on_discard
         self._discarded: dict[str, int] = {}
+        self._polls = 0  # polls completed; each runs whole under _cond
+        self._confirming = 0  # callers of confirm_single waiting for the next poll
         self.broken: str | None = None
         """Why the dump dir cannot be used any more (removed, replaced); None while fine."""
         self.failed: str | None = None
@@ -140,8 +142,24 @@ class Dispatcher:
     def confirm_single(self, rid: str) -> None:
         """Before the dump handed out for ``rid`` is used: one more look at the dump dir,
         then MultipleDumpsError if a second dump carrying the rid came after the first was
-        taken (docs/dump-protocol.md: two dumps for one rid fail the attempt)."""
-        self._poll_once()
+        taken (docs/dump-protocol.md: two dumps for one rid fail the attempt).
+
+        The look is the dispatcher's next poll, which every caller waiting meanwhile shares
+        (a poll of its own per sample cost the worker's interpreter ~0.5 ms a sample: issue
+        35's profile). A poll runs whole under the lock, so one completed after this call
+        read the count began after it. Without a live dispatcher thread it polls itself."""
+        with self._cond:
+            seen = self._polls
+            self._confirming += 1
+            self._cond.notify_all()  # an idle dispatcher polls now, not in a second
+            try:
+                while self._polls == seen and self._thread.is_alive() and not self._stop:
+                    self._cond.wait(0.1)
+            finally:
+                self._confirming -= 1
+            polled = self._polls != seen
+        if not polled:
+            self._poll_once()
         with self._cond:
             if self.failed is not None:  # its record of second dumps cannot be trusted
                 raise InternalError(self.failed)
@@ -199,11 +217,11 @@ class Dispatcher:
             with self._cond:
                 if self._stop:
                     return
-                if not self._tickets:
-                    self._cond.wait(IDLE_POLL_S)  # woken by register()
+                if not self._tickets and not self._confirming:
+                    self._cond.wait(IDLE_POLL_S)  # woken by register(), confirm_single()
                     if self._stop:
                         return
-                busy = bool(self._tickets)
+                busy = bool(self._tickets) or self._confirming > 0
             if self._poll_once():
                 delay = 0.001
             elif busy:
@@ -216,6 +234,9 @@ class Dispatcher:
         with self._cond:
             tickets, dropped = self._poll_locked()
             self._discarded = dict(self._matcher.discarded)
+            self._polls += 1
+            if self._confirming:
+                self._cond.notify_all()
         self._deliver(tickets, dropped)
         return bool(tickets or dropped)
 

@@ -10,6 +10,9 @@ from hsq.workers.chunks import WorkItem
 
 
 class EventKind(enum.Enum):
+    ANSWERED = "answered"
+    """The server answered the sample's request: its slot on the server is free, while
+    the send stage still waits for the dump and hands it on."""
     SENT = "sent"
     """The send stage handed the sample to the persist stage: its send slot is free."""
     DONE = "done"
@@ -25,3 +28,6 @@ class Event:
     exc: BaseException | None = None
     from_send: bool = False
     """FAILED in the send stage: frees a send slot as well."""
+    answered: bool = False
+    """A FAILED from the send stage that came after its ANSWERED (its server slot is
+    already free)."""

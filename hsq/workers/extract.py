@@ -1,7 +1,8 @@
 """The send/match stage: read a sample, send it with a fresh rid, get its dump by rid.
 
-Runs on a pool of K threads (``--inflight``), so up to K requests are in flight on the
-server; the dispatcher matches their dumps. A validated dump is handed to the persist
+Runs on a pool of 2K threads (``--inflight`` K): up to K requests at the server and up to
+K answered ones waiting for their dumps (hsq/workers/inflight.py); the dispatcher matches
+their dumps. A validated dump is handed to the persist
 stage, whose bounded queue blocks this thread when it is full: backpressure reaches the
 server instead of memory growing.
 """
@@ -12,6 +13,7 @@ import functools
 import queue
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from hsq.dataset import read_sample
@@ -42,7 +44,7 @@ class SendStage:
         self.persist = persist
         self.events = events
         self.metrics = metrics
-        self._pool = ThreadPoolExecutor(max(1, inflight), thread_name_prefix="send")
+        self._pool = ThreadPoolExecutor(2 * max(1, inflight), thread_name_prefix="send")
 
     def submit(self, item: WorkItem, view: RunView) -> None:
         self._pool.submit(self._run, item, view)
@@ -51,15 +53,24 @@ class SendStage:
         self._pool.shutdown(wait=True)
 
     def _run(self, item: WorkItem, view: RunView) -> None:
+        answered = False
+
+        def on_answer() -> None:
+            nonlocal answered
+            answered = True
+            self.events.put(Event(item, EventKind.ANSWERED))  # the server's slot is free
+
         try:
-            staged = self.extract(item, view)
+            staged = self.extract(item, view, on_answer)
         except Exception as exc:  # every failure is classified by the ack stage
-            self.events.put(Event(item, EventKind.FAILED, exc, from_send=True))
+            self.events.put(Event(item, EventKind.FAILED, exc, from_send=True, answered=answered))
             return
         self.persist.submit(staged)  # blocks while the persist stage is full
         self.events.put(Event(item, EventKind.SENT))
 
-    def extract(self, item: WorkItem, view: RunView) -> StagedSample:
+    def extract(
+        self, item: WorkItem, view: RunView, on_answer: Callable[[], None] | None = None
+    ) -> StagedSample:
         sid, entry = item.ref
         sample = read_sample(view.dataset, sid, entry)
         n = len(sample.input_ids)
@@ -70,6 +81,8 @@ class SendStage:
             answer = self.client.prefill(sample.input_ids, rid)
             self.dispatcher.answered(rid)
             t1 = time.perf_counter()
+            if on_answer is not None:
+                on_answer()
             if answer.prompt_tokens != n:
                 raise WrongLengthError(
                     f"server counted {answer.prompt_tokens} prompt tokens, sent {n}"

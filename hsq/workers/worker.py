@@ -2,7 +2,7 @@
 
 Stages (each in its own module):
   claim    (main thread)  chunk jobs from Redis into the ChunkBook (hsq/workers/chunks.py)
-  send     (K threads)    read the sample, send it with a fresh rid, get the dump the
+  send     (2K threads)   read the sample, send it with a fresh rid, get the dump the
                           dispatcher matched to that rid, check its meta (hsq/workers/extract.py)
   persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py);
                           with --persist-procs N the CPU work runs in N child processes
@@ -17,7 +17,8 @@ application (outcomes.py), pauses (pauses.py), run watching (runwatch.py), the r
 Redis (heartbeat.py) and --audit-fraction (audit_fraction.py); they announce what they did
 as Notices that metrics and the tally of counts listen to (notices.py).
 
-A worker keeps up to K requests in flight (``--inflight``). Anything that is not the
+A worker keeps up to K requests at the server (``--inflight``) and up to K answered ones
+waiting for their dumps (inflight.py). Anything that is not the
 sample's fault (server down, dataset unreadable, disk full, Redis unreachable) pauses the
 worker: it stops sending, lets in-flight work settle, hands the unsettled chunks back
 untouched and waits or backs off. A run that was purged or re-created drops in-flight work
@@ -87,7 +88,7 @@ class Worker:
         self._stop = threading.Event()
         self.events: queue.Queue[Event] = queue.Queue()
         self.book = ChunkBook()
-        self.inflight = InFlight(s.max_inflight_tokens, self.notices)
+        self.inflight = InFlight(s.inflight, s.max_inflight_tokens, self.notices)
         self.last_sample: str | None = None
         self._claim_after = 0.0
         self.dump_dir = HeldDumpDir(s, worker_id, started.lock)
@@ -197,7 +198,13 @@ class Worker:
             self.dump_dir.release()
             self.client.close()
             counts = self.tally.counts
-            log.info("worker_stopped", worker=self.id, peak_rss_mb=_peak_rss_mb(), **counts)
+            log.info(
+                "worker_stopped",
+                worker=self.id,
+                peak_rss_mb=_peak_rss_mb(),
+                cpu_s=_own_cpu_s(),
+                **counts,
+            )
         return 2 if self.watch.refused else 0
 
     def _step(self) -> bool:
@@ -227,7 +234,7 @@ class Worker:
             else:
                 self._wait_event(0.05)
             return False
-        if self.inflight.sending < self.settings.inflight:
+        if self.inflight.room():
             done = self._fill()
             if done is not None:
                 return done
@@ -383,6 +390,13 @@ class Worker:
 
 def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of the worker's own interpreter (its persist processes not included):
+    what --persist-procs leaves on the one process."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return round(ru.ru_utime + ru.ru_stime, 3)
 
 
 def run_worker(settings: WorkerSettings) -> int:
