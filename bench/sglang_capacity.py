@@ -125,6 +125,7 @@ class Capacity:
             "short": ([rng.randint(64, 512) for _ in range(a.short)], a.k_short),
             "long": ([rng.randint(1024, 4096) for _ in range(a.long)], a.k_long),
         }
+        lens = {w: v for w, v in lens.items() if w in a.workloads.split(",")}
         self.ks: dict[str, list[int]] = {w: k for w, (_, k) in lens.items()}
         # The hook and hsq run at the K where SGLang alone was fastest (set by measure_plain).
         self.workloads = {w: k[-1] for w, k in self.ks.items()}
@@ -201,11 +202,12 @@ class Capacity:
                  "--chunked-prefill-size", "8192", "--max-running-requests", "128"]  # fmt: skip
         plain = SGLangServer(model, self.work / "cap-nohook.log", dump_dir=None, flags=flags,
                              tp=a.tp, start_timeout=a.start_timeout)  # fmt: skip
-        try:
-            plain.start()
-            self.measure_plain(plain.url)
-        finally:
-            plain.stop()
+        if not a.hook_only:  # --hook-only: hook and hsq at the last K given, nothing alone
+            try:
+                plain.start()
+                self.measure_plain(plain.url)
+            finally:
+                plain.stop()
         dump = self.dump_root / f"hsq-cap-{os.getpid()}"
         shutil.rmtree(dump, ignore_errors=True)
         hooked = SGLangServer(model, self.work / "cap-hook.log", dump_dir=dump,
@@ -221,9 +223,10 @@ class Capacity:
             hooked.stop()
             redis.stop()
         for r in self.res.values():
-            r["hook_over_no_hook"] = round(
-                r["sglang_hook"]["tok_s"] / r["sglang_no_hook"]["tok_s"], 3
-            )
+            if "sglang_no_hook" in r:
+                r["hook_over_no_hook"] = round(
+                    r["sglang_hook"]["tok_s"] / r["sglang_no_hook"]["tok_s"], 3
+                )
             if r.get("hsq", {}).get("tok_s"):
                 r["hsq_over_hook"] = round(r["hsq"]["tok_s"] / r["sglang_hook"]["tok_s"], 3)
         if a.reference:
@@ -267,6 +270,12 @@ def main() -> int:
     p.add_argument("--k-short", type=_ks, default=[32, 64], help="K values, comma list")
     p.add_argument("--k-long", type=_ks, default=[8, 16], help="K values, comma list")
     p.add_argument("--reference", action="store_true", help="also the reference server")
+    p.add_argument("--workloads", default="short,long", help="short, long (comma list)")
+    p.add_argument(
+        "--hook-only",
+        action="store_true",
+        help="skip SGLang without the hook: the hook and hsq at the last K given",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0)
     a = p.parse_args()
     if a.tp < 1:
