@@ -66,7 +66,7 @@ class WorkerMetrics:
         )
         self.in_flight = gauge(
             "hsq_worker_in_flight_samples",
-            "Samples between request and done (bounded by --inflight + persist depth + threads)",
+            "Samples between request and done (at most 2 x --inflight + persist depth + threads)",
         )
         self.in_flight_tokens = gauge(
             "hsq_worker_in_flight_tokens",
