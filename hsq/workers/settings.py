@@ -85,7 +85,7 @@ class WorkerSettings:
     inflight: int = setting(
         4,
         help="requests in flight on the server at once; dumps are matched by rid "
-        "(1: one at a time)",
+        "(1: one at a time; up to as many more answered ones wait for their dumps)",
     )
     max_inflight_tokens: int | None = setting(
         None,
