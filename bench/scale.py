@@ -321,6 +321,50 @@ def time_enqueue(
         )
 
 
+def verify_step(
+    args: argparse.Namespace, client: Any, work: Path, out: Path, url: str, rep: int
+) -> None:
+    """`hsq verify` of --verify-files real outputs: as it is, with each --verify-variant's
+    flags, and (--verify-cold) after their pages are dropped."""
+    vrun = "scale-verify"
+    wall, _ = timed(lambda: make_outputs(work, vrun, args.verify_files, url))
+    report("verify_setup", files=args.verify_files, wall_s=round(wall, 1))
+    vcmd = ("verify", "--run", vrun, "--redis", url, "--no-progress")
+
+    def timed_verify(
+        step: str, fn: Callable[[int], subprocess.CompletedProcess[str]], **kw: Any
+    ) -> None:
+        times, proc = measured(client, rep, fn)
+        report(
+            step,
+            **kw,
+            files=args.verify_files,
+            **times,
+            files_per_s=round(args.verify_files / times["wall_s"]),
+            output=proc.stdout.strip().splitlines()[0],
+        )
+
+    timed_verify("verify_headers", lambda _: hsq(*vcmd))
+    for extra in args.verify_variant:  # the same files, other `hsq verify` flags
+        flags = tuple(extra.split())
+
+        def with_flags(_i: int, f: tuple[str, ...] = flags) -> subprocess.CompletedProcess[str]:
+            return hsq(*vcmd, *f)
+
+        timed_verify("verify_headers_variant", with_flags, flags=extra)
+    if args.verify_cold:
+
+        def cold(_i: int) -> subprocess.CompletedProcess[str]:
+            evict_pages(out / vrun)  # not timed
+            return hsq(*vcmd)
+
+        timed_verify(
+            "verify_headers_cold",
+            cold,
+            note="each run after the files' pages were dropped from the page cache",
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=10_000_000)
@@ -330,6 +374,12 @@ def main() -> None:
     ap.add_argument("--verify-files", type=int, default=1_000_000)
     ap.add_argument(
         "--verify-cold", action="store_true", help="verify again after dropping the files' pages"
+    )
+    ap.add_argument(
+        "--verify-variant",
+        action="append",
+        default=[],
+        help="also time `hsq verify` with these flags (e.g. '--read-threads 1'); repeatable",
     )
     ap.add_argument("--recover-files", type=int, default=20_000)
     ap.add_argument("--cap-samples", type=int, default=200_000)
@@ -380,33 +430,7 @@ def main() -> None:
             report("requeue_failed", wall_s=round(wall, 1), output=proc.stdout.strip())
             report("status_after_requeue", **status_time(url, repeat=rep))
         if "verify" in steps and args.verify_files:
-            vrun = "scale-verify"
-            wall, _ = timed(lambda: make_outputs(work, vrun, args.verify_files, url))
-            report("verify_setup", files=args.verify_files, wall_s=round(wall, 1))
-            vcmd = ("verify", "--run", vrun, "--redis", url, "--no-progress")
-            times, proc = measured(client, rep, lambda _: hsq(*vcmd))
-            report(
-                "verify_headers",
-                files=args.verify_files,
-                **times,
-                files_per_s=round(args.verify_files / times["wall_s"]),
-                output=proc.stdout.strip().splitlines()[0],
-            )
-            if args.verify_cold:
-
-                def cold(_i: int) -> subprocess.CompletedProcess[str]:
-                    evict_pages(out / vrun)  # not timed
-                    return hsq(*vcmd)
-
-                times, proc = measured(client, rep, cold)
-                report(
-                    "verify_headers_cold",
-                    files=args.verify_files,
-                    **times,
-                    files_per_s=round(args.verify_files / times["wall_s"]),
-                    output=proc.stdout.strip().splitlines()[0],
-                    note="each run after the files' pages were dropped from the page cache",
-                )
+            verify_step(args, client, work, out, url, rep)
         if "recover" in steps and args.recover_files:
             rrun = "scale-recover"
             rds, rout = make_outputs(work, rrun, args.recover_files, url)
