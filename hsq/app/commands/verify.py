@@ -34,9 +34,10 @@ class VerifyFlags:
         help="processes checking files",
     )
     read_threads: int = setting(
-        8,
+        1,
         minimum=1,
-        help="threads a process reading files (a disk queue for files not in the page cache)",
+        help="threads a process reading files: more queue reads on storage with high latency "
+        "(a network filesystem); on a local disk the processes already do",
     )
 
 
