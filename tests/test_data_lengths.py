@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale import _output_bytes
+from bench.scale_outputs import output_bytes
 from hsq.data import HiddenStateDataset
 from hsq.errors import OutputError
 from hsq.outputs.format import output_relpath
@@ -18,7 +18,7 @@ from hsq.outputs.format import output_relpath
 def write(root: Path, sid: str, n: int) -> None:
     path = root / output_relpath(sid)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(_output_bytes(sid, "len", list(range(1, n + 1))))
+    path.write_bytes(output_bytes(sid, "len", list(range(1, n + 1))))
 
 
 def test_lengths_without_a_manifest_come_from_the_file_headers(tmp_path: Path) -> None:

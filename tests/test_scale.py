@@ -479,10 +479,10 @@ def test_the_fast_scan_skips_over_long_lines_as_the_dataset_scan_does(
 
 
 def write_output(root: Path, sid: str) -> ManifestEntry:
-    from bench.scale import _output_bytes
+    from bench.scale_outputs import output_bytes
 
     rel = output_relpath(sid)
-    data = _output_bytes(sid, "vr", [1, 2, 3, 4])
+    data = output_bytes(sid, "vr", [1, 2, 3, 4])
     (root / rel).parent.mkdir(parents=True, exist_ok=True)
     (root / rel).write_bytes(data)
     return ManifestEntry(rel, 4, len(data), "crc32:0", "w", 0.0, 0)
