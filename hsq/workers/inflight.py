@@ -8,11 +8,12 @@ server plus staged: everything in the send stage.
 
 ``--inflight`` K caps the requests at the server, ``--max-inflight-tokens`` their tokens:
 the server is kept at K requests while answered samples wait for their dumps (a request's
-answer comes before its dump is matched, checked and taken by the persist stage; holding
-the server's slot over those steps left it below K: 0.92 of the hooked server on short
-samples, BENCHMARKS.md 8d). At most K more are staged, so dumps waiting in the dump dir stay
-bounded (2K + the persist stage's depth and threads); a full persist stage still holds the
-staged ones and so, through them, the server. The heartbeat shows the sum and the peak of
+answer comes before its dump is matched, checked and taken by the persist stage, and a slot
+held over those steps is one the server does not have; BENCHMARKS.md 8e measured the short
+case after the change: bound by the output disk, not by the slots). At most K more are
+staged, so dumps waiting in the dump dir stay bounded (2K + the persist stage's depth and
+threads); a full persist stage still holds the staged ones and so, through them, the
+server. The heartbeat shows the sum and the peak of
 tokens.
 """
 
@@ -37,10 +38,6 @@ class InFlight:
     @property
     def total(self) -> int:
         return self.sending + self.persisting
-
-    @property
-    def staged(self) -> int:
-        return self.sending - self.at_server
 
     def room(self) -> bool:
         """Whether another request may go to the server now, by count (K at the server,
