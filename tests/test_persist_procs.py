@@ -83,6 +83,44 @@ def test_write_jobs_and_errors_cross_the_pipe_as_json(tmp_path: Path) -> None:
     assert PersistProcessError.reason == "persist_process_died"
 
 
+def test_a_persist_process_removes_the_staged_dump_it_used(tmp_path: Path) -> None:
+    """Freeing the staged dump's pages is the child's CPU, not the worker's (issue 35):
+    gone once the child answered, written or refused."""
+    from hsq.dataset import Sample
+    from hsq.dump.format import ModelIdentity
+    from hsq.dump.write import write_dump
+    from hsq.harness.fakedump import random_states, request_meta
+    from hsq.workers.persist_procs import PersistProcs
+
+    ids = [5, 6, 7, 8]
+    meta = request_meta(
+        ids, "r1", model=ModelIdentity("m", "A", 4, 8, "0" * 16), layer_ids=[1, 2, 3],
+        hidden_size=8, dtype="bfloat16",
+    )  # fmt: skip
+    states = random_states(4, 3, 8, "bfloat16", seed=1)
+    procs = PersistProcs(1, direct_io=False)
+    try:
+        for i, refuse in enumerate((False, True)):
+            (tmp_path / f"d{i}").mkdir()
+            staged = write_dump(tmp_path / f"d{i}", 0, meta, states, fsync=False)
+            out = tmp_path / f"o{i}.safetensors"
+            job = WriteJob.of(out, Sample("s", ids, None), meta, staged, "run", "bf16", False)
+
+            def before_rename(refuse: bool = refuse) -> None:
+                if refuse:
+                    raise RuntimeError("done elsewhere")
+
+            if refuse:
+                with pytest.raises(RuntimeError):
+                    procs.write(job, before_rename, {})
+            else:
+                procs.write(job, before_rename, {})
+            assert not staged.exists()
+            assert out.exists() is not refuse
+    finally:
+        procs.close()
+
+
 @pytest.mark.timeout(400)
 def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_disk(
     tmp_path: Path, redis_url: str
