@@ -10,7 +10,7 @@ before it is read (Forbidden: 403), and SGLang's error shape
 ``{"error": {"message": ..., "code": status}}``. A handler's exception becomes that reply:
 the server's ``refusals`` map types to a status (RequestError: 400), anything else is a
 500 with its cause, logged, and the server keeps serving. Connections stay open (HTTP/1.1
-keep-alive) for the worker's httpx client.
+keep-alive) for the worker's http.client transport (hsq/workers/http.py).
 """
 
 from __future__ import annotations
