@@ -174,8 +174,9 @@ class Capacity:
                 for i, ids in enumerate(self.seqs[w]):
                     f.write(json.dumps({"id": f"c{w[0]}{i:05d}", "input_ids": ids}) + "\n")
             run = f"cap-{w}"
+            dtype = ["--store-dtype", "fp8-e4m3"] if self.a.dump_encoding != "plain" else []
             r = subprocess.run(hsq_command("enqueue", str(ds), "--run", run, "--out",
-                               str(self.out), "--redis", redis.url, "--no-progress"),
+                               str(self.out), "--redis", redis.url, "--no-progress", *dtype),
                                capture_output=True, text=True)  # fmt: skip
             if r.returncode:
                 raise RuntimeError(r.stderr)
@@ -210,8 +211,10 @@ class Capacity:
                 plain.stop()
         dump = self.dump_root / f"hsq-cap-{os.getpid()}"
         shutil.rmtree(dump, ignore_errors=True)
+        # --dump-encoding fp8-e4m3: the hook quantizes on the GPU (half the bytes a token).
+        env = {"SGLANG_HS_DUMP_ENCODING": a.dump_encoding}
         hooked = SGLangServer(model, self.work / "cap-hook.log", dump_dir=dump,
-                              layers="1,15,28", flags=flags, tp=a.tp,
+                              layers="1,15,28", flags=flags, tp=a.tp, env=env,
                               start_timeout=a.start_timeout)  # fmt: skip
         redis = RedisServer(self.work / "redis").wait_ready()
         try:
@@ -277,6 +280,12 @@ def main() -> int:
         help="skip SGLang without the hook: the hook and hsq at the last K given",
     )
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--dump-encoding",
+        default="plain",
+        choices=("plain", "fp8-e4m3"),
+        help="the hooked server's dumps (fp8-e4m3: server-made fp8, a run stored as fp8)",
+    )
     a = p.parse_args()
     if a.tp < 1:
         p.error("--tp must be >= 1")

@@ -16,6 +16,11 @@
 #                  short on the disk, long on the disk with --persist-procs 0 and 8, and the
 #                  disk's best durable rate in the same run (targets: >= 400 samples/s short,
 #                  >= 0.9 of the disk's best on long).
+#   ceil5          the fifth round's ceiling: short on tmpfs at K 32 / 64 (8 persist threads,
+#                  then 16 with 8 and 12 processes), K 64 profiled (py-spy, GIL holders, not
+#                  pausing the worker), long on the disk with the disk probe.
+#   node5          the node with 60 long samples a worker (windows of ~30 s), bf16 and
+#                  server fp8, then fp8 by the worker and by the server on short samples.
 #   fp8node        fp8 by the worker and by the server (short on tmpfs, long on the disk, 8
 #                  persist processes), then a node: 8 null servers and 8 workers on one disk,
 #                  bf16 and server fp8, with the disk probe (target >= 0.9 of the disk's best).
@@ -95,6 +100,25 @@ case "$mode" in
     phase short-prof 80 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
       --short-samples 1500 --short-inflight 32 --disk-mb 0 --out-root "$SHM" \
       --profile "$OUT/prof" --label short-tmpfs-profiled ;;
+  ceil5)
+    phase short-k32 45 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 4000 --short-inflight 32 --disk-mb 0 --out-root "$SHM" --label short-tmpfs-k32
+    phase short-k64 45 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 5000 --short-inflight 64 --disk-mb 0 --out-root "$SHM" --label short-tmpfs-k64
+    phase short-k64-t16 70 bench.ceiling --shapes 8b --persist-threads 16 --workloads short \
+      --dtypes bf16 --procs 8,12 --short-samples 5000 --short-inflight 64 --disk-mb 0 \
+      --out-root "$SHM" --label short-tmpfs-k64-t16
+    phase short-prof 45 bench.ceiling "${C8[@]}" --workloads short --dtypes bf16 --procs 8 \
+      --short-samples 4000 --short-inflight 64 --disk-mb 0 --out-root "$SHM" \
+      --profile "$OUT/prof" --label short-tmpfs-profiled
+    phase long-disk 150 bench.ceiling "${C8[@]}" --workloads long --dtypes bf16 --procs 0,8 \
+      --long-samples 200 --long-inflight 8 --disk-mb 2048 --out-root "$DISK" --label long-disk ;;
+  node5)
+    phase node 330 bench.node --null --workers 8 --shape 8b --workload long \
+      --samples-per-worker 60 --inflight 4 --disk-mb 2048 --out-root "$DISK"
+    phase fp8-short 70 bench.ceiling "${C8[@]}" --workloads short --dtypes fp8-e4m3,fp8-server \
+      --procs 8 --short-samples 4000 --short-inflight 64 --disk-mb 0 --out-root "$SHM" \
+      --label fp8-short-tmpfs ;;
   --small)
     PY=.venv/bin/python
     phase ceiling 600 bench.ceiling --small --procs 0,2 --short-samples 60 --long-samples 6 \
@@ -148,5 +172,9 @@ for ph in "${PHASES[@]}"; do
   grep -E "^  |target|^hsq node" "$OUT/$name.log" | tail -30 || true
   [ "$rc" = 0 ] || failed=$((failed + 1))
 done
+# The transfer back carries a handful of files: profiles go as one archive.
+if [ -d "$OUT/prof" ]; then
+  tar -C "$OUT" -czf "$OUT/prof.tar.gz" prof && rm -rf "$OUT/prof"
+fi
 say "total $(( $(date +%s) - t0 )) s, $failed phase(s) failed; JSON and logs in $OUT"
 [ "$failed" = 0 ]
