@@ -11,7 +11,7 @@ import pytest
 
 from hsq.app.commands.run import PER_WORKER, run_name_of
 from hsq.app.node.node import Interrupts
-from hsq.app.node.plan import parse_gpus, plan_node, split_gpus, visible_gpus
+from hsq.app.node.plan import parse_gpus, plan_node, server_args_for, split_gpus, visible_gpus
 from hsq.app.node.supervisor import should_restart
 from hsq.app.node.view import PairView, Screen, log_line, render
 from hsq.app.ops.status import RunStatus, WorkerStatus
@@ -181,3 +181,11 @@ def test_persist_processes_share_the_host_between_the_workers() -> None:
     assert persist_procs_each(1, cpus=16) == 8
     assert persist_procs_each(2, cpus=16) == 4
     assert persist_procs_each(1, cpus=2) == 0
+
+
+def test_an_fp8_runs_servers_make_the_fp8_unless_told_otherwise() -> None:
+    assert server_args_for("bf16", ["--x", "1"]) == ["--x", "1"]
+    assert server_args_for("fp8-e4m3", []) == ["--dump-encoding", "fp8-e4m3"]
+    # The user's own choice after `--` comes last, which click keeps.
+    given = server_args_for("fp8-e4m3", ["--dump-encoding", "plain"])
+    assert given == ["--dump-encoding", "fp8-e4m3", "--dump-encoding", "plain"]

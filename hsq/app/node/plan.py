@@ -153,3 +153,15 @@ def persist_procs_each(workers: int, cpus: int | None = None) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     share = (cpus or 1) // max(1, workers)
     return 0 if share < 4 else min(8, share // 2)
+
+
+def server_args_for(store_dtype: str, server_args: Sequence[str]) -> list[str]:
+    """The flags every server of the node gets. An fp8 run's servers make the fp8 themselves
+    (`--dump-encoding fp8-e4m3`, on the GPU for SGLang): half the bytes through the dump dir
+    and no quantizing in the worker, whose short-sample rate it halved on the H200 (308
+    against 472 samples/s: BENCHMARKS.md 7c); the output files are the same bytes. Put
+    first, so a `--dump-encoding` the user gives after `--` wins (click keeps the last)."""
+    from hsq.states import FP8
+
+    lead = ["--dump-encoding", FP8] if store_dtype == FP8 else []
+    return [*lead, *server_args]
