@@ -150,7 +150,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     worker.validate()
     data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
-    server_args = server_args_for(str(data.settings.get("store_dtype", "")), server_args)
+    server_args = tuple(server_args_for(str(data.settings.get("store_dtype", "")), server_args))
     name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
         raise click.UsageError("--join needs --run")
