@@ -1,6 +1,7 @@
-"""The worker's read of its sample's line, fast: parse_line's Sample for a line of the usual
-shape, decoded and range-checked by msgspec in C (157 against 31 us for 290 tokens: issue
-35), or None where hsq.dataset.parse_line must judge. A module of its own so that
+"""A dataset line of the usual shape, decoded and range-checked by msgspec in C: the
+producer's scan (hsq/producer/fastscan.py) and the worker's read of its sample
+(`fast_line`: parse_line's Sample, 157 against 31 us for 290 tokens: issue 35) take it;
+anything it refuses is hsq.dataset.parse_line's to judge. A module of its own so that
 hsq.dataset, which `hsq ... --help` imports, loads no msgspec."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hsq.dataset import MAX_TOKEN_ID, Sample, check_sample_id, id_text
 from hsq.errors import DatasetError
 
 
-class _Line(msgspec.Struct, forbid_unknown_fields=True):
+class Line(msgspec.Struct, forbid_unknown_fields=True):
     """The usual line's one shape. An unknown key (whose values msgspec would skip
     unchecked) or anything else msgspec refuses is parse_line's."""
 
@@ -23,14 +24,15 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     loss_mask: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
 
 
-_decode_line = msgspec.json.Decoder(_Line).decode
+decode_line = msgspec.json.Decoder(Line).decode
+"""bytes -> Line; msgspec.MsgspecError for anything else."""
 
 
 def fast_line(line: bytes) -> Sample | None:
     """What msgspec accepts here json.loads accepts the same way (the last of a repeated
     key, escapes, UTF-8; no float or bool as an int); tests/test_fast_line.py fuzzes it."""
     try:
-        row = _decode_line(line)
+        row = decode_line(line)
     except msgspec.MsgspecError:
         return None
     if row.loss_mask is not None and len(row.loss_mask) != len(row.input_ids):

@@ -35,15 +35,14 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Annotated
 
 import msgspec
-from msgspec import Meta
 
 from hsq import dataset
-from hsq.dataset import MAX_TOKEN_ID, SAFE_ID_RE, duplicate_id_error, parse_line
+from hsq.dataset import SAFE_ID_RE, duplicate_id_error, parse_line
 from hsq.dataset import _best_effort_id as _best_effort_id  # the id scan_dataset records
 from hsq.errors import DatasetError
+from hsq.fastline import decode_line
 from hsq.store.connection import pack
 
 Bad = tuple[str, DatasetError, str | None]
@@ -51,16 +50,6 @@ Packed = bytes
 """A Redis command packed as RESP (hsq.store.connection.pack)."""
 
 
-class _Row(msgspec.Struct, forbid_unknown_fields=True):
-    """The one shape taken fast, as msgspec decodes and range-checks it in C: no other key
-    (an unknown one, whose strings msgspec would skip unchecked, goes to parse_line)."""
-
-    id: str | int
-    input_ids: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]], Meta(min_length=1)]
-    loss_mask: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
-
-
-_decode_row = msgspec.json.Decoder(_Row).decode
 _ID_LIMIT = 10**128  # an integer id of more digits is unsafe (SAFE_ID_RE: 128 characters)
 
 
@@ -74,7 +63,7 @@ def _fast_count(line: bytes, max_tokens: int | None) -> FastCount | None:
     (a repeated key: the last wins in both; escapes in keys and strings; no NaN, no floats
     for ints, UTF-8 checked), and anything it refuses is parse_line's to judge."""
     try:
-        row = _decode_row(line)
+        row = decode_line(line)
     except msgspec.MsgspecError:
         return None
     n = len(row.input_ids)
