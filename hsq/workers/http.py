@@ -48,6 +48,11 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def _declared_over(content_length: str | None, limit: int) -> bool:
+    """Whether an answer's Content-Length says it is longer than `limit`."""
+    return content_length is not None and content_length.isdigit() and int(content_length) > limit
+
+
 def _dropped(conn: http.client.HTTPConnection) -> bool:
     """Whether an idle connection's socket is readable: closed by the server (or sending
     what nobody asked for): either way not one to send on."""
@@ -123,8 +128,7 @@ class StdlibTransport:
         try:
             conn.request(method, self._prefix + path, body=body, headers=headers)
             resp = conn.getresponse()
-            declared = resp.getheader("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
+            if _declared_over(resp.getheader("content-length"), limit):
                 conn.close()
                 return resp.status, None
             data = resp.read(limit + 1)
@@ -183,8 +187,7 @@ class HttpxTransport:
             with self._http.stream(
                 method, path, content=body, headers=headers, timeout=limits
             ) as r:
-                declared = r.headers.get("content-length")
-                if declared is not None and declared.isdigit() and int(declared) > limit:
+                if _declared_over(r.headers.get("content-length"), limit):
                     return r.status_code, None
                 buf = bytearray()
                 for chunk in r.iter_bytes():

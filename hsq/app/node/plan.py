@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsq.errors import ConfigError
+from hsq.states import FP8
 
 REFERENCE = "reference"
 SGLANG = "sglang"
@@ -161,7 +162,5 @@ def server_args_for(store_dtype: str, server_args: Sequence[str]) -> list[str]:
     and no quantizing in the worker, whose short-sample rate it halved on the H200 (308
     against 472 samples/s: BENCHMARKS.md 7c); the output files are the same bytes. Put
     first, so a `--dump-encoding` the user gives after `--` wins (click keeps the last)."""
-    from hsq.states import FP8
-
     lead = ["--dump-encoding", FP8] if store_dtype == FP8 else []
     return [*lead, *server_args]
