@@ -1,6 +1,6 @@
 """The worker's ceiling: one `hsq worker --burst` against a server whose model costs nothing.
 
-A null-model server (hsq.harness.nullserver) answers /generate at once and writes a valid
+A null-model server (tests.support.nullserver) answers /generate at once and writes a valid
 dump of the chosen shape from a preallocated buffer; a real redis-server holds the run; one
 real worker process extracts it to --out-root. Per run (shape x workload x store dtype):
 
@@ -50,14 +50,15 @@ from typing import Any
 import httpx
 
 from bench.disk import probe
-from hsq.harness.nullserver import SHAPES
-from hsq.harness.procs import NullServer, RedisServer, hsq_command
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer, hsq_command
 from hsq.producer.enqueue import enqueue_run
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls
-from hsq.workers.persist_procs import default_procs
+from hsq.workers.persist.procs import default_procs
+from tests.support.nullserver import SHAPES
+from tests.support.procs import NullServer
 
 WORKLOADS = {"short": (64, 512), "long": (1024, 4096)}
 FP8_SERVER = "fp8-server"

@@ -1,7 +1,7 @@
 """Tokenizing chat rows: `hsq tokenize`'s rate with one process and with every core.
 
 Synthetic ShareGPT rows (1-4 user/assistant exchanges of 20-200 words each), the offline
-ChatML tokenizer from hsq.harness.toytok; the same file through tokenize_file with --jobs 1 and
+ChatML tokenizer from tests.support.toytok; the same file through tokenize_file with --jobs 1 and
 with --jobs = cores, checking that both outputs are byte-identical.
 
     python -m bench.chat_tokenize --rows 100000 --single-rows 20000
@@ -16,9 +16,9 @@ import random
 import tempfile
 from pathlib import Path
 
-from hsq.harness.toytok import build_chatml_tokenizer
 from hsq.producer.settings import TokenizeSettings
 from hsq.producer.tokenize import tokenize_file
+from tests.support.toytok import build_chatml_tokenizer
 
 WORDS = [
     "the",

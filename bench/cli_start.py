@@ -29,8 +29,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hsq.harness.procs import NullServer, RedisServer, hsq_command
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer, hsq_command
+from hsq.producer.synthetic import write_synthetic
+from tests.support.procs import NullServer
 
 
 def _children_cpu() -> float:

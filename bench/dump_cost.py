@@ -13,7 +13,7 @@ the modes differ only in what happens around the forward:
     fp8          `dump` with --dump-encoding fp8-e4m3 (quantized on the device)
     prenorm      `dump` with --prenorm (one more [T, H] tensor)
     hook         the forward plus the SGLang hook's DumpHook.capture and writer thread
-                 (hsq/sglang_server/sglang_hook), without SGLang: the hook's own cost
+                 (hsq/engines/sglang), without SGLang: the hook's own cost
     hook-staged  `hook` with SGLANG_HS_DEVICE_STAGING=1 (rows cloned on the GPU, so the
                  next forward does not wait for the copy to the host)
 
@@ -47,16 +47,16 @@ from typing import Any
 import torch
 
 from hsq.dump.find import clear_dump_dir
+from hsq.engines.reference.app import dump_bytes_per_token
+from hsq.engines.reference.dumper import DumpWriter, HostBatch, WriterStats, _Job
+from hsq.engines.reference.engine import Engine
+from hsq.engines.reference.faults import FaultPlan
+from hsq.engines.reference.model import HiddenStateModel, bucket_length, load_model
+from hsq.engines.sglang.config import HookConfig
+from hsq.engines.sglang.dump_hook import DumpHook
+from hsq.engines.sglang.dump_writer import DumpContext
+from hsq.engines.sglang.plan import BatchPlan, RidFilter, build_plan
 from hsq.logs import configure
-from hsq.sglang_server.reference.app import dump_bytes_per_token
-from hsq.sglang_server.reference.dumper import DumpWriter, HostBatch, WriterStats, _Job
-from hsq.sglang_server.reference.engine import Engine
-from hsq.sglang_server.reference.faults import FaultPlan
-from hsq.sglang_server.reference.model import HiddenStateModel, bucket_length, load_model
-from hsq.sglang_server.sglang_hook.config import HookConfig
-from hsq.sglang_server.sglang_hook.dump_hook import DumpHook
-from hsq.sglang_server.sglang_hook.dump_writer import DumpContext
-from hsq.sglang_server.sglang_hook.plan import BatchPlan, RidFilter, build_plan
 from hsq.states import FP8, PLAIN
 
 MODES = (

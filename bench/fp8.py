@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from hsq import quant
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.read import open_dump_tensors
 from hsq.dump.write import write_dump
+from hsq.engines.reference.model import eagle3_default_layers, load_model, shape_config
 from hsq.outputs.transcode import write_output
-from hsq.sglang_server.reference.model import eagle3_default_layers, load_model, shape_config
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, STORE_DTYPES
 from hsq.stfile.engine import WriteEngine
 

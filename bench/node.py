@@ -31,9 +31,9 @@ import torch
 
 from bench.disk import probe
 from bench.pipeline import bare, capacity, load_samples
-from hsq.harness import procs
-from hsq.harness.synthetic import write_synthetic
+from hsq.node import procs
 from hsq.producer.enqueue import enqueue_run
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls

@@ -1,7 +1,7 @@
 """A node's worth of workers on one host: N null-model servers and N `hsq worker`s writing
 one run to one output disk (issue 35 item 4), bf16 and server-made fp8 side by side.
 
-The servers' model costs nothing (hsq.harness.nullserver), so what limits the aggregate is
+The servers' model costs nothing (tests.support.nullserver), so what limits the aggregate is
 the workers' CPU and the output disk: it reports the aggregate GB/s and tokens/s against
 the disk's best durable rate (bench/disk.py, probed in the same run), and each worker's CPU
 time (its persist processes included, from wait4) beside the wall time.
@@ -26,13 +26,14 @@ from typing import Any
 
 from bench.ceiling import WORKLOADS, _events, _ts
 from bench.disk import probe
-from hsq.harness.nullserver import SHAPES
-from hsq.harness.procs import NullServer, RedisServer, hsq_command
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer, hsq_command
 from hsq.producer.enqueue import enqueue_run
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect
+from tests.support.nullserver import SHAPES
+from tests.support.procs import NullServer
 
 TARGET_RATIO_TO_DISK = 0.9
 ENCODINGS = {"bf16": ("plain", "bf16"), "fp8-server": ("fp8-e4m3", "fp8-e4m3")}

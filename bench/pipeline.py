@@ -39,13 +39,13 @@ from typing import Any
 import httpx
 
 from bench.disk import probe
-from hsq.dataset import read_sample, scan_dataset
+from hsq.dataset.jsonl import read_sample, scan_dataset
 from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
-from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer, ReferenceServer, worker_process
 from hsq.producer.enqueue import enqueue_run
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsq.harness.procs import RedisServer, ReferenceServer, worker_process
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer, ReferenceServer, worker_process
 from hsq.producer.enqueue import enqueue_run
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls

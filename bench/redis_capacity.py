@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsq.dataset import IndexEntry
-from hsq.harness.procs import RedisServer
+from hsq.dataset.jsonl import IndexEntry
+from hsq.node.procs import RedisServer
 from hsq.outputs.format import output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.scale_outputs import evict_pages, make_outputs, mark
-from hsq.harness.procs import RedisServer, hsq_command
+from hsq.node.procs import RedisServer, hsq_command
 from hsq.outputs.format import output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
@@ -166,7 +166,7 @@ def status_time(url: str, *extra: str, repeat: int = 1) -> dict[str, Any]:
     st = json.loads(proc.stdout)
     keys = ("total", "done", "queued", "in_progress", "retry", "dead", "missing")
     # The same call in this process: the command's time less Python's start.
-    from hsq.app.ops import run_status
+    from hsq.ops import run_status
 
     store = RunStore(connect(url), RUN)
     store.require_config()

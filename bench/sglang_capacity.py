@@ -36,8 +36,8 @@ from typing import Any
 
 import httpx
 
-from hsq.harness.procs import RedisServer, ReferenceServer, hsq_command
-from hsq.harness.sglang import SGLANG_FLAGS, SGLangServer
+from hsq.node.procs import RedisServer, ReferenceServer, hsq_command
+from tests.support.sglang import SGLANG_FLAGS, SGLangServer
 
 
 def write_8b_config(path: Path) -> Path:

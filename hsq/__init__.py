@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hsq.lean import lazy_attributes
+from hsq.extras import lazy_attributes
 
 __version__ = "0.2.0"
 
@@ -18,9 +18,7 @@ if TYPE_CHECKING:
         HiddenStateDataset,
         collate,
     )
-    from hsq.dataset import (
-        Sample,
-    )
+    from hsq.dataset.jsonl import Sample
     from hsq.dump.find import wait_for_dump
     from hsq.dump.format import DumpMeta, fingerprint
     from hsq.dump.read import Dump, Expected, read_dump
@@ -98,7 +96,7 @@ _WHERE: dict[str, str] = {
     "HiddenStateDataset": "hsq.data",
     "collate": "hsq.data",
     "logical_tensors": "hsq.quant",
-    "Sample": "hsq.dataset",
+    "Sample": "hsq.dataset.jsonl",
     "RunConfig": "hsq.runconfig",
 }
 

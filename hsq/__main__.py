@@ -1,3 +1,3 @@
-from hsq.app.cli import main
+from hsq.cli.main import main
 
 main()

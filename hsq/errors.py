@@ -33,6 +33,15 @@ from __future__ import annotations
 
 from typing import Any
 
+# `hsq`'s exit codes (docs/operations.md): what a script calling it can branch on.
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+"""Problems found (verify, audit, export), or an expected failure of the work itself."""
+EXIT_USAGE = 2
+"""A usage or configuration error: nothing was changed."""
+EXIT_REDIS = 3
+"""Redis unreachable."""
+
 
 class HsqError(Exception):
     """Root of every error hsq raises deliberately."""
@@ -85,7 +94,7 @@ class OutputError(HsqError):
 
 
 class PersistProcessError(HsqError):
-    """A persist process (hsq/workers/persist_procs.py) died with a sample in hand (killed,
+    """A persist process (hsq/workers/persist/procs.py) died with a sample in hand (killed,
     out of memory): not the sample's fault. Retried without using an attempt; a sample
     that kills its process --max-server-crashes times is dead-lettered with this reason."""
 

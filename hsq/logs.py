@@ -1,8 +1,8 @@
 """Logging set-up; only entry points call it (no configuration at import time).
 
-structlog is imported here on first use, not at this module's import: hsq/app/ imports
+structlog is imported here on first use, not at this module's import: hsq/cli/ imports
 this module for `progress`, and `hsq --version` or any `--help` should not pay for
-structlog (about a third of the CLI's start). It is imported without rich (hsq.lean): the
+structlog (about a third of the CLI's start). It is imported without rich (hsq.extras): the
 chain formats exceptions itself (format_exc_info, before the renderer), so neither
 renderer, JSON or console, ever calls rich.
 """
@@ -41,8 +41,8 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
 
 
 def _load_structlog() -> None:
-    """Import structlog without rich (hsq.lean: no renderer of this chain calls rich)."""
-    from hsq.lean import PRETTY, hidden
+    """Import structlog without rich (hsq.extras: no renderer of this chain calls rich)."""
+    from hsq.extras import PRETTY, hidden
 
     with hidden(*PRETTY):
         import structlog  # noqa: F401

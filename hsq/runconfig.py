@@ -27,7 +27,7 @@ def check_store_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Fields with setting() are given to `hsq enqueue` / `hsq recover` (hsq.app.options)."""
+    """Fields with setting() are given to `hsq enqueue` / `hsq recover` (hsq.cli.options)."""
 
     run: str
     dataset: str

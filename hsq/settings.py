@@ -2,8 +2,8 @@
 
 A settings dataclass (workers.settings.WorkerSettings, the reference server's
 ReferenceSettings, hsq.runconfig.RunConfig, the tokenizer's TokenizeSettings and ChatOptions,
-the shell's own flag records in hsq/app/) declares each field with :func:`setting`; the CLI
-builds every one of its options from these fields (hsq.app.options), so a default lives in
+the shell's own flag records in hsq/cli/) declares each field with :func:`setting`; the CLI
+builds every one of its options from these fields (hsq.cli.options), so a default lives in
 one place. Every setting can be given as a flag or as an environment variable,
 ``HSQ_<FIELD>`` (plus any older names the field lists), the same rule in every command, so
 fields are named for what they mean (`audit_server`, not `server`, which is the worker's).

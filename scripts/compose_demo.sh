@@ -18,7 +18,7 @@ data=$(cd "$data" && pwd)
 
 echo "[compose-demo] writing $samples synthetic samples to $data/demo.jsonl"
 $COMPOSE run --rm --no-deps -v "$data:/gen" hsq python -c \
-  "from pathlib import Path; from hsq.harness.synthetic import write_synthetic as w; w(Path('/gen/demo.jsonl'), $samples, seed=0, min_len=16, max_len=512)"
+  "from pathlib import Path; from hsq.producer.synthetic import write_synthetic as w; w(Path('/gen/demo.jsonl'), $samples, seed=0, min_len=16, max_len=512)"
 $COMPOSE run --rm --no-deps hsq hsq enqueue /data/demo.jsonl --run "$run" --out /outputs --no-progress
 
 echo "[compose-demo] waiting for run $run (timeout ${DEMO_TIMEOUT_S:-900}s)"

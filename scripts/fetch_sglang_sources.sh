@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the wheel of every SGLang version the dump hook pins (the list lives in
-# hsq/sglang_server/sglang_hook/compat.py) into .cache/sglang/, for
+# hsq/engines/sglang/compat.py) into .cache/sglang/, for
 # tests/test_sglang_conformance.py, which reads their source as files. Nothing is
 # installed. The same wheel is picked on every host (CPython 3.11, manylinux x86_64).
 set -euo pipefail
@@ -13,7 +13,7 @@ mkdir -p "$dest"
 # Fetched third-party code must never be committed, whatever .gitignore says.
 [ -f .cache/.gitignore ] || echo '*' >.cache/.gitignore
 
-versions=$("$PY" -c 'from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS; print(*PINNED_VERSIONS)')
+versions=$("$PY" -c 'from hsq.engines.sglang.compat import PINNED_VERSIONS; print(*PINNED_VERSIONS)')
 for v in $versions; do
   if compgen -G "$dest/sglang-$v-*.whl" >/dev/null; then
     continue

@@ -68,7 +68,7 @@ say "installing hidden-state-queue[all,dev] (editable)"
 # What the tests that run SpecForge's trainer and speculators' loader import beside hsq,
 # resolved into .venv with hsq's pins (all of it satisfiable, so `pip check` stays clean):
 # accelerate and triton (SpecForge's loss module imports triton even on a CPU, where
-# hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss), openai and
+# tests.support.specforge_cpu swaps the kernel for SpecForge's reference loss), openai and
 # hs-connectors (speculators' loader).
 say "installing SpecForge's trainer imports and speculators==0.9.0's loader imports (pinned)"
 "${pip[@]}" install -q -c "$constraints" openai==3.51.0 accelerate==1.15.0 hs-connectors==0.9.0

@@ -13,7 +13,7 @@
 # packages its trainer imports. Left out, as a CPU `specforge train` imports none of them:
 # sglang (serving; its CUDA torch pins), wandb and tensorboard (loggers), yunchang (sequence
 # parallelism), openai-harmony. triton: SpecForge's loss module imports it even on a CPU,
-# where hsq.harness.specforge_cpu swaps the kernel for SpecForge's reference loss.
+# where tests.support.specforge_cpu swaps the kernel for SpecForge's reference loss.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Nothing from the caller's path: with hsq's tests' PYTHONPATH (.trainers/ holds specforge's

@@ -6,7 +6,7 @@
 #   one       a small random Llama (8 layers, hidden 512, head_dim 128) served by
 #             `hsq launch-vllm` (extract_hidden_states, hsq's connector); one short and one 1500-token prompt (3 chunks of
 #             --max-num-batched-tokens 512): each dump, read back by hsq, equals a float32
-#             transformers forward within hsq.closeness (aux per layer, post-norm, pre-norm)
+#             transformers forward within hsq.closeness.rule (aux per layer, post-norm, pre-norm)
 #   worker    a run through `hsq worker --server-kind vllm --inflight K`, stored samples
 #             against the same forward, the worker's tokens/s
 #   restart   SIGKILL of vLLM's process group while a worker runs; vLLM started again; the
@@ -21,7 +21,7 @@
 #   --backend NAME     vLLM --attention-backend (default TRITON_ATTN; FLASH_ATTN uses FA3)
 #   --results DIR      results (default: $OUT if set, else ./live-results)
 #   --dry-run          on a CPU: no install, no GPU; the vLLM-shaped stand-in
-#                      (hsq.harness.fakevllm, hsq's connector core over a transformers
+#                      (tests.support.fakevllm, hsq's connector core over a transformers
 #                      forward) takes vLLM's place, with small sizes. Checks the script,
 #                      the checks and hsq's side; says nothing about vLLM
 # Environment: SITE (/tmp/vllm-site), WORK (/tmp/hsq-vllm-live), PORT (18431),
@@ -114,7 +114,7 @@ VLLM_ARGS=(--dtype bfloat16 --max-model-len 4096 --skip-tokenizer-init --enforce
 start_server() {  # start_server hsq|plain LOG
   mkdir -p "$DUMPS"
   if [ "$dry" = 1 ]; then
-    setsid "$PY" -m hsq.harness.fakevllm --model "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
+    setsid "$PY" -m tests.support.fakevllm --model "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
       --layers "$LAYERS" --prenorm >"$results/$2" 2>&1 &
   elif [ "$1" = hsq ]; then
     setsid "${HSQ[@]}" launch-vllm --model-path "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
@@ -155,7 +155,7 @@ start_redis() {
   until "$PY" -c "import redis; redis.Redis.from_url('$HSQ_REDIS_URL').ping()" 2>/dev/null; do sleep 0.2; done
 }
 dataset() {  # dataset FILE N
-  "$PY" -c "from hsq.harness.synthetic import write_synthetic as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), int(sys.argv[2]), seed=7, min_len=16, max_len=$MAX_LEN, vocab=1000)" "$1" "$2"
+  "$PY" -c "from hsq.producer.synthetic import write_synthetic as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), int(sys.argv[2]), seed=7, min_len=16, max_len=$MAX_LEN, vocab=1000)" "$1" "$2"
 }
 enqueue() {  # enqueue RUN DATA
   "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --layers "$LAYERS" --prenorm --no-progress

@@ -1,10 +1,10 @@
 """The checks of scripts/vllm_live.sh, one subcommand per phase; each writes a JSON result.
 
-tiny DIR                       a tiny random Llama (hsq.harness.tinymodel) whose final
+tiny DIR                       a tiny random Llama (tests.support.tinymodel) whose final
                                norm weight is not all ones (so the post-norm is tested)
 one URL DUMP_DIR MODEL LAYERS  one short and one long (chunked) prompt through the
                                connector: the dumps hsq reads back against a float32
-                               transformers forward (hsq.closeness's tolerance)
+                               transformers forward (hsq.closeness.rule's tolerance)
 outputs REDIS RUN OUT MODEL DATA LAYERS N
                                N of a run's stored samples against the same forward
 capacity URL N K [--rid]       N completions, K in flight: tokens/s (with --rid each
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from hsq.closeness import closeness
+from hsq.closeness.rule import closeness
 from hsq.dump.find import scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
-from hsq.workers.vllm_client import VllmClient
+from hsq.workers.send.vllm_client import VllmClient
 
 OUT = Path(os.environ.get("RESULTS", "live-results"))
 

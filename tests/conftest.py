@@ -19,9 +19,11 @@ import pytest
 
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected
-from hsq.harness.procs import RedisServer, ReferenceServer
-from hsq.harness.spawner import FRESH, SPAWNER_ENV, Spawner, ZygoteSpawner, install
+from hsq.node.procs import RedisServer
+from hsq.node.spawn import FRESH, Spawner
 from hsq.stfile.engine import WriteEngine
+from tests.support.procs import ReferenceServer
+from tests.support.spawner import SPAWNER_ENV, ZygoteSpawner, install
 
 # SpecForge's and speculators' code, which the tests compare hsq with, is in .trainers/ (no
 # dependencies: their pins conflict with hsq's, scripts/setup.sh says why), not in .venv.

@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hsq.harness.procs import ManagedProcess, ReferenceServer, worker_process
-from hsq.harness.spawner import ZygoteSpawner, installed
+from hsq.node.procs import ManagedProcess, worker_process
 from hsq.runstore import RunStore
 from hsq.store import connect
+from tests.support.procs import ReferenceServer
+from tests.support.spawner import ZygoteSpawner, installed
 
 
 def hsq_argv(*args: str) -> list[str]:
@@ -29,7 +30,7 @@ def hsq(
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`hsq ARGS` as a subprocess, no terminal on stdin (prompts refuse), output captured:
-    forked from the session's zygote (hsq.harness.spawner) where one is installed and the
+    forked from the session's zygote (tests.support.spawner) where one is installed and the
     environment allows, else a fresh exec."""
     spawner = installed()
     if isinstance(spawner, ZygoteSpawner):
@@ -55,8 +56,8 @@ def enqueue(dataset: Path, run: str, out: Path, redis_url: str, *extra: str) -> 
 
 
 def spawn_worker(*args: Any, **kw: Any) -> ManagedProcess:
-    """hsq.harness.procs.worker_process, the worker forked from the session's zygote where
-    one is installed (hsq.harness.spawner; a fresh exec where it cannot be)."""
+    """hsq.node.procs.worker_process, the worker forked from the session's zygote where
+    one is installed (tests.support.spawner; a fresh exec where it cannot be)."""
     return worker_process(*args, spawner=installed(), **kw)
 
 

@@ -16,8 +16,8 @@ import torch
 from hsq.dump.format import DumpMeta, ModelIdentity, fingerprint
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.fakedump import random_states, request_meta
-from hsq.sglang_server.http_api import ApiServer, prefill_answer, sglang_routes
+from hsq.engines.http_api import ApiServer, prefill_answer, sglang_routes
+from tests.support.fakedump import random_states, request_meta
 
 IDENT = ModelIdentity("hostile", "LlamaForCausalLM", 8, 16, "7" * 64)
 LAYERS = [2, 4, 5]

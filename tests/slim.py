@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from hsq.harness.procs import ManagedProcess, RedisServer, ReferenceServer, free_port, wait_http_ok
+from hsq.node.procs import ManagedProcess, RedisServer, free_port, wait_http_ok
+from tests.support.procs import ReferenceServer
 
 DIST_NAME = "hidden-state-queue"
 MODEL_MODULES = ("torch", "transformers", "tokenizers", "safetensors", "datasets")

@@ -20,12 +20,13 @@ import torch
 from hsq.dump.format import expected_shapes
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.procs import ManagedProcess, ReferenceServer
-from hsq.harness.synthetic import write_synthetic
-from hsq.sglang_server.reference.faults import FaultRule, mix_sources
+from hsq.engines.reference.faults import FaultRule, mix_sources
+from hsq.node.procs import ManagedProcess
+from hsq.producer.synthetic import write_synthetic
 from hsq.states import FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name, state_tensors
 from tests.helpers import enqueue, hsq, log_events, spawn_worker, start_worker, store, wait_until
 from tests.hostile import HIDDEN, IDENT, LAYERS, HostileServer, meta_for, tensors_for
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 N = 12
@@ -195,7 +196,7 @@ def test_compare_states_tolerates_last_bit_noise_and_catches_other_rows(fmt: str
     from types import SimpleNamespace
 
     from hsq import quant
-    from hsq.closeness import States, compare_states
+    from hsq.closeness.rule import States, compare_states
 
     gen = torch.Generator().manual_seed(0)
     aux = torch.randn(16, 3 * 64, generator=gen)
@@ -293,7 +294,7 @@ def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_messa
     minutes (`waiting_for_hook`, timeout_s 1800). Now: exit 2 naming the server, and
     nothing of the run changes. (The subprocess limit is only a guard: the audit's own
     bound is its --request-timeout.)"""
-    from hsq.harness.procs import free_port
+    from hsq.node.procs import free_port
 
     run = "unreach"
     srv = HostileServer(tmp_path / "dumps")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hsq import quant
-from hsq.closeness import (
+from hsq.closeness.rule import (
     FP8_ROUNDING,
     MIN_COSINE,
     States,
@@ -29,9 +29,9 @@ from hsq.closeness import (
     confirm,
     tolerance,
 )
-from hsq.harness.procs import ReferenceServer
 from hsq.states import AUX_TENSOR, BF16, FP8, LAST_TENSOR, PLAIN, PRENORM_TENSOR
 from tests.helpers import enqueue, log_events, start_worker, store
+from tests.support.procs import ReferenceServer
 from tests.test_audit import K, N, audit, dataset, extract_batched, mismatches, mixed_samples
 
 Factory = Callable[..., ReferenceServer]

@@ -1,4 +1,4 @@
-"""The audit's MoE allowance (hsq/audit_moe.py): routing differences between a batched
+"""The audit's MoE allowance (hsq/closeness/moe.py): routing differences between a batched
 and an alone forward pass, mix-ups do not, dense models keep the row rule; and the
 reference server's `mix` fault is still caught with the allowance on (real processes)."""
 
@@ -15,15 +15,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hsq import quant  # noqa: E402
-from hsq.audit_moe import MAX_DEVIATING_ROW_FRACTION, allowance, routes_tokens  # noqa: E402
-from hsq.closeness import States, compare_states, dump_states  # noqa: E402
+from hsq.closeness.moe import MAX_DEVIATING_ROW_FRACTION, allowance, routes_tokens  # noqa: E402
+from hsq.closeness.rule import States, compare_states, dump_states  # noqa: E402
 from hsq.dump.find import remove_dump, scan_by_rid  # noqa: E402
 from hsq.dump.format import fingerprint  # noqa: E402
 from hsq.dump.read import Expected, read_dump  # noqa: E402
-from hsq.harness.procs import ReferenceServer  # noqa: E402
 from hsq.outputs import open_output  # noqa: E402
 from tests.conftest import generate  # noqa: E402
 from tests.helpers import enqueue  # noqa: E402
+from tests.support.procs import ReferenceServer  # noqa: E402
 from tests.test_audit import (  # noqa: E402
     clean,  # noqa: F401 (a fixture)
     dataset,

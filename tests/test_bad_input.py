@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer
-from hsq.dataset import scan_dataset
+from hsq.dataset.jsonl import scan_dataset
 from hsq.errors import DatasetError
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
-from hsq.harness.toytok import build_chatml_tokenizer
+from hsq.producer.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer
 from hsq.producer.settings import TokenizeSettings
+from hsq.producer.synthetic import write_synthetic
 from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
 from hsq.workers.startup import STAGING, fresh_staging
 from tests.helpers import enqueue, hsq, start_worker, store
+from tests.support.procs import ReferenceServer
+from tests.support.toytok import build_chatml_tokenizer
 
 Factory = Callable[..., ReferenceServer]
 DEEP = 100_000  # far past the parser's recursion limit
@@ -104,7 +104,7 @@ def _nest(depth: int) -> Any:
 # ---------------------------------------------------------------- 14: a huge chat row
 RSS_PROBE = """
 import resource, sys
-from hsq.app.cli import main
+from hsq.cli.main import main
 sys.argv = ["hsq", *sys.argv[1:]]
 try:
     main()

@@ -16,12 +16,12 @@ import pytest
 
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
-from hsq.harness.procs import NullServer
-from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.check import checksum_matches, file_checksum
 from hsq.outputs.format import open_output
+from hsq.producer.synthetic import write_synthetic
 from hsq.stfile.integrity import Digest
 from tests.helpers import enqueue, hsq, log_events, spawn_worker, store, wait_until
+from tests.support.procs import NullServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,7 +173,7 @@ def test_the_lease_breaks_on_any_gap_longer_than_half_the_ttl() -> None:
     a gap (a SIGSTOP) may have let a reaper take the jobs, every sample looks."""
     import time
 
-    from hsq.workers.persist import Lease
+    from hsq.workers.persist.stage import Lease
 
     lease = Lease(10.0)
     assert not lease.held()  # nothing sent yet

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from hsq.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
 from hsq.errors import ConfigError, DatasetError
-from hsq.harness.toytok import build_chatml_tokenizer
+from hsq.producer.chat import ChatOptions, ChatTokenizer, infer_markers, load_tokenizer, row_id
 from hsq.producer.settings import TokenizeSettings
 from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file
+from tests.support.toytok import build_chatml_tokenizer
 
 try:
     from specforge.data.parse import GeneralParser

@@ -14,8 +14,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from hsq.app import cli
-from hsq.harness.synthetic import write_synthetic
+from hsq.cli import main as cli
+from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect, list_runs
 from tests.helpers import enqueue, hsq
 

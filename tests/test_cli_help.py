@@ -17,9 +17,9 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from hsq.app import cli
-from hsq.app.command import HsqCommand
-from hsq.harness.synthetic import write_synthetic
+from hsq.cli import main as cli
+from hsq.cli.command import HsqCommand
+from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect
 from tests.helpers import enqueue, hsq
 

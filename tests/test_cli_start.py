@@ -1,7 +1,7 @@
 """The `hsq` command's own start stays cheap (issues 29 and 35): `hsq --version`, `hsq
 --help` and every command's --help import none of the heavy libraries (the group loads a
 command's module only when that command is asked for, structlog only when a command runs),
-and the group's lazy table (hsq/app/cli.py COMMANDS) says what the commands say.
+and the group's lazy table (hsq/cli/main.py COMMANDS) says what the commands say.
 
 The import checks run the real `hsq` entry point in a fresh interpreter and read its
 sys.modules; the table checks are pure."""
@@ -16,8 +16,8 @@ import sys
 import click
 import pytest
 
-from hsq.app import cli
-from hsq.app.group import LazyGroup
+from hsq.cli import main as cli
+from hsq.cli.group import LazyGroup
 
 HEAVY = (
     "torch",
@@ -40,7 +40,7 @@ logging stack; each costs tens to hundreds of ms of CPU at every start."""
 # the heavy top-level modules loaded so far: the first argv that brings one is named.
 _PROBE = """
 import json, sys
-from hsq.app.cli import main
+from hsq.cli.main import main
 heavy = set(json.loads(sys.argv[1]))
 for args in json.loads(sys.argv[2]):
     sys.argv = ["hsq", *args]
@@ -104,7 +104,7 @@ def test_hsq_help_reads_as_it_would_with_every_command_loaded(columns: str) -> N
     lazy = subprocess.run([sys.executable, "-m", "hsq", "--help"], capture_output=True,
                           text=True, env=env, check=True)  # fmt: skip
     eager_code = (
-        "import sys\nfrom hsq.app import cli\ncli.every_command()\n"
+        "import sys\nfrom hsq.cli import cli\ncli.every_command()\n"
         "sys.argv = ['hsq', '--help']\ncli.main()\n"
     )
     eager = subprocess.run([sys.executable, "-c", eager_code], capture_output=True, text=True,
@@ -140,7 +140,7 @@ def test_json_logs_load_structlog_without_rich_and_console_logs_still_show_trace
 
 def test_a_worker_loads_structlog_and_httpx_without_their_pretty_printers() -> None:
     """`hsq worker` configures logging (HsqCommand.invoke), then imports the worker: rich and
-    pygments, which structlog and httpx would pull in, stay out (hsq.lean)."""
+    pygments, which structlog and httpx would pull in, stay out (hsq.extras)."""
     code = (
         "import sys\nfrom hsq.logs import configure\nconfigure()\n"
         "import hsq.workers.worker\n"
@@ -153,7 +153,7 @@ def test_a_worker_loads_structlog_and_httpx_without_their_pretty_printers() -> N
 
 def test_a_hidden_module_imports_again_after_the_block() -> None:
     code = (
-        "import importlib, sys\nfrom hsq.lean import hidden\n"
+        "import importlib, sys\nfrom hsq.extras import hidden\n"
         "with hidden('os', 'csv'):\n"  # os is loaded already: it stays
         "    import os\n"
         "    try:\n        import csv\n    except ImportError:\n        print('hidden')\n"
@@ -169,8 +169,8 @@ def test_a_plain_http_server_client_loads_no_ca_bundle_and_an_https_one_the_defa
     cost 30-50 ms of CPU at each start); an https:// one verifies with the default store."""
     import ssl
 
-    from hsq.workers.client import ServerClient
-    from hsq.workers.http import StdlibTransport
+    from hsq.workers.send.client import ServerClient
+    from hsq.workers.send.http import StdlibTransport
 
     plain = StdlibTransport("http://127.0.0.1:30000", request_timeout=1, connect_timeout=1)
     assert plain._tls is None

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS, parse_version, plugin_supported
+from hsq.engines.sglang.compat import PINNED_VERSIONS, parse_version, plugin_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "deploy/slurm"
@@ -119,7 +119,7 @@ def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     assert '--redis-url-file "$STATE/redis-url"' in code
     assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
     # `hsq run` starts SGLang through the launcher (its refusals and readiness checks).
-    supervisor = (ROOT / "hsq/app/node/supervisor.py").read_text()
+    supervisor = (ROOT / "hsq/node/supervisor.py").read_text()
     assert '"launch-sglang"' in supervisor and "sglang.launch_server" not in supervisor
     assert "redis-url" in code and "WAIT_S" in code
     head = (SLURM / "head.sbatch").read_text()
@@ -138,7 +138,7 @@ RECIPES = [
     ROOT / "Makefile",
     ROOT / "Dockerfile",
     ROOT / "Dockerfile.sglang",
-    ROOT / "hsq/app/cli.py",  # the --help examples
+    ROOT / "hsq/cli/main.py",  # the --help examples
 ]
 _URL_WITH_AUTH = re.compile(r"rediss?://[^\s/@`'\"]*:[^\s@`'\"]*@")
 _ARG_RULES = [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hsq.dataset import scan_dataset
+from hsq.dataset.jsonl import scan_dataset
 from hsq.producer import enqueue as enq
 from hsq.producer.enqueue import auto_chunk_size, enqueue_run
 from hsq.runconfig import RunConfig

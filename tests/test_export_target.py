@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from hsq.app.export.target import write_target_dir
 from hsq.errors import ConfigError
+from hsq.ops.export.target import write_target_dir
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = tmp_path_factory.mktemp("ckpt") / "model"
-    subprocess.run([sys.executable, "-m", "hsq.harness.tinymodel", str(ckpt)], check=True)
+    subprocess.run([sys.executable, "-m", "tests.support.tinymodel", str(ckpt)], check=True)
     return ckpt
 
 

@@ -1,4 +1,4 @@
-"""hsq.fastline.fast_line, the worker's read of its sample's line: None (parse_line decides)
+"""hsq.dataset.fastline.fast_line, the worker's read of its sample's line: None (parse_line decides)
 or exactly parse_line's Sample, on crafted and randomly damaged lines."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from hsq.dataset import Sample, parse_line
+from hsq.dataset.fastline import fast_line
+from hsq.dataset.jsonl import Sample, parse_line
 from hsq.errors import DatasetError
-from hsq.fastline import fast_line
 from tests.test_scale import LINES, damaged
 
 CRAFTED = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hsq.engines.reference.faults import FaultPlan, FaultRule
 from hsq.errors import ConfigError
-from hsq.sglang_server.reference.faults import FaultPlan, FaultRule
 
 
 def test_parse_rule_with_options() -> None:

@@ -14,22 +14,22 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hsq import quant
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.read import open_dump_tensors
 from hsq.dump.write import write_dump
+from hsq.engines.reference.model import load_model
 from hsq.errors import ConfigError, MetaMismatchError, NonFiniteDumpError
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.check import check_output, file_checksum
 from hsq.outputs.manifest import ManifestEntry
 from hsq.outputs.transcode import write_output
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
-from hsq.sglang_server.reference.model import load_model
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR
 from hsq.stfile.engine import WriteEngine
 from hsq.stfile.header import read_header
 from tests.helpers import enqueue, hsq, start_worker, store
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)

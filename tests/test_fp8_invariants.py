@@ -21,7 +21,7 @@ from hsq import quant
 from hsq.dump.format import expected_shapes
 from hsq.dump.write import write_dump
 from hsq.errors import CorruptDumpError, NonFiniteDumpError
-from hsq.harness.synthetic import write_synthetic
+from hsq.producer.synthetic import write_synthetic
 from hsq.states import FP8, LAST_TENSOR, scale_name, state_tensors
 from tests.helpers import enqueue, spawn_worker, store
 from tests.hostile import HIDDEN, LAYERS, HostileServer, meta_for, tensors_for

@@ -7,7 +7,7 @@ import threading
 from typing import Any, cast
 
 from hsq.workers.heartbeat import Heartbeat
-from hsq.workers.persist import Lease
+from hsq.workers.persist.stage import Lease
 
 
 class FakeStore:

@@ -21,14 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsq.app.ops import verify
 from hsq.dump.format import DONE_FILE, META_FILE, TENSOR_FILE
 from hsq.dump.ready import READY_FILE, read_ready, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
+from hsq.ops import verify
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, log_events, spawn_worker, start_worker, store, wait_until
 from tests.hostile import HostileServer, meta_for, once_per_sample, tensors_for
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 OTHER_USER = "hsq-test-other"

@@ -1,4 +1,4 @@
-"""The worker's http.client transport (hsq/workers/http.py) against real sockets: what each
+"""The worker's http.client transport (hsq/workers/send/http.py) against real sockets: what each
 way a connection can fail maps to, keep-alive reuse, a server that closed an idle
 connection, and the body limit."""
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from hsq.errors import ServerUnavailableError
-from hsq.workers.http import MidRequestFailure, StdlibTransport
+from hsq.workers.send.http import MidRequestFailure, StdlibTransport
 
 Reply = Callable[[socket.socket, bytes], bool]
 """Given the connection and the request's bytes: answer; True keeps the connection open."""

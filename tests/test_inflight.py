@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsq.app.ops import run_status, verify
-from hsq.harness.procs import ManagedProcess, ReferenceServer
-from hsq.harness.synthetic import write_synthetic
-from hsq.sglang_server.reference.model import load_model
+from hsq.engines.reference.model import load_model
+from hsq.node.procs import ManagedProcess
+from hsq.ops import run_status, verify
+from hsq.producer.synthetic import write_synthetic
 from tests.conftest import generate
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 K = "4"
@@ -287,7 +288,7 @@ def poll(self, now):
 
 
 dispatch.RidMatcher.poll = poll
-from hsq.app.cli import main
+from hsq.cli.main import main
 
 main()
 """

@@ -1,15 +1,22 @@
-"""The import rules (docs/architecture.md), checked over the tree's own imports.
+"""The import rules (docs/architecture.md), checked over the tree's own imports: the
+folders are the layers, and an import goes down the table, never up or sideways.
 
-    contracts  hsq/*.py                    import only contracts
-    services   hsq.workers, hsq.producer,  import contracts and their own package
-               hsq.sglang_server
-    harness    hsq/harness/                imports contracts, services and itself
-    shell      hsq/app/, hsq/__main__.py,  may import everything
-               hsq/cli.py (old entry point)
+    0 kernel    hsq/*.py (stdlib only: errors keys settings states jsonsafe redisurl
+                runconfig logs extras fsio) and hsq/__init__.py
+    1 formats   hsq/dataset/ hsq/dump/ hsq/stfile/ hsq/quant.py hsq/outputs/ hsq/closeness/
+    2 store     hsq/store/ (the Redis gateway) and hsq/runstore.py (the gateway bound to the
+                manifest codec: where the store and the output format meet)
+    3 services  hsq/producer/ hsq/workers/ hsq/engines/ hsq/data/: each imports the layers
+                below and itself, never another service
+    4 node/ops  hsq/ops/ (status, verify, requeue, audit, export, the Prometheus exporter),
+                then hsq/node/ (`hsq run`: it verifies through ops)
+    5 cli       hsq/cli/ and hsq/__main__.py: the click layer only
 
-A top-level `workers`, `producer` or `sglang_server` import is always wrong: those names are
-not installed (issue 25), only `hsq` is. The repository's top-level workers/, producer/ and
-sglang_server/ are deployment units (README, env example) and hold no Python (issue 32).
+tests/support/ (the zygote, the null and fake-vLLM servers, toy tokenizer, tiny model) may
+import anything; nothing in hsq imports it, nor tests/ or bench/. A top-level `workers`,
+`producer` or `sglang_server` import is always wrong: those names are not installed, only
+`hsq` is. The repository's top-level workers/, producer/ and sglang_server/ are deployment
+units (README, env example, recipes) and hold no Python.
 
 Imports inside functions count too: a lazy import is still a dependency.
 """
@@ -24,34 +31,62 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hsq",)
 DEPLOYMENT_UNITS = ("workers", "producer", "sglang_server")
-SERVICES = ("hsq.workers", "hsq.producer", "hsq.sglang_server", "hsq.vllm_server")
-
-
-def layer(module: str) -> str:
-    """The layer of a first-party module (dotted name); "" for anything else."""
-    top = module.split(".")[0]
-    if top in ("workers", "producer", "sglang_server"):
-        return "uninstalled"  # the bare directory names: never importable once installed
-    if module in ("hsq.app", "hsq.__main__", "hsq.cli") or module.startswith("hsq.app."):
-        return "shell"  # entry points: `python -m hsq`, and hsq.cli for old console scripts
-    if module == "hsq.harness" or module.startswith("hsq.harness."):
-        return "harness"
-    for service in SERVICES:
-        if module == service or module.startswith(service + "."):
-            return service
-    if top == "hsq":
-        return "contracts"
-    if top in ("tests", "bench", "deploy"):
-        return top
-    return ""
-
-
-ALLOWED: dict[str, set[str]] = {
-    "contracts": {"contracts"},
-    **{s: {"contracts", s} for s in SERVICES},
-    "harness": {"contracts", "harness", *SERVICES},
-    "shell": {"contracts", "shell", "harness", *SERVICES},
+KERNEL = (
+    "errors",
+    "keys",
+    "settings",
+    "states",
+    "jsonsafe",
+    "redisurl",
+    "runconfig",
+    "logs",
+    "extras",
+    "fsio",
+)
+FOLDERS: dict[str, tuple[int, str]] = {
+    **{f"hsq.{m}": (0, "kernel") for m in KERNEL},
+    **{f"hsq.{m}": (1, "formats") for m in ("dataset", "dump", "stfile", "quant", "outputs")},
+    "hsq.closeness": (1, "formats"),
+    "hsq.store": (2, "store"),
+    "hsq.runstore": (2, "store"),
+    **{f"hsq.{m}": (3, f"hsq.{m}") for m in ("producer", "workers", "engines", "data")},
+    "hsq.ops": (4, "ops"),
+    "hsq.node": (5, "node"),
+    "hsq.cli": (6, "cli"),
+    "hsq.__main__": (6, "cli"),
 }
+MAX_LOOSE_MODULES = 12
+"""Modules directly under hsq/ besides __init__ and __main__: the kernel, hsq.quant and
+hsq.runstore. A new concern gets a folder of its own."""
+
+
+def layer(module: str) -> tuple[int, str] | None:
+    """(rank, name) of a first-party module (dotted name); None for anything else."""
+    top = module.split(".")[0]
+    if top in DEPLOYMENT_UNITS:
+        return (-1, "uninstalled")  # the bare directory names: never importable once installed
+    if module == "hsq" or (module.startswith("hsq.__") and module != "hsq.__main__"):
+        # the package itself: its dunders are the kernel's; its lazy public API (PEP 562) is
+        # checked as the source below
+        return (0, "kernel")
+    parts = module.split(".")
+    for i in range(len(parts), 1, -1):
+        found = FOLDERS.get(".".join(parts[:i]))
+        if found:
+            return found
+    if top == "hsq":
+        return (99, "unplaced")  # a module no folder holds: the check names it
+    if top in ("tests", "bench", "deploy"):
+        return (100, top)
+    return None
+
+
+def allowed(mine: tuple[int, str], theirs: tuple[int, str]) -> bool:
+    if theirs[1] in ("uninstalled", "unplaced") or theirs[0] >= 100:
+        return False
+    if mine == theirs:
+        return True
+    return theirs[0] < mine[0]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -85,14 +120,26 @@ def violations(root: Path) -> list[str]:
     for pkg in PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             module = module_name(path, root)
-            mine = layer(module)
+            mine = (5, "api") if module == "hsq" else layer(module)
+            assert mine is not None
+            rel = path.relative_to(root)
+            if mine[1] == "unplaced":
+                found.append(f"{rel}: {module} is in no layer's folder")
+                continue
             tree = ast.parse(path.read_text(), str(path))
             for line, target in imported(tree, module, path.name == "__init__.py"):
                 theirs = layer(target)
-                if theirs and theirs not in ALLOWED[mine]:
-                    rel = path.relative_to(root)
-                    found.append(f"{rel}:{line}: {mine} {module} imports {theirs} {target}")
+                if theirs and not allowed(mine, theirs):
+                    found.append(f"{rel}:{line}: {mine[1]} {module} imports {theirs[1]} {target}")
     return found
+
+
+def loose_modules(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "hsq").glob("*.py") if not p.name.startswith("__"))
+
+
+def test_at_most_twelve_loose_modules() -> None:
+    assert len(loose_modules(ROOT)) <= MAX_LOOSE_MODULES, loose_modules(ROOT)
 
 
 def test_imports_follow_the_layers() -> None:
@@ -102,20 +149,23 @@ def test_imports_follow_the_layers() -> None:
 @pytest.mark.parametrize(
     ("path", "source"),
     [
-        ("hsq/protocol.py", "from hsq.app.ops import run_status\n"),
-        ("hsq/protocol.py", "def f() -> None:\n    import hsq.workers.worker\n"),
-        ("hsq/stfile.py", "from hsq.harness import procs\n"),
+        ("hsq/keys.py", "from hsq.ops import run_status\n"),
+        ("hsq/keys.py", "def f() -> None:\n    import hsq.workers.worker\n"),
+        ("hsq/stfile/engine.py", "from tests.support import procs\n"),
         ("hsq/workers/worker.py", "from hsq.producer.enqueue import enqueue\n"),
-        ("hsq/producer/enqueue.py", "from hsq.app import ops\n"),
-        ("hsq/sglang_server/app.py", "from hsq.workers import client\n"),
-        ("hsq/harness/procs.py", "from hsq.app.cli import main\n"),
-        ("hsq/workers/client.py", "from ..app import cli\n"),
-        ("hsq/app/cli.py", "import workers.worker\n"),
-        ("hsq/protocol.py", "from .workers import client\n"),
+        ("hsq/producer/enqueue.py", "from hsq.ops import status\n"),
+        ("hsq/engines/reference/app.py", "from hsq.workers.send import client\n"),
+        ("hsq/node/procs.py", "from hsq.cli.main import main\n"),
+        ("hsq/workers/send/client.py", "from ...cli import main\n"),
+        ("hsq/cli/main.py", "import workers.worker\n"),
+        ("hsq/store/queue.py", "from hsq.workers import claims\n"),
+        ("hsq/ops/status.py", "from hsq.node import supervisor\n"),
+        ("hsq/cli/main.py", "from tests.support import zygote\n"),
+        ("hsq/newthing.py", "import json\n"),
     ],
 )
 def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source: str) -> None:
-    for pkg in ("hsq", "hsq/workers", "hsq/producer", "hsq/sglang_server"):
+    for pkg in ("hsq", "hsq/workers", "hsq/producer", "hsq/engines"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
@@ -123,17 +173,17 @@ def test_the_check_catches_a_wrong_way_import(tmp_path: Path, path: str, source:
     assert len(violations(tmp_path)) == 1, source
 
 
-def test_the_shell_may_import_everything(tmp_path: Path) -> None:
-    (tmp_path / "hsq/app").mkdir(parents=True)
-    (tmp_path / "hsq/app/cli.py").write_text(
-        "import hsq.workers.worker\nimport hsq.producer.enqueue\nfrom hsq.harness import procs\n"
+def test_the_cli_may_import_every_layer_of_hsq(tmp_path: Path) -> None:
+    (tmp_path / "hsq/cli").mkdir(parents=True)
+    (tmp_path / "hsq/cli/main.py").write_text(
+        "import hsq.workers.worker\nimport hsq.producer.enqueue\nfrom hsq.node import procs\n"
     )
     assert violations(tmp_path) == []
 
 
-# Only the store (the package hsq.store) talks to Redis; the harness starts redis-server and
-# pings it.
-REDIS_IMPORTERS = {"hsq.store", "hsq.harness.procs"}
+# Only the store (the package hsq.store) talks to Redis; hsq.node.procs starts redis-server
+# and pings it.
+REDIS_IMPORTERS = {"hsq.store", "hsq.node.procs"}
 
 
 def package_of(module: str) -> str:
@@ -159,13 +209,15 @@ def test_only_the_store_imports_redis_and_rq() -> None:
 
 
 def test_the_redis_check_sees_a_lazy_import(tmp_path: Path) -> None:
-    (tmp_path / "hsq/workers").mkdir(parents=True)
-    (tmp_path / "hsq/workers/client.py").write_text("def f() -> None:\n    from rq import Queue\n")
-    assert redis_importers(tmp_path) == {"hsq.workers.client"}
+    (tmp_path / "hsq/workers/send").mkdir(parents=True)
+    (tmp_path / "hsq/workers/send/client.py").write_text(
+        "def f() -> None:\n    from rq import Queue\n"
+    )
+    assert redis_importers(tmp_path) == {"hsq.workers.send.client"}
 
 
 # The file formats: what a dump, an output file and its storage encoding look like.
-FILE_FORMATS = ("hsq.outputs", "hsq.protocol", "hsq.dump", "hsq.stfile", "hsq.quant")
+FILE_FORMATS = ("hsq.outputs", "hsq.dump", "hsq.stfile", "hsq.quant")
 
 
 def first_party_imports(root: Path) -> dict[str, set[str]]:
@@ -307,7 +359,7 @@ def test_the_hook_settings_and_the_dump_format_load_without_torch() -> None:
     import sys
 
     probe = (
-        "import sys, hsq.sglang_server.sglang_hook.config, hsq.dump.find, hsq.dump.ready, "
+        "import sys, hsq.engines.sglang.config, hsq.dump.find, hsq.dump.ready, "
         "hsq.outputs.manifest, hsq.fsio; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

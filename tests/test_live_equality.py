@@ -167,7 +167,7 @@ def upstream() -> Iterator[_Upstream]:
 
 
 def test_proxy_records_routing_and_answers_like_the_server(upstream: _Upstream) -> None:
-    from hsq.workers.client import ServerClient
+    from hsq.workers.send.client import ServerClient
 
     ids = [1, 5, 6, 7]
     with RoutingProxy(upstream.url, num_layers=LAYERS, top_k=2) as proxy:
@@ -188,8 +188,8 @@ def test_proxy_records_routing_and_answers_like_the_server(upstream: _Upstream) 
 
 def test_proxy_reports_an_unreachable_server_as_unavailable() -> None:
     from hsq.errors import ServerUnavailableError
-    from hsq.harness.procs import free_port
-    from hsq.workers.client import ServerClient
+    from hsq.node.procs import free_port
+    from hsq.workers.send.client import ServerClient
 
     with RoutingProxy(f"http://127.0.0.1:{free_port()}", num_layers=2, top_k=1) as proxy:
         client = ServerClient(proxy.url)

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hsq.harness.procs import RedisServer, ReferenceServer
-from hsq.harness.sglang import low_port
+from hsq.node.procs import RedisServer, low_port
 from tests.gpu import models
 from tests.gpu.phase import Model, Phase, assert_phase
 from tests.gpu.results import Results
 from tests.gpu.settings import LiveSettings
+from tests.support.procs import ReferenceServer
 
 SAMPLES = 20
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hsq.sglang_server.sglang_hook.launch_args import launch_command, tp_problems
+from hsq.engines.sglang.launch_args import launch_command, tp_problems
 from tests.gpu.settings import LiveSettings, LiveSettingsError
 
 ROOT = Path(__file__).resolve().parents[1]

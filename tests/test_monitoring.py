@@ -16,15 +16,10 @@ import httpx
 import pytest
 import yaml
 
-from hsq.harness.procs import (
-    ManagedProcess,
-    ReferenceServer,
-    exporter_process,
-    free_port,
-    wait_http_ok,
-)
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import ManagedProcess, exporter_process, free_port, wait_http_ok
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, spawn_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from hsq.app.ops import verify
-from hsq.harness.procs import (
+from hsq.node.procs import (
     ManagedProcess,
     RedisServer,
-    ReferenceServer,
     exporter_process,
     free_port,
     hsq_command,
     worker_process,
 )
-from hsq.harness.synthetic import write_synthetic
+from hsq.ops import verify
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, log_events, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 

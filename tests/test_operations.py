@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from hsq.dump.format import fingerprint
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
 from hsq.keys import rq_queue_key
+from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 SUMMED = ("done", "queued", "in_progress", "retry", "dead", "missing")
@@ -346,7 +346,7 @@ def test_status_names_a_full_output_disk(
 
 
 def test_worker_figures_from_its_record() -> None:
-    from hsq.app.ops.status import _worker_status, cause_text, eta
+    from hsq.ops.status import _worker_status, cause_text, eta
 
     now = 1000.0
     fresh_rec = {"state": "working", "ts": "999", "heartbeat_interval_s": "2", "tokens_per_s": "5"}

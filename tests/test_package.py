@@ -28,13 +28,9 @@ from pathlib import Path
 import pytest
 
 import hsq
-from hsq.harness.procs import ReferenceServer
-from hsq.sglang_server.sglang_hook.compat import (
-    ENTRY_POINT_GROUP,
-    ENTRY_POINT_NAME,
-    ENTRY_POINT_VALUE,
-)
+from hsq.engines.sglang.compat import ENTRY_POINT_GROUP, ENTRY_POINT_NAME, ENTRY_POINT_VALUE
 from tests.slim import Slim, base_roles, site_packages
+from tests.support.procs import ReferenceServer
 
 pytestmark = [pytest.mark.package, pytest.mark.timeout(900)]
 
@@ -116,7 +112,7 @@ def test_the_wheel_installs_one_top_level_name_and_says_what_it_is(dist: Dist) -
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
     assert f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}" in entry_points
-    assert "hsq = hsq.app.cli:main" in entry_points
+    assert "hsq = hsq.cli.main:main" in entry_points
 
 
 def head_package_files() -> set[str]:
@@ -242,14 +238,14 @@ def test_the_installed_command_prints_the_version(venv: Venv) -> None:
 def test_the_installed_package_is_the_only_top_level_name_it_adds(venv: Venv) -> None:
     found = venv.probe(f"""
         import importlib.metadata as md, importlib.util, json, hsq, hsq.workers.worker
-        import hsq.producer.enqueue, hsq.sglang_server.reference.app
+        import hsq.producer.enqueue, hsq.engines.reference.app
         dist = md.distribution({DIST_NAME!r})
         tops = {{str(f).split("/")[0] for f in dist.files}} - {{".."}}
         print(json.dumps({{
             "tops": sorted(t for t in tops if not t.endswith(".dist-info")),
             "generic": [n for n in {list(GENERIC)!r} if importlib.util.find_spec(n)],
             "files": [m.__file__ for m in (hsq, hsq.workers.worker, hsq.producer.enqueue,
-                                           hsq.sglang_server.reference.app)],
+                                           hsq.engines.reference.app)],
             "site": str(dist.locate_file("")),
         }}))
     """)
@@ -276,7 +272,7 @@ def test_sglangs_plugin_loader_finds_and_loads_the_hook(venv: Venv) -> None:
     """)
     assert found == {
         "eps": [[ENTRY_POINT_NAME, ENTRY_POINT_VALUE, DIST_NAME]],
-        "register": ["hsq.sglang_server.sglang_hook.plugin", "register", True],
+        "register": ["hsq.engines.sglang.plugin", "register", True],
     }
 
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from hsq.fsio import HOST
-from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
-from hsq.harness.spawner import installed
-from hsq.harness.synthetic import write_synthetic
-from hsq.workers.persist_work import WriteJob, decode_error, encode_error
+from hsq.node.procs import ManagedProcess, hsq_command
+from hsq.producer.synthetic import write_synthetic
+from hsq.workers.persist.work import WriteJob, decode_error, encode_error
 from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
+from tests.support.procs import NullServer
+from tests.support.spawner import installed
 
 FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
 
@@ -52,7 +53,7 @@ def assert_every_done_file_is_on_disk(run: str, redis_url: str, n: int, out: Pat
 
 
 def test_write_jobs_and_errors_cross_the_pipe_as_json(tmp_path: Path) -> None:
-    from hsq.dataset import Sample
+    from hsq.dataset.jsonl import Sample
     from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
     from hsq.errors import DatasetError, NonFiniteDumpError, PersistProcessError
 
@@ -86,11 +87,11 @@ def test_write_jobs_and_errors_cross_the_pipe_as_json(tmp_path: Path) -> None:
 def test_a_persist_process_removes_the_staged_dump_it_used(tmp_path: Path) -> None:
     """Freeing the staged dump's pages is the child's CPU, not the worker's (issue 35):
     gone once the child answered, written or refused."""
-    from hsq.dataset import Sample
+    from hsq.dataset.jsonl import Sample
     from hsq.dump.format import ModelIdentity
     from hsq.dump.write import write_dump
-    from hsq.harness.fakedump import random_states, request_meta
-    from hsq.workers.persist_procs import PersistProcs
+    from hsq.workers.persist.procs import PersistProcs
+    from tests.support.fakedump import random_states, request_meta
 
     ids = [5, 6, 7, 8]
     meta = request_meta(

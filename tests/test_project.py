@@ -65,7 +65,7 @@ def test_launch_sglang_prints_the_plugin_or_launcher_command_and_refuses_bad_fla
     assert "-m sglang.launch_server" in new.stdout and "--disable-radix-cache" in new.stdout
     assert "SGLANG_HS_DUMP_DIR=/tmp/hsq-dd" in new.stdout and "--tp-size 8" in new.stdout
     old = run("--sglang-version", "0.5.9")
-    assert old.returncode == 0 and "-m hsq.sglang_server.sglang_hook.legacy_launch" in old.stdout
+    assert old.returncode == 0 and "-m hsq.engines.sglang.legacy_launch" in old.stdout
     bad = run("--sglang-version", "0.5.23", "--", "--enable-dp-attention")
     assert bad.returncode == 2 and "not supported" in bad.stderr
     assert "Traceback" not in bad.stderr

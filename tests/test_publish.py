@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from hsq import fsio
-from hsq.adopt import adopt_output
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.read import open_dump_tensors
 from hsq.dump.write import write_dump
 from hsq.outputs import publish
+from hsq.outputs.adopt import adopt_output
 from hsq.outputs.check import file_checksum
 from hsq.outputs.format import output_relpath
 from hsq.outputs.publish import Publisher

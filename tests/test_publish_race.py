@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from hsq.harness.procs import ManagedProcess, NullServer, hsq_command
-from hsq.harness.spawner import installed
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import ManagedProcess, hsq_command
 from hsq.outputs.check import checksum_matches
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import children, enqueue, hsq, log_events, state, store, wait_until
+from tests.support.procs import NullServer
+from tests.support.spawner import installed
 
 FAST = ["--heartbeat-interval", "0.5", "--reap-interval", "0.5"]
 ROOT = Path(__file__).resolve().parent.parent

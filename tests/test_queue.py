@@ -15,13 +15,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from hsq.app.ops import verify
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.dump.format import fingerprint
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
-from hsq.sglang_server.reference.model import load_model
+from hsq.engines.reference.model import load_model
+from hsq.ops import verify
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 

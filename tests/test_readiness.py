@@ -20,11 +20,11 @@ from hsq.dump.find import clear_dump_dir
 from hsq.dump.format import FORMAT_VERSION, ModelIdentity
 from hsq.dump.ready import READY_FILE, READY_MAX_BYTES, ReadyMarker, read_ready, write_ready
 from hsq.errors import HookInactiveError
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.spawner import FRESH
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.spawn import FRESH
+from hsq.producer.synthetic import write_synthetic
 from hsq.workers.readiness import await_hook, check_marker
 from tests.helpers import enqueue, start_worker, store
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 IDENT = ModelIdentity("Kimi-K2.5", "KimiK25ForConditionalGeneration", 61, 7168, "ab" * 32)

@@ -18,7 +18,7 @@ import pytest
 
 from hsq import errors
 from hsq.fsio import write_durably
-from hsq.harness.synthetic import write_synthetic
+from hsq.producer.synthetic import write_synthetic
 from hsq.workers.policy import Kind, Pause, classify
 from tests.helpers import enqueue, log_events, spawn_worker, store, wait_until
 from tests.hostile import HostileServer

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.format import output_relpath
+from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 N = 30

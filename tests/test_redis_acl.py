@@ -16,10 +16,11 @@ import httpx
 import pytest
 import redis
 
-from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port
-from hsq.harness.synthetic import write_synthetic
 from hsq.keys import RunKeys, rq_job_key, rq_queue_key
+from hsq.node.procs import ManagedProcess, free_port
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +135,7 @@ def test_one_runs_user_can_neither_hide_nor_poison_another_runs_listing(
     and whatever it plants under its own prefix is skipped and reported, never fatal."""
     from rq import Queue
 
-    from hsq.app.exporter import RedisCollector
+    from hsq.ops.prometheus import RedisCollector
 
     port, _ = acl_redis
     ds = tmp_path / "d.jsonl"

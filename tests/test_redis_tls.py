@@ -16,13 +16,14 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from hsq.app.cli import cli
+from hsq.cli.main import cli
 from hsq.errors import StoreError
-from hsq.harness.procs import ManagedProcess, ReferenceServer, free_port
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import ManagedProcess, free_port
+from hsq.producer.synthetic import write_synthetic
 from hsq.redisurl import RedisTls
 from hsq.store import connect
 from tests.helpers import hsq, spawn_worker
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 ROOT = Path(__file__).resolve().parent.parent

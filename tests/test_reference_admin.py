@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hsq.engines.http_api import Forbidden
+from hsq.engines.reference.app import admin_guard, body_limit
+from hsq.engines.reference.settings import ReferenceSettings
 from hsq.errors import ConfigError
-from hsq.harness.procs import ReferenceServer
-from hsq.sglang_server.http_api import Forbidden
-from hsq.sglang_server.reference.app import admin_guard, body_limit
-from hsq.sglang_server.reference.settings import ReferenceSettings
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 RULES = {"rules": [{"mode": "mix"}]}

@@ -17,13 +17,13 @@ from hsq import errors
 from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
 from hsq.dump.format import TMP_SUFFIX
 from hsq.dump.read import read_dump, read_meta
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.spawner import FRESH
-from hsq.sglang_server.reference.engine import CRASH_EXIT_CODE
-from hsq.sglang_server.reference.model import load_model
-from hsq.sglang_server.reference.tolerance import closeness
+from hsq.engines.reference.engine import CRASH_EXIT_CODE
+from hsq.engines.reference.model import load_model
+from hsq.engines.reference.tolerance import closeness
+from hsq.node.spawn import FRESH
 from tests.conftest import expected_for, generate
 from tests.helpers import wait_until
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 IDS = [5, 17, 300, 4000, 12, 9, 31999, 0, 77, 1024, 2048, 3]
@@ -438,7 +438,7 @@ def test_closeness_bound() -> None:
 
 
 def test_batch_shapes_cover_every_batch_the_engine_can_form() -> None:
-    from hsq.sglang_server.reference.model import batch_shapes, bucket_length
+    from hsq.engines.reference.model import batch_shapes, bucket_length
 
     shapes = set(batch_shapes(2048, 4, 3000))
     for longest in range(1, 2049):
@@ -459,7 +459,7 @@ def test_a_causal_lm_checkpoint_loads_without_a_load_report_but_other_keys_are_r
 
     from safetensors.torch import load_file, save_file
 
-    from hsq.harness.tinymodel import build
+    from tests.support.tinymodel import build
 
     class Records(logging.Handler):
         def __init__(self) -> None:

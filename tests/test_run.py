@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hsq.app.node.supervisor import dump_dir_for
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.supervisor import dump_dir_for
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import wait_until
 from tests.run_helpers import SAMPLES, Node, done_events, no_node_left, run_store, worker_logs
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsq.harness.synthetic import write_synthetic
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import wait_until
 from tests.run_helpers import SAMPLES, Node, done_events, no_node_left, run_store, worker_logs
 

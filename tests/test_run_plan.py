@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from hsq.app.commands.run import PER_WORKER, run_name_of
-from hsq.app.node.node import Interrupts
-from hsq.app.node.plan import parse_gpus, plan_node, server_args_for, split_gpus, visible_gpus
-from hsq.app.node.supervisor import should_restart
-from hsq.app.node.view import PairView, Screen, log_line, render
-from hsq.app.ops.status import RunStatus, WorkerStatus
-from hsq.app.options import as_argv
+from hsq.cli.commands.run import PER_WORKER, run_name_of
+from hsq.cli.options import as_argv
 from hsq.errors import ConfigError
+from hsq.node.node import Interrupts
+from hsq.node.plan import parse_gpus, plan_node, server_args_for, split_gpus, visible_gpus
+from hsq.node.supervisor import should_restart
+from hsq.node.view import PairView, Screen, log_line, render
+from hsq.ops.status import RunStatus, WorkerStatus
 from hsq.workers.settings import WorkerSettings
 
 
@@ -175,7 +175,7 @@ def test_a_server_is_restarted_unless_it_refused_or_used_its_restarts() -> None:
 
 
 def test_persist_processes_share_the_host_between_the_workers() -> None:
-    from hsq.app.node.plan import persist_procs_each
+    from hsq.node.plan import persist_procs_each
 
     assert persist_procs_each(8, cpus=16) == 0  # 2 cores a worker: threads
     assert persist_procs_each(1, cpus=16) == 8

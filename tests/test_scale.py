@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from hsq.app.ops import run_status, verify
-from hsq.app.ops.status import partition
-from hsq.dataset import IndexEntry, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, scan_dataset
 from hsq.errors import RunChangedError
 from hsq.keys import rq_queue_key
+from hsq.ops import run_status, verify
+from hsq.ops.status import partition
 from hsq.outputs.format import output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.fastscan import scan_batches
@@ -28,8 +28,8 @@ from hsq.runstore import RunStore
 from hsq.store import chunked, job_size
 from hsq.store.connection import pack
 from hsq.workers.chunks import WorkItem
-from hsq.workers.commit import Committer
 from hsq.workers.events import Event, EventKind
+from hsq.workers.persist.commit import Committer
 from tests.helpers import hsq, store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -468,7 +468,7 @@ def damaged(rng: random.Random, i: int) -> bytes:
 def test_the_fast_decoder_accepts_only_what_parse_line_accepts() -> None:
     """The fast path's own verdict, line by line: None (parse_line decides) or exactly
     parse_line's id, token count and spelling of the id, on 40,000 damaged lines."""
-    from hsq.dataset import parse_line
+    from hsq.dataset.jsonl import parse_line
     from hsq.errors import DatasetError
     from hsq.producer.fastscan import _fast_count
 
@@ -499,9 +499,9 @@ def test_the_fast_scan_agrees_on_randomly_damaged_bytes(tmp_path: Path) -> None:
 def test_the_fast_scan_skips_over_long_lines_as_the_dataset_scan_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hsq.dataset
+    import hsq.dataset.jsonl
 
-    monkeypatch.setattr(hsq.dataset, "MAX_LINE_BYTES", 60)
+    monkeypatch.setattr(hsq.dataset.jsonl, "MAX_LINE_BYTES", 60)
     lines = [
         '{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}',  # 59 bytes and "\\n"
         '{"id": "b", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}',  # too long
@@ -632,7 +632,7 @@ def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
 def test_verify_reads_the_stored_form_with_the_verdicts_of_its_json(tmp_path: Path) -> None:
     """verify checks the done hash's compact form without turning it into JSON first; for
     every stored value, valid or damaged, trusted_entry gives what it gives on the JSON."""
-    from hsq.app.ops import trusted_entry
+    from hsq.ops import trusted_entry
     from hsq.outputs.manifest import encode_manifest, manifest_json
 
     out = tmp_path / "out"

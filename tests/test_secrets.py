@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from hsq.errors import ConfigError, HsqError
-from hsq.harness.procs import RedisServer
+from hsq.node.procs import RedisServer
 from hsq.redisurl import read_url_file, redact
 from hsq.store import connect
 from tests.helpers import hsq

@@ -18,12 +18,12 @@ import hsq as hsq_pkg
 from hsq import quant
 from hsq.data import HiddenStateDataset, collate
 from hsq.dump.ready import ReadyMarker, read_ready, write_ready
-from hsq.harness.procs import ReferenceServer
-from hsq.harness.synthetic import write_synthetic
+from hsq.engines.reference.model import HiddenStateModel, load_model
 from hsq.outputs.format import open_output
-from hsq.sglang_server.reference.model import HiddenStateModel, load_model
+from hsq.producer.synthetic import write_synthetic
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR
 from tests.helpers import enqueue, hsq, start_worker, store
+from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
 

@@ -1,5 +1,5 @@
 """Settings have one source: the CLI's options are built from the settings dataclasses
-(hsq.settings, hsq.app.options). Pure logic: click's own runner, no processes."""
+(hsq.settings, hsq.cli.options). Pure logic: click's own runner, no processes."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from hsq.app import cli
-from hsq.app.commands.produce import RUN_SETTINGS
-from hsq.app.options import settings_options
+from hsq.cli import main as cli
+from hsq.cli.commands.produce import RUN_SETTINGS
+from hsq.cli.options import settings_options
+from hsq.engines.reference.settings import ReferenceSettings
 from hsq.errors import ConfigError
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.runconfig import RunConfig
 from hsq.settings import env_names, setting_doc
-from hsq.sglang_server.reference.settings import ReferenceSettings
 from hsq.workers.settings import WorkerSettings
 
 # Flags that docs, compose files, Slurm recipes and tests already use: they must keep working.

@@ -1,7 +1,7 @@
 """Every SGLang name the dump hook relies on exists in every pinned SGLang version.
 
 Reads the wheels that scripts/fetch_sglang_sources.sh puts in .cache/sglang/ as files
-and parses them with `ast` (hsq/sglang_server/sglang_hook/srccheck.py); SGLang is never
+and parses them with `ast` (hsq/engines/sglang/srccheck.py); SGLang is never
 imported or run. Without the cache the tests skip locally and fail in CI (env CI set),
 where `make setup` fetches it.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from hsq.sglang_server.sglang_hook import compat, srccheck
-from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS, Symbol
-from hsq.sglang_server.sglang_hook.srccheck import SourceReader, SourceTree
+from hsq.engines.sglang import compat, srccheck
+from hsq.engines.sglang.compat import PINNED_VERSIONS, Symbol
+from hsq.engines.sglang.srccheck import SourceReader, SourceTree
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".cache" / "sglang"

@@ -29,28 +29,28 @@ from hsq.dump.find import scan
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Dump, Expected, read_dump, read_meta
 from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready, write_ready
-from hsq.errors import ConfigError
-from hsq.sglang_server.sglang_hook import plugin
-from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS
-from hsq.sglang_server.sglang_hook.config import HookConfig
-from hsq.sglang_server.sglang_hook.dump_hook import DumpHook, batch_input_ids
-from hsq.sglang_server.sglang_hook.dump_writer import DumpContext, DumpSink, HostCopier
-from hsq.sglang_server.sglang_hook.identity import model_identity
-from hsq.sglang_server.sglang_hook.launch_args import (
+from hsq.engines.sglang import plugin
+from hsq.engines.sglang.compat import PINNED_VERSIONS
+from hsq.engines.sglang.config import HookConfig
+from hsq.engines.sglang.dump_hook import DumpHook, batch_input_ids
+from hsq.engines.sglang.dump_writer import DumpContext, DumpSink, HostCopier
+from hsq.engines.sglang.identity import model_identity
+from hsq.engines.sglang.launch_args import (
     check_launch_args,
     check_server_info,
     launch_command,
     refusals,
 )
-from hsq.sglang_server.sglang_hook.launch_sglang import check_running
-from hsq.sglang_server.sglang_hook.layers import (
+from hsq.engines.sglang.launch_sglang import check_running
+from hsq.engines.sglang.layers import (
     check_effective,
     default_layer_ids,
     effective_layer_ids,
     find_capture_list,
     parse_layer_ids,
 )
-from hsq.sglang_server.sglang_hook.plan import RidFilter, build_plan
+from hsq.engines.sglang.plan import RidFilter, build_plan
+from hsq.errors import ConfigError
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
 from tests.helpers import hsq
 
@@ -379,7 +379,7 @@ def test_full_queue_blocks_the_scheduler(tmp_path: Path) -> None:
     req = srv.add("hsq-a", 2)
     plan = srv.hook.plan([req], [0], [2])
     assert plan is not None
-    from hsq.sglang_server.sglang_hook.accumulator import Chunk
+    from hsq.engines.sglang.accumulator import Chunk
 
     s = srv.states["hsq-a"]
     chunk = Chunk(
@@ -523,9 +523,7 @@ def test_launch_command_picks_plugin_or_launcher() -> None:
     assert new[5:7] == ["-m", "sglang.launch_server"]
     assert "--disable-radix-cache" in new and "--disable-prefill-cuda-graph" in new
     old = launch_command("/m/llama", "/dumps", sglang_version="0.5.9", overlap_schedule=False)
-    assert (
-        "hsq.sglang_server.sglang_hook.legacy_launch" in old and "--disable-overlap-schedule" in old
-    )
+    assert "hsq.engines.sglang.legacy_launch" in old and "--disable-overlap-schedule" in old
     assert "--disable-piecewise-cuda-graph" in launch_command("m", "d", sglang_version="0.5.11")
     with pytest.raises(ValueError, match="dp-attention"):
         launch_command("m", "d", sglang_version="0.5.23", extra_args=["--enable-dp-attention"])
@@ -559,7 +557,7 @@ def test_check_server_info() -> None:
 
 def test_launcher_refuses_without_radix_cache_off(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hsq.sglang_server.sglang_hook.legacy_launch", "--model-path", "m"],
+        [sys.executable, "-m", "hsq.engines.sglang.legacy_launch", "--model-path", "m"],
         capture_output=True,
         text=True,
         env={"SGLANG_HS_DUMP_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
@@ -1050,7 +1048,7 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "hsq.sglang_server.sglang_hook.legacy_launch",
+            "hsq.engines.sglang.legacy_launch",
             "--model-path",
             "m",
             "--disable-radix-cache",

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hsq.dump.ready import READY_FILE, read_ready
+from hsq.engines.sglang import plugin
+from hsq.engines.sglang.config import HookConfig
+from hsq.engines.sglang.launch_args import launch_command
+from hsq.engines.sglang.layers import find_final_norm
 from hsq.errors import ConfigError
-from hsq.sglang_server.sglang_hook import plugin
-from hsq.sglang_server.sglang_hook.config import HookConfig
-from hsq.sglang_server.sglang_hook.launch_args import launch_command
-from hsq.sglang_server.sglang_hook.layers import find_final_norm
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
 from tests.test_sglang_hook import FakeRunner, H, Server, make_server, use_plugin
 

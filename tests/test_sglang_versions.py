@@ -12,8 +12,8 @@ import zipfile
 
 import pytest
 
-from hsq.sglang_server.sglang_hook import compat
-from hsq.sglang_server.sglang_hook.compat import PINNED_VERSIONS
+from hsq.engines.sglang import compat
+from hsq.engines.sglang.compat import PINNED_VERSIONS
 from tests.test_sglang_conformance import CACHE, wheel_reader
 
 PREFILL_GRAPH_VERSIONS = [

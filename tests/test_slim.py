@@ -18,8 +18,8 @@ import pytest
 
 from hsq import extras
 from hsq.errors import ConfigError, MissingExtraError
-from hsq.harness.procs import ReferenceServer
 from tests.slim import MODEL_MODULES, Slim, base_roles, linked_base_venv
+from tests.support.procs import ReferenceServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,19 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # producer, status, verify/recover, the exporter.
 BASE_ENTRY_MODULES = (
     "hsq",
-    "hsq.app.cli",
-    "hsq.app.commands.admin",
-    "hsq.app.commands.status",
-    "hsq.app.commands.produce",
-    "hsq.app.commands.recover",
-    "hsq.app.commands.verify",
-    "hsq.app.commands.serve",
-    "hsq.app.exporter",
+    "hsq.cli.main",
+    "hsq.cli.commands.admin",
+    "hsq.cli.commands.status",
+    "hsq.cli.commands.produce",
+    "hsq.cli.commands.recover",
+    "hsq.cli.commands.verify",
+    "hsq.cli.commands.serve",
+    "hsq.ops.prometheus",
     "hsq.workers.worker",
     "hsq.producer.enqueue",
     "hsq.outputs.check",
-    "hsq.adopt",
-    "hsq.app.ops",
+    "hsq.outputs.adopt",
+    "hsq.ops",
 )
 
 

@@ -1,7 +1,7 @@
 """SpecForge 0.2.0's own trainer learns from hsq's export (issue 24), on a CPU.
 
 Real processes all the way: chat rows -> `hsq tokenize` -> the reference server serving a
-tiny seeded checkpoint with an LM head (hsq.harness.tinymodel), dumping float32 states with
+tiny seeded checkpoint with an LM head (tests.support.tinymodel), dumping float32 states with
 non-default layers -> `hsq worker` -> `hsq export --format specforge --target-model
 --target-dir` -> `specforge train` for 200 steps with a held-out set it evaluates every 10
 steps -> `specforge export --to sglang` of the drafter.
@@ -12,14 +12,14 @@ with each sample's masked fraction); the float32 run trains (export casts to bf1
 layers reach the served drafter's config.
 
 One substitution, on purpose: SpecForge's loss is a CUDA-only Triton kernel, so the run
-goes through hsq.harness.specforge_cpu, which monkeypatches it with SpecForge's own
+goes through tests.support.specforge_cpu, which monkeypatches it with SpecForge's own
 reference loss (`specforge.core.loss._compute_loss`). Everything else is SpecForge's.
 
 SpecForge runs in a venv of its own, with its own pin of transformers (5.8.1; hsq's is
 5.24.0), as docs/training.md says a trainer lives beside hsq: scripts/specforge_venv.sh
 makes it in .cache/specforge-venv (minutes, once; made again when the script changes). Only
 the export on disk passes between the two; the trainer's venv sees hsq's source for the
-launcher alone (hsq.harness.specforge_cpu imports nothing but SpecForge).
+launcher alone (tests.support.specforge_cpu imports nothing but SpecForge).
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from typing import Any
 
 import pytest
 
-from hsq.harness.procs import RedisServer, ReferenceServer
-from hsq.sglang_server.sglang_hook.layers import effective_layer_ids
+from hsq.engines.sglang.layers import effective_layer_ids
+from hsq.node.procs import RedisServer
 from tests.helpers import hsq, start_worker
+from tests.support.procs import ReferenceServer
 
 pytestmark = [pytest.mark.trainer, pytest.mark.timeout(1800)]
 
@@ -156,8 +157,8 @@ def test_specforge_trains_on_hsqs_export_and_the_drafter_gets_the_runs_layers(
     )  # fmt: skip
     assert pins.returncode == 0, f"the trainer venv cannot import specforge:\n{pins.stderr}"
     assert pins.stdout.strip() == "5.8.1"  # SpecForge's pin, not hsq's
-    subprocess.run([py, "-m", "hsq.harness.toytok", str(base / "tok")], check=True)
-    subprocess.run([py, "-m", "hsq.harness.tinymodel", str(base / "model")], check=True)
+    subprocess.run([py, "-m", "tests.support.toytok", str(base / "tok")], check=True)
+    subprocess.run([py, "-m", "tests.support.tinymodel", str(base / "model")], check=True)
     src = base / "chats.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chats(TRAIN + HELDOUT)))
     tok = ["--tokenizer", str(base / "tok"), "-o", str(base / "tokens.jsonl"), "--no-progress"]
@@ -197,7 +198,7 @@ def test_specforge_trains_on_hsqs_export_and_the_drafter_gets_the_runs_layers(
     log = base / "specforge.log"
     with open(log, "w") as f:
         proc = subprocess.run(
-            [trainer, "-m", "hsq.harness.specforge_cpu", "train", "--config", str(cfg)],
+            [trainer, "-m", "tests.support.specforge_cpu", "train", "--config", str(cfg)],
             stdout=f,
             stderr=subprocess.STDOUT,
             timeout=600,

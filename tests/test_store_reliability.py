@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from hsq.app.ops import RunStatus, run_figures, run_status
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.errors import ConfigError, RunChangedError, StoreUnavailableError
-from hsq.harness.procs import RedisServer
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import RedisServer
+from hsq.ops import RunStatus, run_figures, run_status
 from hsq.outputs.manifest import ManifestEntry
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, list_runs
@@ -196,8 +196,8 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     tmp_path: Path, redis_url: str
 ) -> None:
     """Issue 16: run_status returns a dataclass; the exporter's sample figures are the ones
-    status prints (one function, hsq.app.ops.run_figures)."""
-    from hsq.app.exporter import RedisCollector
+    status prints (one function, hsq.ops.run_figures)."""
+    from hsq.ops.prometheus import RedisCollector
 
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 6, seed=2)
@@ -223,9 +223,9 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
 
 
 def test_only_the_store_imports_redis_or_rq() -> None:
-    """Issue 16 item 1: nothing outside hsq/store/ imports redis or rq (hsq/harness/procs.py
+    """Issue 16 item 1: nothing outside hsq/store/ imports redis or rq (hsq/node/procs.py
     is the test harness starting a server)."""
-    allowed = {"hsq/harness/procs.py"}
+    allowed = {"hsq/node/procs.py"}
     offenders = []
     for path in ROOT.glob("hsq/**/*.py"):
         rel = str(path.relative_to(ROOT))
@@ -243,7 +243,7 @@ def test_only_the_store_imports_redis_or_rq() -> None:
 
 def test_unknown_run_names_and_ids_with_a_trailing_newline_are_refused(redis_url: str) -> None:
     """Minor: `$` let "name\\n" through SAFE_ID_RE and RUN_NAME_RE; fullmatch does not."""
-    from hsq.dataset import check_sample_id
+    from hsq.dataset.jsonl import check_sample_id
     from hsq.errors import DatasetError
     from hsq.keys import RunKeys
 
@@ -260,7 +260,7 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
     import httpx
     import psutil
 
-    from hsq.harness.procs import ManagedProcess, free_port, hsq_command
+    from hsq.node.procs import ManagedProcess, free_port, hsq_command
     from tests.helpers import wait_until
 
     port = free_port()

@@ -22,13 +22,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hsq.app.export import checked_entry, ckpt_path
 from hsq.data import HiddenStateDataset, collate
 from hsq.errors import OutputError
-from hsq.harness.procs import RedisServer, ReferenceServer, hsq_command
+from hsq.node.procs import RedisServer, hsq_command
+from hsq.ops.export import checked_entry, ckpt_path
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from tests.helpers import hsq, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
 
 try:
     from specforge.algorithms.eagle3.data import normalize_offline_sample
@@ -90,7 +91,7 @@ def walk(
 ) -> Iterator[dict[str, Any]]:
     base = tmp_path_factory.mktemp("walk")
     url = redis_server.url
-    subprocess.run([sys.executable, "-m", "hsq.harness.toytok", str(base / "tok")], check=True)
+    subprocess.run([sys.executable, "-m", "tests.support.toytok", str(base / "tok")], check=True)
     src = base / "chats.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in chats()))
     tokens = base / "tokens.jsonl"

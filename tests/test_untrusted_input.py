@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from hsq.dataset import read_sample, scan_dataset
+from hsq.dataset.jsonl import read_sample, scan_dataset
 from hsq.dump.format import DONE_FILE, META_FILE, DumpMeta, ModelIdentity
 from hsq.dump.read import read_meta
 from hsq.errors import CorruptDumpError
-from hsq.harness.synthetic import write_synthetic
+from hsq.producer.synthetic import write_synthetic
 from hsq.redisurl import redact
 from hsq.stfile.header import FormatError, read_header
 from tests.helpers import enqueue, hsq, store
@@ -155,7 +155,7 @@ def test_an_overlong_dataset_line_is_refused_without_losing_the_others(
     """Minor: no per-line size limit (a 42 MB line cost 713 MB of RSS). A line over
     MAX_LINE_BYTES is an invalid line (`too_long`), never read whole, and the index offsets
     of the lines after it stay right."""
-    monkeypatch.setattr("hsq.dataset.MAX_LINE_BYTES", 200)
+    monkeypatch.setattr("hsq.dataset.jsonl.MAX_LINE_BYTES", 200)
     ds = tmp_path / "d.jsonl"
     long_line = json.dumps({"id": "big", "input_ids": list(range(500))})
     ds.write_text(

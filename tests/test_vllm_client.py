@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from hsq.engines.vllm import config as connector_config
 from hsq.errors import ConfigError, ServerRejectedError, ServerUnavailableError
-from hsq.vllm_server import config as connector_config
-from hsq.workers import vllm_client
-from hsq.workers.client import ServerClient, make_client
+from hsq.workers.send import vllm_client
+from hsq.workers.send.client import ServerClient, make_client
+from hsq.workers.send.vllm_client import VllmClient
 from hsq.workers.settings import WorkerSettings
-from hsq.workers.vllm_client import VllmClient
 
 
 class FakeVllm(BaseHTTPRequestHandler):
@@ -154,8 +154,8 @@ def test_the_rid_key_is_the_connectors() -> None:
 def test_the_marker_decides_which_client_is_right() -> None:
     from hsq.dump.format import ModelIdentity
     from hsq.dump.ready import ReadyMarker
+    from hsq.engines.vllm.writer import SERVER
     from hsq.errors import HookInactiveError
-    from hsq.vllm_server.writer import SERVER
     from hsq.workers.readiness import check_server_kind
 
     def marker(server: str) -> ReadyMarker:

@@ -1,4 +1,4 @@
-"""hsq's vLLM connector without vLLM: the pure core (hsq/vllm_server/core.py and what it
+"""hsq's vLLM connector without vLLM: the pure core (hsq/engines/vllm/core.py and what it
 uses) writes what ExampleHiddenStatesConnector hands ``_write_tensors`` (``hidden_states``
 [T, k, H] in ascending layer-id order, ``token_ids`` [T]) as hsq dumps, and hsq's own
 reader (scan_by_rid, read_dump, check_meta) takes them. The post-norm state is checked
@@ -19,15 +19,15 @@ from hsq.dump.find import scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, check_meta, read_dump
 from hsq.dump.ready import read_ready
+from hsq.engines.vllm.checkpoint import read_final_norm
+from hsq.engines.vllm.config import ConnectorConfig
+from hsq.engines.vllm.core import ConnectorCore, rid_of
+from hsq.engines.vllm.identity import model_identity
+from hsq.engines.vllm.layers import aux_rows, vllm_aux_ids
+from hsq.engines.vllm.refusals import ServingFacts
 from hsq.errors import ConfigError
 from hsq.quant import dequantize, quantize
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
-from hsq.vllm_server.checkpoint import read_final_norm
-from hsq.vllm_server.config import ConnectorConfig
-from hsq.vllm_server.core import ConnectorCore, rid_of
-from hsq.vllm_server.identity import model_identity
-from hsq.vllm_server.layers import aux_rows, vllm_aux_ids
-from hsq.vllm_server.refusals import ServingFacts
 
 L, H = 4, 16
 
@@ -307,7 +307,7 @@ def test_settings_round_trip() -> None:
 
 
 def test_a_request_whose_prompt_was_not_all_computed_is_not_dumped() -> None:
-    from hsq.vllm_server.core import prompt_computed
+    from hsq.engines.vllm.core import prompt_computed
 
     assert prompt_computed(5, 6, "RequestStatus.FINISHED_LENGTH_CAPPED")
     assert prompt_computed(5, 5, "RequestStatus.FINISHED_LENGTH_CAPPED")

@@ -1,4 +1,4 @@
-"""`hsq launch-vllm`: the command line it builds (hsq/vllm_server/launch_args.py) and what
+"""`hsq launch-vllm`: the command line it builds (hsq/engines/vllm/launch_args.py) and what
 it refuses before vLLM starts. --print-only runs the real CLI; nothing starts vLLM."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hsq.app.cli import cli
+from hsq.cli.main import cli
+from hsq.engines.vllm.config import ConnectorConfig
+from hsq.engines.vllm.launch_args import check_extra_args, launch_command
 from hsq.errors import ConfigError
-from hsq.vllm_server.config import ConnectorConfig
-from hsq.vllm_server.launch_args import check_extra_args, launch_command
 
 
 def value(cmd: list[str], flag: str) -> str:
@@ -35,7 +35,7 @@ def test_the_command_asks_vllm_for_the_runs_layers_plus_the_final_state() -> Non
     }
     kv = json.loads(value(cmd, "--kv-transfer-config"))
     assert kv["kv_connector"] == "HsqConnector"
-    assert kv["kv_connector_module_path"] == "hsq.vllm_server.connector"
+    assert kv["kv_connector_module_path"] == "hsq.engines.vllm.connector"
     assert kv["kv_role"] == "kv_producer"
     cfg = ConnectorConfig.from_extra(kv["kv_connector_extra_config"])
     assert cfg.layer_ids == (29, 2, 16) and cfg.dump_dir == Path("/dev/shm/hsq0")
@@ -95,7 +95,7 @@ def test_launch_refusals(tmp_path: Path, arch: str, flags: list[str], match: str
     model = checkpoint(tmp_path, arch)
     args = ["launch-vllm", "--model-path", str(model), "--dump-dir", str(tmp_path / "d")]
     result = CliRunner().invoke(cli, [*args, "--print-only", *flags])
-    # a ConfigError: hsq's main turns it into one line and exit 2 (hsq/app/cli.py)
+    # a ConfigError: hsq's main turns it into one line and exit 2 (hsq/cli/main.py)
     assert isinstance(result.exception, ConfigError) and match in str(result.exception)
 
 

@@ -25,11 +25,11 @@ from hsq.dump.find import scan_by_rid  # noqa: E402
 from hsq.dump.format import fingerprint  # noqa: E402
 from hsq.dump.read import Expected, read_dump  # noqa: E402
 from hsq.dump.ready import read_ready  # noqa: E402
+from hsq.engines.vllm import connector as shim  # noqa: E402
+from hsq.engines.vllm.config import ConnectorConfig  # noqa: E402
+from hsq.engines.vllm.launch_args import CONNECTOR_CLASS, CONNECTOR_MODULE  # noqa: E402
+from hsq.engines.vllm.layers import vllm_aux_ids  # noqa: E402
 from hsq.errors import ConfigError  # noqa: E402
-from hsq.vllm_server import connector as shim  # noqa: E402
-from hsq.vllm_server.config import ConnectorConfig  # noqa: E402
-from hsq.vllm_server.launch_args import CONNECTOR_CLASS, CONNECTOR_MODULE  # noqa: E402
-from hsq.vllm_server.layers import vllm_aux_ids  # noqa: E402
 
 L, H, LAYERS = 4, 256, (2, 1)
 
@@ -198,7 +198,7 @@ def test_the_launch_flags_parse_in_vllm(tmp_path: Path, monkeypatch: pytest.Monk
     from vllm.platforms.cpu import CpuPlatform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from hsq.vllm_server.launch_args import launch_command
+    from hsq.engines.vllm.launch_args import launch_command
 
     monkeypatch.setattr(platforms, "_current_platform", CpuPlatform())
     cmd = launch_command(str(tiny_llama(tmp_path)), tmp_path / "d", LAYERS, L)

@@ -1,5 +1,5 @@
 """`hsq worker --server-kind vllm` end to end with real processes: a real redis-server, a
-real worker, real HTTP to a vLLM-shaped server (hsq.harness.fakevllm: vLLM's completions
+real worker, real HTTP to a vLLM-shaped server (tests.support.fakevllm: vLLM's completions
 API and capture rule over a transformers forward, not vLLM itself) whose dumps hsq's real
 connector core writes after answering. The stored states are compared with a transformers
 forward done here, the post-norm state included (HF's own final norm against the
@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsq.closeness import closeness
-from hsq.harness.procs import FakeVllmServer, ManagedProcess
-from hsq.harness.synthetic import write_synthetic
-from hsq.harness.tinymodel import build
+from hsq.closeness.rule import closeness
+from hsq.node.procs import ManagedProcess
 from hsq.outputs.format import open_output
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import enqueue, hsq, spawn_worker, store
+from tests.support.procs import FakeVllmServer
+from tests.support.tinymodel import build
 
 LAYERS = (4, 2, 5)  # tiny: L = 8; deliberately not ascending
 

@@ -3,7 +3,7 @@ pure logic, no Redis (tests/test_store_reliability.py has the real lost reply)."
 
 from __future__ import annotations
 
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runconfig import RunConfig
 from hsq.store import MemoryRun, MemoryStore

@@ -21,19 +21,19 @@ import pytest
 import structlog
 import torch
 
-from hsq.dataset import IndexEntry, read_sample, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
 from hsq.dump.find import scan_by_rid
 from hsq.dump.format import TENSOR_FILE, DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.ready import ReadyMarker, write_ready
 from hsq.dump.write import write_dump
-from hsq.harness.synthetic import write_synthetic
 from hsq.outputs.manifest import ManifestEntry
+from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.states import AUX_TENSOR, LAST_TENSOR
 from hsq.store import ChunkJob, MemoryRun, MemoryStore, SampleRef
-from hsq.workers.client import ServerClient
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
+from hsq.workers.send.client import ServerClient
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, Started
 from hsq.workers.worker import Worker
@@ -269,7 +269,7 @@ def test_eio_reading_the_dataset_is_handed_back_never_dead(
             raise OSError(errno.EIO, "Input/output error")
         return read_sample(path, sid, entry)
 
-    monkeypatch.setattr("hsq.workers.extract.read_sample", flaky)
+    monkeypatch.setattr("hsq.workers.send.extract.read_sample", flaky)
     store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
     run_worker(tmp_path, store)
     every_sample_marked_once(store, refs)
@@ -321,8 +321,8 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ds, refs = dataset
-    import hsq.workers.persist
-    from hsq.workers.persist_work import write_staged as real  # the name persist calls
+    import hsq.workers.persist.stage
+    from hsq.workers.persist.work import write_staged as real  # the name persist calls
 
     boom = iter([True])
 
@@ -331,7 +331,7 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
             raise KeyError("surprise")
         return real(*a, **kw)
 
-    monkeypatch.setattr(hsq.workers.persist, "write_staged", flaky)
+    monkeypatch.setattr(hsq.workers.persist.stage, "write_staged", flaky)
     store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
     with structlog.testing.capture_logs() as logs:
         run_worker(tmp_path, store)
@@ -346,7 +346,7 @@ def test_a_matcher_bug_stops_the_worker_and_hands_every_sample_back(
     polling: every request in flight timed out as no_dump and ended in the dead letter, a
     bug of the worker's charged to the samples. Now the worker hands its work back and
     stops with InternalError: nothing dead, nothing retried, nothing lost."""
-    from hsq.workers.ridmatch import RidMatcher  # the class the dispatcher polls with
+    from hsq.workers.send.ridmatch import RidMatcher  # the class the dispatcher polls with
 
     ds, refs = dataset
     real = RidMatcher.poll

@@ -16,20 +16,20 @@ import httpx
 import pytest
 
 from hsq import errors
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.dump.find import remove_dump
 from hsq.dump.format import DONE_FILE, META_FILE, TENSOR_FILE
 from hsq.dump.read import open_dump_tensors, read_meta
 from hsq.dump.ready import READY_FILE, read_ready
 from hsq.fsio import open_regular
 from hsq.store import ChunkJob
-from hsq.workers import ridmatch
 from hsq.workers.chunks import ChunkBook
-from hsq.workers.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
-from hsq.workers.dispatch import Dispatcher
 from hsq.workers.lock import LOCK_NAME, DumpDirLock
 from hsq.workers.policy import Kind, Outcome, Pause, backoff, classify, decide
-from hsq.workers.ridmatch import RidMatcher
+from hsq.workers.send import ridmatch
+from hsq.workers.send.client import MAX_ANSWER_BYTES, MidRequestFailure, ServerClient
+from hsq.workers.send.dispatch import Dispatcher
+from hsq.workers.send.ridmatch import RidMatcher
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, check_dump_dir, take_dump_dir
 from tests.test_protocol import IDS, make

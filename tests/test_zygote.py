@@ -1,4 +1,4 @@
-"""The zygote (hsq.harness.zygote, hsq.harness.spawner): a forked child is the process a
+"""The zygote (tests.support.zygote, tests.support.spawner): a forked child is the process a
 fresh exec would give, and its handle gives what Popen gives.
 
 Real processes throughout: tests/zygote_probe.py reports what it inherited, exits as told
@@ -21,10 +21,12 @@ from typing import Any
 import pytest
 
 from hsq.errors import HsqError
-from hsq.harness.procs import ManagedProcess, NullServer, worker_process
-from hsq.harness.spawner import FRESH, Spawner, ZygoteSpawner
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import ManagedProcess, worker_process
+from hsq.node.spawn import FRESH, Spawner
+from hsq.producer.synthetic import write_synthetic
 from tests.helpers import children, enqueue, log_events, state, store, wait_until
+from tests.support.procs import NullServer
+from tests.support.spawner import ZygoteSpawner
 
 TESTS = Path(__file__).resolve().parent
 INHERITED = (
@@ -160,8 +162,9 @@ def test_a_new_session_child_leads_its_group(
 HOLDER = """
 import json, signal, sys
 from pathlib import Path
-from hsq.harness.procs import ManagedProcess
-from hsq.harness.spawner import FRESH, ZygoteSpawner
+from hsq.node.procs import ManagedProcess
+from hsq.node.spawn import FRESH
+from tests.support.spawner import ZygoteSpawner
 kind, log = sys.argv[1], Path(sys.argv[2])
 z = ZygoteSpawner(log.with_name("zygote.log"), preload=("json",))
 p = ManagedProcess([sys.executable, "-m", "zygote_probe", "sleep"], log,
@@ -303,7 +306,7 @@ def test_a_forked_worker_behaves_as_a_fresh_one_under_its_signals(
         assert w.spawned_by == kind
         wait_until(lambda: st.counts().done == n or not w.alive(), 120)
         assert w.alive(), w.log_tail()
-        persist = [c for c in children(w.pid) if "hsq.workers.persist_procs" in _cmdline(c)]
+        persist = [c for c in children(w.pid) if "hsq.workers.persist.procs" in _cmdline(c)]
         assert len(persist) == 1, w.log_tail()
         w.signal(signal.SIGSTOP)
         wait_until(lambda: state(w.pid) in ("T", "t"), 30, 0.02)

@@ -11,7 +11,7 @@ import importlib.metadata as md
 import shutil
 import sys
 
-from hsq.sglang_server.sglang_hook.compat import (
+from hsq.engines.sglang.compat import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_NAME,
     ENTRY_POINT_VALUE,

@@ -37,7 +37,7 @@ from deploy_helpers import (
 )
 
 import hsq
-from hsq.harness.procs import ManagedProcess
+from hsq.node.procs import ManagedProcess
 
 SAMPLES = 48
 # What the cpu profile listens on with host networking (docker-compose.yml).
@@ -191,7 +191,7 @@ def test_gpu_server_image_steps_find_the_hook(tmp_path: Path) -> None:
            "--build-arg", f"SGLANG_IMAGE={standin}", "-t", image, ".", timeout=900)  # fmt: skip
         out = sh("docker", "run", "--rm", "--network", "host", image,
                  "python3", "/opt/hsq/check_hook.py")  # fmt: skip
-        assert f"sglang {version}, hsq_dump -> hsq.sglang_server.sglang_hook.plugin:register" in out
+        assert f"sglang {version}, hsq_dump -> hsq.engines.sglang.plugin:register" in out
         # hsq in the image is the wheel's, installed in site-packages: no source tree.
         where = sh("docker", "run", "--rm", "--network", "host", image, "python3", "-c",
                    "import hsq, importlib.metadata as m; "

@@ -32,8 +32,8 @@ from deploy_helpers import (
     wait_for,
 )
 
-from hsq.harness.procs import ManagedProcess
-from hsq.harness.synthetic import write_synthetic
+from hsq.node.procs import ManagedProcess
+from hsq.producer.synthetic import write_synthetic
 
 SAMPLES = 24
 

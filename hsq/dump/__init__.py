@@ -9,8 +9,7 @@
   clear_dump_dir).
 - :mod:`hsq.dump.ready`: the readiness marker (ReadyMarker, write_ready, read_ready).
 
-The worker attributes dumps to its in-flight requests with hsq.workers.ridmatch; the
+The worker attributes dumps to its in-flight requests with hsq.workers.send.ridmatch; the
 shared tensor names, dtypes and encodings are hsq.states'. docs/dump-protocol.md is the
-prose version. `hsq.protocol` keeps the names importable from one module, as the docs of
-earlier versions named them.
+prose version; `hsq` re-exports the names a server author needs (write_dump, read_dump, ...).
 """

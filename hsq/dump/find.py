@@ -1,7 +1,7 @@
 """The one dump finder: what a dump dir holds, by position (`req_<N>`) or by rid.
 
 :func:`scan_by_rid` is how a worker attributes dumps (several requests in flight, each
-named by a rid of its own, hsq.workers.ridmatch); :func:`scan` lists dumps by N for tools
+named by a rid of its own, hsq.workers.send.ridmatch); :func:`scan` lists dumps by N for tools
 that send one request at a time; :func:`wait_for_dump` waits for one of either kind (the
 audit waits by rid). All of them list the directory the same way (:func:`_listing`): only
 names of the protocol count, and an entry under such a name that is not a real directory

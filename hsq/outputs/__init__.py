@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hsq.lean import lazy_attributes
+from hsq.extras import lazy_attributes
 
 if TYPE_CHECKING:
     from hsq.outputs.check import check_output, checksum_matches, file_checksum

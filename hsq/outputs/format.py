@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsq import jsonsafe, quant
-from hsq.dataset import Sample, check_sample_id
+from hsq.dataset.jsonl import Sample, check_sample_id
 from hsq.dump.format import LAYER_CONVENTION
 from hsq.errors import OutputError
 from hsq.runconfig import check_store_dtype

@@ -9,7 +9,7 @@ the file it *published* or *adopted* here, and a valid file at the name is never
 writer, so the marked entry is the file on disk whatever the order and wherever either
 writer is stopped (docs/reliability.md gives the argument and the one case it leaves).
 
-The name taken (EEXIST), the file there is judged by `recover`'s checks (hsq.adopt:
+The name taken (EEXIST), the file there is judged by `recover`'s checks (hsq.outputs.adopt:
 header, sample id, run, token count and values, loss mask, fingerprint, layout, format,
 every tensor finite or, fp8, by verify's rules, and its checksum computed) and by the
 dump's identity (model, layers, states dtype and hidden size), through a descriptor, so
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.errors import HsqError
 from hsq.fsio import fsync_path, rename_noreplace, temp_name
 from hsq.outputs.format import output_relpath, read_header
@@ -141,7 +141,7 @@ class Publisher:
             os.close(fd)
 
     def _valid(self, path: Path) -> tuple[int, str] | None:
-        from hsq.adopt import file_identity, file_states, judge_output
+        from hsq.outputs.adopt import file_identity, file_states, judge_output
 
         rel = output_relpath(self.sample.id)
         meta = self.meta

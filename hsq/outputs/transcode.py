@@ -1,6 +1,6 @@
 """From a validated dump to its sample's output file, in one pass, written durably.
 
-The one writer of output files (the worker's persist stage calls it; hsq/workers/persist.py).
+The one writer of output files (the worker's persist stage calls it; hsq/workers/persist/stage.py).
 The call path reads one way: the output's layout and metadata (hsq.outputs.format), the
 dump's tensors as sources (hsq.dump.read.DumpTensors), fp8 quantized on the way
 (hsq.quant), the bytes through the persist stage's write engine (hsq.stfile.engine) into a
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsq import quant
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.errors import CorruptDumpError, MetaMismatchError, NonFiniteDumpError
 from hsq.fsio import write_durably
 from hsq.outputs.format import IDS_TENSOR, MASK_TENSOR, output_metadata

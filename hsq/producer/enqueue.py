@@ -28,8 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.chat import looks_like_chat
 from hsq.errors import DatasetError
+from hsq.producer.chat import looks_like_chat
 from hsq.producer.fastscan import scan_batches
 from hsq.producer.report import (
     Bad,

@@ -1,13 +1,13 @@
 """The producer's fast dataset scan: batches of index entries, validated at C speed.
 
-`hsq.dataset.scan_dataset` validates a line by json.loads and Python loops over its tokens
+`hsq.dataset.jsonl.scan_dataset` validates a line by json.loads and Python loops over its tokens
 (~60 us for a 450-byte line). Almost every line of a real dataset has one shape:
 `{"id": ..., "input_ids": [...], "loss_mask": [...]}`, any spacing. For those, msgspec (a
 compiled JSON decoder) decodes the line into a typed record whose ranges it checks in C
 (tokens non-negative int32, mask 0/1, at least one token), which proves the line valid at
 ~4 us. Every line that does not fit that shape (another key, a float, a token out of range,
 more tokens than --max-tokens, a mask of another length, an unsafe id) goes through
-`hsq.dataset.parse_line`, so the outcome for every line is parse_line's: the fast path only
+`hsq.dataset.jsonl.parse_line`, so the outcome for every line is parse_line's: the fast path only
 ever accepts lines parse_line accepts, with the same id and token count (tests/test_scale.py
 checks that on crafted and randomly damaged lines). Blank lines, over-long lines and
 duplicate ids are handled as scan_dataset does.
@@ -22,7 +22,7 @@ line). A large file's pieces are scanned by a pool of processes, a few pieces ah
 caller, so the scan runs beside the caller's Redis writes on another core; pieces are taken
 in file order, and line numbers, duplicates and the first line of every id are settled here,
 in the caller's process, exactly as one sequential pass would (tests/test_scale.py compares
-both with `hsq.dataset.scan_dataset`).
+both with `hsq.dataset.jsonl.scan_dataset`).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import msgspec
 
-from hsq import dataset
-from hsq.dataset import SAFE_ID_RE, duplicate_id_error, parse_line
-from hsq.dataset import _best_effort_id as _best_effort_id  # the id scan_dataset records
+from hsq.dataset import jsonl as dataset
+from hsq.dataset.fastline import decode_line
+from hsq.dataset.jsonl import SAFE_ID_RE, duplicate_id_error, parse_line
+from hsq.dataset.jsonl import _best_effort_id as _best_effort_id  # the id scan_dataset records
 from hsq.errors import DatasetError
-from hsq.fastline import decode_line
 from hsq.store.connection import pack
 
 Bad = tuple[str, DatasetError, str | None]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.dataset import IndexEntry, read_sample, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
 from hsq.errors import ConfigError, DatasetError
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import (
@@ -75,7 +75,7 @@ def recover_config(known: RunConfig | None, req: RecoverRequest) -> RunConfig:
         return known
     if req.dataset is None or req.out is None:
         raise ConfigError(f"run {req.run!r} is not in Redis: give DATASET and --out to recover it")
-    from hsq.adopt import detect_prenorm, detect_store_dtype
+    from hsq.outputs.adopt import detect_prenorm, detect_store_dtype
 
     root = req.out.resolve()
     store_dtype = req.store_dtype or detect_store_dtype(root / req.run) or BF16
@@ -176,7 +176,7 @@ def _plan_recovery(
 ) -> RecoveryPlan:
     """Check every file under OUT/RUN/ (read-only), decide the run's identity, and list the
     files to mark done: valid ones of that identity. The others are in report.rejected_files."""
-    from hsq.adopt import adopt_output, file_identity, file_states
+    from hsq.outputs.adopt import adopt_output, file_identity, file_states
     from hsq.outputs.format import read_header
 
     out_root = Path(cfg.out) / cfg.run

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hsq.chat import ChatOptions
+from hsq.producer.chat import ChatOptions
 from hsq.settings import setting
 
 

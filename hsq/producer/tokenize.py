@@ -11,7 +11,7 @@ the final name.
 Memory is bounded whatever the file: lines are read at most MAX_LINE bytes at a time (a
 longer one is skipped in pieces, never held), a batch holds at most BATCH rows and
 BATCH_BYTES, at most four batches per process are in flight, and each row tokenizes only
-the head of its text that its token limit needs (hsq.chat).
+the head of its text that its token limit needs (hsq.producer.chat).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from hsq import fsio, logs
-from hsq.chat import ChatTokenizer, Markers, infer_markers, load_tokenizer
-from hsq.dataset import bounded_lines, load_row
+from hsq.dataset.jsonl import bounded_lines, load_row
 from hsq.errors import DatasetError
+from hsq.producer.chat import ChatTokenizer, Markers, infer_markers, load_tokenizer
 from hsq.producer.settings import TokenizeSettings
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ write-back, not the device, limited the buffered stream. `WriteEngine(direct_io=
 (the worker's `--no-direct-io`, HSQ_DIRECT_IO=0) turns it off.
 
 The engine owns its write threads and staging buffers: whoever makes one closes it (the
-worker's persist stage does, hsq/workers/persist.py).
+worker's persist stage does, hsq/workers/persist/stage.py).
 """
 
 from __future__ import annotations

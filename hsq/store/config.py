@@ -12,7 +12,7 @@ from dataclasses import replace
 from itertools import chain, islice
 from typing import Any
 
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.errors import ConfigError
 from hsq.runconfig import RunConfig
 from hsq.store import scripts

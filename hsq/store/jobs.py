@@ -17,7 +17,7 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.store.connection import Client
 
 JOB_FUNC = "hsq.workers.jobs.extract_chunk"

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
-from hsq.dataset import IndexEntry
+from hsq.dataset.jsonl import IndexEntry
 from hsq.errors import RunChangedError
 from hsq.keys import RunKeys
 from hsq.runconfig import RunConfig

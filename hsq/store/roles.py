@@ -29,7 +29,7 @@ class Claimer(Protocol):
 
 
 class BatchMarker(Protocol[E_contra]):
-    """Marking durably written samples done, a batch per call (hsq/workers/commit.py)."""
+    """Marking durably written samples done, a batch per call (hsq/workers/persist/commit.py)."""
 
     def mark_done_many(self, entries: Sequence[tuple[str, E_contra]]) -> list[bool]: ...
     def mark_held_done(
@@ -38,7 +38,7 @@ class BatchMarker(Protocol[E_contra]):
 
 
 class DoneMarker(BatchMarker[E_contra], Protocol[E_contra]):
-    """The persist stage's store (hsq/workers/persist.py): marks, the last look at done
+    """The persist stage's store (hsq/workers/persist/stage.py): marks, the last look at done
     before a rename, and the run's pins (hsq/workers/runview.py)."""
 
     def done_among(self, ids: list[str]) -> set[str]: ...

@@ -7,9 +7,9 @@ probability F, sent again alone: the worker stops sending, waits until nothing o
 is in flight on its server (one worker per server: nothing else is), sends the sample with
 a fresh rid through its own dispatcher and dump dir (ownership unchanged: the audit's dump
 is matched by rid like any other), and compares the states with the file it wrote, within
-the reference tolerance (hsq/closeness.py).
+the reference tolerance (hsq/closeness/rule.py).
 
-A mismatch (confirmed by a second fresh extraction, hsq/closeness.py:confirm; a
+A mismatch (confirmed by a second fresh extraction, hsq/closeness/rule.py:confirm; a
 comparison that cannot be trusted is only logged) takes the sample out of the done hash,
 removes its file and dead-letters it as `audit_mismatch` (`hsq requeue --reason
 audit_mismatch` after fixing the server): the stored states belong to another input. An
@@ -27,15 +27,15 @@ from typing import Protocol
 
 import structlog
 
-from hsq.closeness import States, compare, compare_states, confirm, dump_states
+from hsq.closeness.rule import States, compare, compare_states, confirm, dump_states
 from hsq.dump.read import read_dump
 from hsq.errors import AuditMismatchError, OutputError
 from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.workers.chunks import WorkItem
-from hsq.workers.extract import SendStage
 from hsq.workers.notices import AuditRejected, Notices
 from hsq.workers.runview import RunView
+from hsq.workers.send.extract import SendStage
 
 log = structlog.get_logger("hsq.worker.audit")
 

@@ -16,7 +16,7 @@ import structlog
 from hsq.outputs.manifest import ManifestEntry
 from hsq.store import WorkerStore
 from hsq.workers.claims import Claims
-from hsq.workers.persist import Lease
+from hsq.workers.persist.stage import Lease
 from hsq.workers.policy import STORE_TROUBLE
 
 log = structlog.get_logger("hsq.worker")

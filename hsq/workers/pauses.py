@@ -19,9 +19,9 @@ import structlog
 
 from hsq.errors import HookInactiveError, HsqError, InternalError
 from hsq.workers.claims import Claims
-from hsq.workers.dispatch import Dispatcher
 from hsq.workers.notices import Notices, ServerHealth
 from hsq.workers.policy import STORE_DOWN, Pause, backoff
+from hsq.workers.send.dispatch import Dispatcher
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import HeldDumpDir
 from hsq.workers.state import StateCell, WorkerState

@@ -38,7 +38,7 @@ from hsq.errors import (
     StoreError,
     StoreUnavailableError,
 )
-from hsq.workers.client import MidRequestFailure
+from hsq.workers.send.client import MidRequestFailure
 
 # The one place that says "Redis is unreachable": the store translates every redis-py error
 # into the hsq tree, so this is the only type workers catch for it.
@@ -49,7 +49,7 @@ STORE_DOWN_OR_RUN_CHANGED: tuple[type[BaseException], ...] = (*STORE_DOWN, RunCh
 STORE_TROUBLE: tuple[type[BaseException], ...] = (HsqError, *STORE_DOWN)
 
 # The reasons classify gives itself (the others are the exceptions' `reason`): `hsq requeue
-# --reason` accepts them (hsq/app/ops/requeue.py:known_reasons).
+# --reason` accepts them (hsq/ops/requeue.py:known_reasons).
 POLICY_REASONS = ("rejected", "server_error", "internal_error")
 
 # Dataset reasons that mean "the file is not there or not readable right now".

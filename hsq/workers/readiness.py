@@ -60,7 +60,7 @@ def check_marker(
 
 
 VLLM_SERVER = "vllm"
-"""The marker's `server` of hsq's vLLM connector (hsq.vllm_server.writer.SERVER)."""
+"""The marker's `server` of hsq's vLLM connector (hsq.engines.vllm.writer.SERVER)."""
 
 
 def check_server_kind(marker: ReadyMarker, server_kind: str, who: str = "worker") -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsq.dataset import Sample
+from hsq.dataset.jsonl import Sample
 from hsq.dump.format import DumpMeta, fingerprint
 from hsq.dump.read import Expected
 from hsq.errors import MetaMismatchError

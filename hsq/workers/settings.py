@@ -132,7 +132,8 @@ class WorkerSettings:
                 raise ConfigError(f"{flag} must be > 0")
         if self.heartbeat_interval_s > HEARTBEAT_TTL_S / 2:
             # Slower beats let the heartbeat expire between two of them (a reaper then takes
-            # the jobs of a live worker) or break its lease on every beat (hsq/workers/persist.py).
+            # the jobs of a live worker) or break its lease on every beat
+            # (hsq/workers/persist/stage.py).
             raise ConfigError(
                 f"--heartbeat-interval must be at most {HEARTBEAT_TTL_S / 2:g} s, half the "
                 f"{HEARTBEAT_TTL_S} s heartbeat TTL"

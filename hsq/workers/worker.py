@@ -3,8 +3,9 @@
 Stages (each in its own module):
   claim    (main thread)  chunk jobs from Redis into the ChunkBook (hsq/workers/chunks.py)
   send     (2K threads)   read the sample, send it with a fresh rid, get the dump the
-                          dispatcher matched to that rid, check its meta (hsq/workers/extract.py)
-  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist.py);
+                          dispatcher matched to that rid, check its meta
+                          (hsq/workers/send/extract.py)
+  persist  (N threads)    validate tensors, write durably, mark done (hsq/workers/persist/stage.py);
                           with --persist-procs N the CPU work runs in N child processes
                           (persist_procs.py), the rename's decision and the marks stay here
   ack      (main thread)  every stage reports Events on one queue; the failure policy
@@ -44,23 +45,23 @@ from hsq.store import HEARTBEAT_TTL_S, WorkerStore, new_worker_id
 from hsq.workers.audit_fraction import WorkerAudit
 from hsq.workers.chunks import ChunkBook, WorkItem
 from hsq.workers.claims import Claims
-from hsq.workers.client import ServerClient, make_client
-from hsq.workers.dispatch import Dispatcher
 from hsq.workers.events import Event, EventKind
-from hsq.workers.extract import SendStage
 from hsq.workers.heartbeat import Heartbeat
 from hsq.workers.inflight import InFlight
 from hsq.workers.metrics import WorkerMetrics
 from hsq.workers.notices import Notices, OutputDirMoved, StateChanged, Tally
 from hsq.workers.outcomes import Outcomes
 from hsq.workers.pauses import Pauses
-from hsq.workers.persist import Lease, PersistStage
-from hsq.workers.persist_procs import default_procs
+from hsq.workers.persist.procs import default_procs
+from hsq.workers.persist.stage import Lease, PersistStage
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
 from hsq.workers.readiness import check_server_kind, require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.runwatch import RunWatch
+from hsq.workers.send.client import ServerClient, make_client
+from hsq.workers.send.dispatch import Dispatcher
+from hsq.workers.send.extract import SendStage
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import HeldDumpDir, Started, startup
 from hsq.workers.state import StateCell, WorkerState

@@ -4,7 +4,7 @@ again one at a time to the same server, compared with what was stored.
 Reported: how many come back bit-identical, how many rows differ at all and how many are
 outside the row tolerance, how many token-layer expert choices differ between the batched
 and the alone forward (both recorded by the routing proxy), and what hsq's audit says with
-the dense row rule and with the MoE allowance (hsq/audit_moe.py): false alarms on this
+the dense row rule and with the MoE allowance (hsq/closeness/moe.py): false alarms on this
 correct server, and mix-ups (a stored sample against another sample's alone states of the
 same length, what the reference server's `mix` fault produces) that must still be caught.
 """
@@ -19,15 +19,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hsq.closeness import compare_states, dump_states
+from hsq.closeness.rule import compare_states, dump_states
 from hsq.dump.find import remove_dump, scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
 from hsq.errors import NoDumpError
-from hsq.harness.sglang import SGLangServer
 from hsq.outputs import open_output, output_relpath
 from tests.gpu import equality as eq
 from tests.gpu.proxy import RoutingProxy
+from tests.support.sglang import SGLangServer
 
 
 def alone_dump(url: str, dump_dir: Path, ids: list[int], rid: str) -> Any:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hsq.harness.procs import RedisServer
+from hsq.node.procs import RedisServer
 from tests.gpu.results import Results
 from tests.gpu.settings import LiveSettings
 

@@ -3,7 +3,7 @@ the faults it must catch, planted into real stored states.
 
 Pure (torch only): tests/test_live_equality.py runs it on a CPU with synthetic states.
 
-The rule is the reference server's (hsq.closeness): every token row of every stored tensor
+The rule is the reference server's (hsq.closeness.rule): every token row of every stored tensor
 (aux layers concatenated, final post-norm, pre-norm where stored) has cosine >= 0.999 and
 max |d| <= 1% of the row norm against the reference (fp8 outputs: against the reference
 quantized the same way, max |d| <= 10%). On an MoE model it holds only against a forward
@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsq.closeness import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
+from hsq.closeness.rule import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
 
 AUX, LAST_NAME, PRENORM_NAME = "aux_hidden_states", "last_hidden_state", "last_hidden_state_prenorm"
 BINS = (0.5, 0.9, 0.99, 0.999, 0.9999)
@@ -113,11 +113,11 @@ def compare_moe(
 ) -> Comparison:
     """An MoE sample without the server's expert choices: the first `dense_aux` aux layers
     (computed before the first MoE layer, so no routing reaches them) row by row, every
-    row within the tolerance; the rest under hsq's MoE allowance (hsq.audit_moe: at most
+    row within the tolerance; the rest under hsq's MoE allowance (hsq.closeness.moe: at most
     a quarter of the rows outside the tolerance, median row cosine >= MIN_COSINE). A stale
     or shifted row fails the strict part; another sample's states and a wrong layer fail
     both."""
-    from hsq.audit_moe import MAX_DEVIATING_ROW_FRACTION
+    from hsq.closeness.moe import MAX_DEVIATING_ROW_FRACTION
 
     aux_g, aux_w = got[AUX], want[AUX]
     cols = aux_w.shape[-1] * dense_aux // aux_layers

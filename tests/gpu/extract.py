@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsq.harness.procs import ManagedProcess, hsq_command, worker_process
-from hsq.harness.sglang import wait_for
+from hsq.node.procs import ManagedProcess, hsq_command, worker_process
+from tests.support.sglang import wait_for
 
 
 class Serving(Protocol):
-    """What an extraction needs of its server (hsq.harness.sglang.SGLangServer; the CPU
+    """What an extraction needs of its server (tests.support.sglang.SGLangServer; the CPU
     tests' reference-server stand-in)."""
 
     url: str

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsq.closeness import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
-from hsq.harness.sglang import SGLANG_FLAGS, SGLangServer
-from hsq.sglang_server.sglang_hook import compat
-from hsq.sglang_server.sglang_hook.layers import effective_layer_ids
+from hsq.closeness.rule import FP8_MAX_ABS_OF_NORM, MAX_ABS_OF_NORM, MIN_COSINE
+from hsq.engines.sglang import compat
+from hsq.engines.sglang.layers import effective_layer_ids
 from tests.gpu import equality as eq
 from tests.gpu.extract import Extraction, lengths_mixed, make_dataset
 from tests.gpu.proxy import RoutingProxy
 from tests.gpu.reference import LAST, PRENORM, Reference
 from tests.gpu.results import Results
 from tests.gpu.settings import LiveSettings
+from tests.support.sglang import SGLANG_FLAGS, SGLangServer
 
 VOCAB = 32000
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hsq.harness.procs import RedisServer
+from hsq.node.procs import RedisServer
 from tests.gpu import models_fixture as mf
 from tests.gpu.phase import Model, Phase, assert_phase
 from tests.gpu.results import Results

@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from hsq.harness.procs import ManagedProcess
-from hsq.harness.sglang import SGLANG_FLAGS, low_port
+from hsq.node.procs import ManagedProcess, low_port
 from tests.gpu import models_fixture as mf
 from tests.gpu.extract import hsq
 from tests.gpu.results import Results
+from tests.support.sglang import SGLANG_FLAGS
 
 
 def test_launcher_refuses_before_start(

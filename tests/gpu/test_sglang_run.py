@@ -11,12 +11,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from hsq.harness.procs import hsq_command
-from hsq.harness.sglang import SGLANG_FLAGS
+from hsq.node.procs import hsq_command
 from tests.gpu import models_fixture as mf
 from tests.gpu.extract import make_dataset
 from tests.gpu.models import VOCAB
 from tests.gpu.results import Results
+from tests.support.sglang import SGLANG_FLAGS
 
 SAMPLES = 48
 

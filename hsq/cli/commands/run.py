@@ -1,0 +1,192 @@
+"""`hsq run`: a whole node's share of a run in one command (hsq/node/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hsq import extras
+from hsq.cli.command import hsq_command
+from hsq.cli.commands.produce import dataset_options, enqueue_dataset, take_dataset
+from hsq.cli.flags import RedisAccess
+from hsq.cli.options import as_argv, settings_options, take
+from hsq.errors import ConfigError
+from hsq.settings import setting
+from hsq.workers.settings import WorkerSettings
+
+PER_WORKER = ("run", "server", "dump_dir", "redis_url", "name", "burst")
+NODE_DECIDES = ("server_kind", "served_model")
+"""Worker settings `hsq run` sets from its own --server (the reference server and SGLang
+speak one protocol); as options they would shadow run's --server."""
+"""WorkerSettings `hsq run` sets per worker itself; every other one is a flag of `hsq run`
+and reaches each `hsq worker` as given (--metrics-port: worker i gets PORT + i)."""
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    out: Path = setting(path="dir", help="output root: files in OUT/RUN/, hsq's state in OUT/.hsq/")
+    run: str | None = setting(None, default_text="DATASET's name", help="run name")
+    join: bool = setting(
+        False,
+        flag_only=True,
+        help="add this node's servers and workers to a run another node enqueued, in the "
+        "given Redis (enqueues nothing)",
+    )
+    server_kind: str | None = setting(
+        None,
+        flag="--server",
+        choices=("reference", "sglang"),
+        default_text="sglang if importable and GPUs are visible, else reference",
+        help="inference server kind",
+    )
+    model: str | None = setting(
+        None, default_text="reference: tiny", help="checkpoint the servers load"
+    )
+    gpus: str | None = setting(
+        None, default_text="every visible GPU", help="GPUs for SGLang servers, e.g. 0-7 or 0,2"
+    )
+    tp: int = setting(1, minimum=1, help="GPUs per SGLang server (servers = GPUs / TP)")
+    servers: int | None = setting(
+        None, minimum=1, default_text="reference: 1; sglang: GPUs / TP", help="servers to start"
+    )
+    stay: bool = setting(
+        False,
+        help="keep the workers waiting for more work once the queue is empty (a node of a "
+        "long-lived cluster; stop it with Ctrl-C or SIGTERM)",
+    )
+    node_name: str | None = setting(
+        None, default_text="the short host name", help="names this node's workers NODE-i"
+    )
+    max_server_restarts: int = setting(
+        3, minimum=0, help="times one server that exits is started again"
+    )
+    json: bool = setting(False, help="one JSON summary on stdout at the end")
+    verify: bool = setting(False, help="read every output back (hsq verify --deep) at the end")
+    redis_only: bool = setting(
+        False,
+        flag_only=True,
+        help="serve OUT's own Redis until Ctrl-C (for hsq verify/export after a run)",
+    )
+    redis_url: str | None = setting(
+        None,
+        flag="--redis",
+        env=("HSQ_REDIS_URL", "REDIS_URL"),
+        default_text="OUT's own redis-server",
+        help="use this Redis (auth through the environment or --redis-url-file, never a flag)",
+    )
+    access: RedisAccess = field(default_factory=RedisAccess)
+
+
+def run_name_of(dataset: Path) -> str:
+    """A run name from a file name: `train.tokens.jsonl` -> `train-tokens`."""
+    stem = dataset.name.removesuffix(".jsonl")
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", stem).strip("-_")[:64]
+    if not name:
+        raise ConfigError(f"no run name in {dataset.name!r}: give --run")
+    return name
+
+
+def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple[str, ...]]:
+    """(DATASET, the servers' arguments): with --join every argument is the servers' (the
+    run exists; --run names it), else the first is DATASET."""
+    if join:
+        if args and args[0].endswith(".jsonl") and Path(args[0]).is_file():
+            raise click.UsageError("--join enqueues nothing: name the run with --run, no DATASET")
+        return None, args
+    if not args:
+        raise click.UsageError("give DATASET (or --join --run RUN to join a run)")
+    dataset = Path(args[0])
+    if not dataset.is_file():
+        raise click.UsageError(f"DATASET {args[0]!r} is not a file")
+    return dataset, args[1:]
+
+
+@hsq_command("run")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[DATASET] [-- SERVER_ARGS]")
+@settings_options(RunFlags)
+@settings_options(WorkerSettings, skip=(*PER_WORKER, *NODE_DECIDES))
+@dataset_options
+def run(args: tuple[str, ...], **values: Any) -> None:
+    """Run a whole node's share of a run: Redis, servers, workers, live view. Safe to rerun.
+
+    Without a Redis (--redis-url-file, HSQ_REDIS_URL, REDIS_URL) it starts its own under
+    OUT/.hsq/ (AOF, a generated password), so a re-run after a crash resumes. One server
+    per GPU group (SGLang through `hsq launch-sglang`) or reference server on CPU, one
+    worker each; arguments after `--` go to every server. Exit 0 all done, 1 some samples
+    dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand back and stop; twice: now).
+
+    \b
+    Example:
+      hsq run data.jsonl --out out/                       # CPU: the tiny reference model
+      hsq run data.jsonl --out /shared/hs --model /models/qwen3-8b          # 8 GPUs, TP 1
+      hsq run data.jsonl --out /shared/hs --model /models/kimi-k2.5 --tp 8  # one TP-8 server
+      hsq run --join --run data --out /scratch/n2 --redis-url-file F --model M  # 2nd node
+    """
+    import socket
+
+    from hsq.node.node import NodeJob, run_node, serve_redis_only
+    from hsq.node.plan import (
+        REFERENCE,
+        persist_procs_each,
+        plan_node,
+        server_args_for,
+        sglang_importable,
+        visible_gpus,
+    )
+
+    f = take(RunFlags, values)
+    if f.redis_only:
+        sys.exit(serve_redis_only(f.out))
+    worker = take(
+        WorkerSettings, values, run="-", server="http://127.0.0.1", dump_dir=Path("-"),
+        redis_url="-", name=None, burst=True, server_kind="sglang", served_model=None,
+    )  # fmt: skip
+    worker.validate()
+    data = take_dataset(values, "hsq run")
+    dataset, server_args = split_args(args, join=f.join)
+    server_args = tuple(server_args_for(str(data.settings.get("store_dtype", "")), server_args))
+    name = f.run or (run_name_of(dataset) if dataset is not None else None)
+    if name is None:
+        raise click.UsageError("--join needs --run")
+    url = f.access.resolve(f.redis_url)
+    if f.join and url is None:
+        raise click.UsageError(
+            "--join needs the Redis of the run: --redis-url-file FIRST_OUT/.hsq/redis-url"
+        )
+    plan = plan_node(
+        requested=f.server_kind, model=f.model, gpus_flag=f.gpus, tp=f.tp, servers=f.servers,
+        sglang=sglang_importable(), visible=visible_gpus(),
+    )  # fmt: skip
+    if plan.kind == REFERENCE:  # before Redis or any server starts
+        extras.require("reference", "hsq run --server reference")
+
+    def enqueue(store: Any) -> list[str]:
+        assert dataset is not None
+        report = enqueue_dataset(store, dataset, f.out, data, progress=False)
+        bad = sum(report.invalid.values())
+        line = (
+            f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
+            f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
+            f"{report.dead} dead)"
+        )
+        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
+
+    if worker.persist_procs is None:  # the host's cores shared by this node's workers
+        worker = dataclasses.replace(worker, persist_procs=persist_procs_each(len(plan.servers)))
+    job = NodeJob(
+        run=name, out=f.out, plan=plan, redis_url=url,
+        enqueue=None if f.join else enqueue,
+        worker_argv=as_argv(worker, skip=(*PER_WORKER, *NODE_DECIDES, "metrics_port")),
+        server_args=server_args,
+        metrics_port=worker.metrics_port,
+        node=f.node_name or socket.gethostname().split(".")[0],
+        max_restarts=f.max_server_restarts, json=f.json, verify=f.verify, stay=f.stay,
+        url_file=f.access.redis_url_file,
+    )  # fmt: skip
+    sys.exit(run_node(job))

@@ -1,0 +1,289 @@
+"""`hsq run`: one node's share of a run, start to finish, safe to run again.
+
+Redis (given, or this DIR's own: hsq/node/redis.py), the enqueue (idempotent; none
+with --join), a server and a worker per GPU group (supervisor.py), the live view (view.py)
+until every worker is done, then the summary and the commands to run next.
+
+Signals: the first SIGINT (Ctrl-C) or SIGTERM stops the workers, which hand their jobs
+back, then everything else (exit 130, or 143 for SIGTERM); a second one kills every child
+at once. Nothing is lost either way: a job a killed worker held goes back to the queue
+once its heartbeat expires (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from hsq.errors import EXIT_OK, EXIT_PROBLEMS
+from hsq.node.plan import NodePlan
+from hsq.node.redis import DirLock, start_private_redis, state_dir
+from hsq.node.supervisor import Supervisor
+from hsq.node.view import PairView, Screen, duration
+from hsq.ops.status import RunStatus, run_status
+from hsq.runstore import RunStore
+
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class NodeJob:
+    """What the command decided: everything `run_node` needs, nothing it must parse."""
+
+    run: str
+    out: Path
+    plan: NodePlan
+    redis_url: str | None
+    """None: this DIR's own redis-server."""
+    enqueue: Callable[[RunStore], list[str]] | None
+    """None with --join: the run is there already."""
+    worker_argv: Sequence[str]
+    server_args: Sequence[str]
+    metrics_port: int | None
+    node: str = socket.gethostname().split(".")[0]
+    max_restarts: int = 3
+    json: bool = False
+    verify: bool = False
+    stay: bool = False
+    """Workers without --burst: they wait for more work until stopped."""
+    url_file: Path | None = None
+    """The --redis-url-file given, named in the commands printed at the end."""
+
+
+class Interrupts:
+    """Counts SIGINT/SIGTERM; the first asks for a clean stop, the second for a kill."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.signum = 0
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        self.signum = self.signum or signum
+
+    def install(self, stack: ExitStack) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.signal(sig, self)
+            stack.callback(signal.signal, sig, old)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _pairs(sup: Supervisor) -> list[PairView]:
+    return [
+        PairView(
+            p.spec.index,
+            p.spec.kind,
+            p.url,
+            p.server_state,
+            p.name,
+            p.worker_rc,
+            sup.stopping or p.given_up,
+        )
+        for p in sup.pairs
+    ]
+
+
+def _supervise(store: RunStore, sup: Supervisor, screen: Screen, stop: Interrupts) -> RunStatus:
+    t0 = time.monotonic()
+    handed_back = False
+    while True:
+        if stop.count >= 2:
+            screen.event("second interrupt: killing every server and worker now")
+            sup.kill_all()
+            break
+        if stop.count == 1 and not handed_back:
+            handed_back = True
+            screen.event("interrupted: workers hand their jobs back and stop (again: now)")
+            sup.stop_workers()
+        for event in sup.poll():
+            screen.event(event)
+        st = run_status(store)
+        working = {w.name for w in st.workers if w.state == "working"}
+        sup.mark_ready({p.spec.index for p in sup.pairs if p.name in working})
+        if not sup.workers_running():
+            st = run_status(store)
+            screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
+            return st
+        screen.show(st, _pairs(sup), time.monotonic() - t0)
+        time.sleep(POLL_S)
+    st = run_status(store)
+    screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
+    return st
+
+
+def _verify(store: RunStore, run_dir: Path) -> Any:
+    from hsq.ops import verify
+
+    return verify(store, run_dir, deep=True)
+
+
+def _exit_code(st: RunStatus, stop: Interrupts, verified: Any) -> int:
+    if stop.count:
+        return stop.exit_code
+    if st.dead or st.done < st.total or (verified is not None and verified.problems):
+        return EXIT_PROBLEMS
+    return EXIT_OK
+
+
+def _summary_lines(
+    job: NodeJob,
+    st: RunStatus,
+    stop: Interrupts,
+    elapsed: float,
+    verified: Any,
+    auth: str,
+    rate: Rate,
+) -> list[str]:
+    lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
+             f" ({rate.samples} samples, {rate.tokens:,} tokens while the workers ran: "
+             f"{rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s)"]  # fmt: skip
+    if stop.count >= 2:
+        lines.append(
+            "killed: what the workers held goes back to the queue once their heartbeats "
+            "expire; the same command resumes"
+        )
+    elif stop.count:
+        lines.append("interrupted: the workers handed their jobs back; the same command resumes")
+    elif st.done + st.dead < st.total:
+        lines.append(
+            f"not finished: {st.total - st.done - st.dead} samples left and no worker of this "
+            "node running (see the events above); the same command resumes"
+        )
+    if st.dead:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
+        lines.append(f"dead     {st.dead} ({reasons}); list them: hsq status --run {job.run}"
+                     f" --failed{auth}")  # fmt: skip
+    if verified is not None:
+        lines.append(
+            f"verified {verified.ok}/{verified.checked} outputs OK"
+            + (f", {verified.problems} problems: hsq verify --run {job.run}{auth}"
+               if verified.problems else "")
+        )  # fmt: skip
+    return lines
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The run's progress while this command's workers ran: the final summary's rate (the
+    status's own is the live workers' rate, 0 once they have ended)."""
+
+    samples: int
+    tokens: int
+    seconds: float
+
+    @classmethod
+    def between(cls, before: RunStatus, after: RunStatus, seconds: float) -> Rate:
+        return cls(after.done - before.done, after.tokens_done - before.tokens_done, seconds)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "samples_per_s": round(self.samples_per_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+        }
+
+
+def run_node(job: NodeJob) -> int:
+    echo = click.echo
+    out = job.out.resolve()
+    state = state_dir(out)
+    stop = Interrupts()
+    t0 = time.monotonic()
+    url_file: Path | None = None
+    with ExitStack() as stack:
+        stack.callback(DirLock(state).acquire().release)
+        url = job.redis_url
+        if url is None:
+            redis = start_private_redis(state)
+            stack.callback(redis.stop)
+            url, url_file = redis.url, state / "redis-url"
+            echo(f"redis    this DIR's redis-server on 127.0.0.1:{redis.port} (AOF; {url_file})")
+        store = RunStore(_connect(url), job.run)
+        if job.enqueue is not None:
+            for line in job.enqueue(store):
+                echo(f"enqueue  {line}")
+        run_dir = Path(store.require_config().out) / job.run  # --join: the run must exist
+        echo(f"servers  {len(job.plan.servers)} x {job.plan.kind} ({job.plan.why}), "
+             f"model {job.plan.model}; logs in {state / 'logs'}")  # fmt: skip
+        sup = Supervisor(
+            job.plan, job.run, url, state, job.node, job.worker_argv, job.server_args,
+            job.metrics_port, job.max_restarts, burst=not job.stay,
+        )  # fmt: skip
+        stop.install(stack)
+        stack.callback(sup.shutdown, lambda: stop.count >= 2)
+        before = run_status(store)
+        active_t0 = time.monotonic()
+        sup.start()
+        st = _supervise(store, sup, Screen(), stop)
+        rate = Rate.between(before, st, time.monotonic() - active_t0)
+        verified = _verify(store, run_dir) if job.verify and not stop.count else None
+    elapsed = time.monotonic() - t0
+    rc = _exit_code(st, stop, verified)
+    hint = url_file or job.url_file
+    auth = f" --redis-url-file {hint}" if hint is not None else ""
+    if job.json:
+        summary = {
+            "run": job.run, "exit_code": rc, "elapsed_s": round(elapsed, 1),
+            "outputs": str(run_dir), "redis_url_file": None if url_file is None else str(url_file),
+            "interrupted": bool(stop.count), "active_s": round(rate.seconds, 3),
+            "status": {**st.to_dict(), **rate.to_dict()},
+            "verified": None if verified is None else {
+                "checked": verified.checked, "ok": verified.ok, "problems": verified.problems
+            },
+        }  # fmt: skip
+        echo(json.dumps(summary, sort_keys=True))
+        return rc
+    for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate):
+        echo(line)
+    echo(f"outputs  {run_dir}")
+    echo("next")
+    if url_file is not None:
+        echo(f"  (this DIR's Redis is stopped: `hsq run --out {out} --redis-only` serves it "
+             "again while these run)")  # fmt: skip
+    echo(f"  hsq verify --run {job.run}{auth} --deep")
+    echo(f"  hsq export --run {job.run}{auth} --format specforge --to EXPORT_DIR")
+    return rc
+
+
+def serve_redis_only(out: Path) -> int:
+    """`hsq run --out DIR --redis-only`: this DIR's Redis, until Ctrl-C, for `hsq verify`,
+    `hsq export` and `hsq status` on a run whose `hsq run` has ended."""
+    state = state_dir(out.resolve())
+    stop = Interrupts()
+    with ExitStack() as stack:
+        stack.callback(DirLock(state).acquire().release)
+        redis = start_private_redis(state)
+        stack.callback(redis.stop)
+        stop.install(stack)
+        click.echo(
+            f"redis    127.0.0.1:{redis.port}, URL in {state / 'redis-url'}; Ctrl-C stops it"
+        )
+        while not stop.count and redis.alive():
+            time.sleep(POLL_S)
+    return EXIT_OK
+
+
+def _connect(url: str) -> Any:
+    from hsq.store import connect
+
+    return connect(url)

@@ -1,0 +1,245 @@
+"""The servers and workers of one `hsq run`, as child processes of one supervisor.
+
+Each pair is a server (`hsq serve-reference` or `hsq launch-sglang`, so the launcher's
+refusals and readiness checks are the real ones) and the `hsq worker` that owns its dump
+dir. Children share this process's group, so a kill of the group (a terminal's Ctrl-C, a
+batch system's cancel) reaches them all, and each gets SIGTERM if this process dies alone.
+
+What a dead child means, as chosen here:
+- a server that exits is restarted on the same port and dump dir, up to `max_restarts`
+  times (an OOM or a CUDA fault mid-run is what long runs meet; its worker backs off while
+  it is down and retries, nothing is dead-lettered for it); one that exits 2 (a refusal:
+  wrong flags, no hook) is not, since it would refuse again. A server given up on has its
+  worker stopped (the worker hands its jobs back).
+- a worker is not restarted: it exits non-zero only for a cause a restart would meet
+  again (configuration, a held dump dir, a bug it detected and stopped on); it is
+  reported with its log and the other pairs go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hsq.errors import EXIT_USAGE
+from hsq.node.plan import REFERENCE, NodePlan, ServerSpec
+from hsq.node.procs import (
+    ManagedProcess,
+    ReferenceServer,
+    free_port,
+    hsq_command,
+    low_port,
+    worker_process,
+)
+
+SHM = Path("/dev/shm")
+
+
+def dump_root() -> Path:
+    """Node-local tmpfs for the dump dirs (dumps are written and read once, then removed)."""
+    return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def dump_dir_for(state: Path, run: str, index: int) -> Path:
+    """The same DIR gets the same dump dirs on every run: a re-run after a crash clears
+    what the killed one left instead of leaving it in /dev/shm."""
+    tag = hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:10]
+    return dump_root() / f"hsq-{run}-{tag}-{index}"
+
+
+def should_restart(rc: int | None, restarts: int, max_restarts: int) -> bool:
+    """A server that exited is started again unless it refused (exit 2: its flags, no hook;
+    it would refuse again) or it has used its restarts."""
+    return rc != EXIT_USAGE and restarts < max_restarts
+
+
+@dataclass
+class Pair:
+    spec: ServerSpec
+    dump_dir: Path
+    port: int
+    name: str
+    server: ManagedProcess | None = None
+    worker: ManagedProcess | None = None
+    restarts: int = 0
+    server_state: str = "starting"
+    worker_rc: int | None = None
+    given_up: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Supervisor:
+    plan: NodePlan
+    run: str
+    redis_url: str
+    state: Path
+    node: str
+    worker_argv: Sequence[str] = ()
+    """Flags every `hsq worker` gets (hsq.cli.options.as_argv of the run's WorkerSettings)."""
+    server_args: Sequence[str] = ()
+    """Arguments after `--`: passed to every server unchanged."""
+    metrics_port: int | None = None
+    """Worker i serves metrics on metrics_port + i."""
+    max_restarts: int = 3
+    burst: bool = True
+    """Workers exit once the run has nothing queued or held (else they wait for more)."""
+    pairs: list[Pair] = field(default_factory=list)
+    stopping: bool = False
+
+    @property
+    def logs(self) -> Path:
+        return self.state / "logs"
+
+    def start(self) -> None:
+        for spec in self.plan.servers:
+            d = dump_dir_for(self.state, self.run, spec.index)
+            # Left by a killed run: its dumps and its server's readiness marker (a worker
+            # that saw it would start before the new server is up) go before anything starts.
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(mode=0o700)
+            # SGLang derives more ports from its own (gRPC: port + 10000): a low one.
+            port = free_port() if spec.kind == REFERENCE else low_port()
+            pair = Pair(spec, d, port, f"{self.node}-{spec.index}")
+            self.pairs.append(pair)
+            self._start_server(pair)
+            self._start_worker(pair)
+
+    def _start_server(self, pair: Pair) -> None:
+        log = self.logs / f"server-{pair.spec.index}.log"
+        if pair.spec.kind == REFERENCE:
+            threads = max(1, (os.cpu_count() or 1) // len(self.plan.servers))
+            args = ["--model", self.plan.model, "--no-fsync", "--threads", str(threads)]
+            pair.server = ReferenceServer(
+                pair.dump_dir,
+                log,
+                port=pair.port,
+                args=[*args, *self.server_args],  # given flags last: click keeps the last
+                parent_death_signal=signal.SIGTERM,
+                admin=False,  # a run's server takes no fault rules from anyone (issue 33 D10)
+            )
+        else:
+            argv = hsq_command(
+                "launch-sglang", "--model-path", self.plan.model, "--tp", str(self.plan.tp),
+                "--dump-dir", str(pair.dump_dir), "--host", "127.0.0.1", "--port", str(pair.port),
+                *self.server_args,
+            )  # fmt: skip
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(pair.spec.gpus)}
+            # Its own process group: SGLang forks schedulers, which a stop (or a kill) of
+            # the group reaches; a terminal's Ctrl-C does not, so it is stopped after its
+            # worker has handed back. If hsq dies, the launcher's SIGTERM ends SGLang.
+            pair.server = ManagedProcess(
+                argv, log, env, new_session=True, parent_death_signal=signal.SIGTERM
+            )
+        pair.server_state = "starting" if not pair.restarts else f"restarted ({pair.restarts})"
+
+    def _start_worker(self, pair: Pair) -> None:
+        extra = [*self.worker_argv, *(["--burst"] if self.burst else []), "--name", pair.name]
+        if self.metrics_port is not None:
+            extra += ["--metrics-port", str(self.metrics_port + pair.spec.index)]
+        pair.worker = worker_process(
+            self.run,
+            pair.url,
+            pair.dump_dir,
+            self.redis_url,
+            self.logs / f"worker-{pair.spec.index}.log",
+            *extra,
+            parent_death_signal=signal.SIGTERM,
+        )
+
+    def poll(self) -> list[str]:
+        """Look at every child once; restart what the policy says; the events, in words."""
+        events: list[str] = []
+        for p in self.pairs:
+            assert p.server is not None and p.worker is not None
+            if p.worker_rc is None and not p.worker.alive():
+                p.worker_rc = p.worker.proc.returncode
+                if p.worker_rc != 0 and not self.stopping:
+                    events.append(
+                        f"worker {p.name} exited {p.worker_rc} (not restarted); its log: "
+                        f"{p.worker.log_path}\n{p.worker.log_tail(5)}"
+                    )
+            if p.worker_rc is not None:
+                continue  # its server is stopped with the rest
+            if p.server.alive():
+                continue
+            rc = p.server.proc.returncode
+            if self.stopping or p.given_up:
+                continue
+            if not should_restart(rc, p.restarts, self.max_restarts):
+                p.given_up = True
+                p.server_state = f"exited {rc}, given up"
+                why = "refused to start" if rc == EXIT_USAGE else f"{p.restarts} restarts"
+                events.append(
+                    f"server {p.spec.index} exited {rc} ({why}); stopping its worker. "
+                    f"Its log: {p.server.log_path}\n{p.server.log_tail(5)}"
+                )
+                p.worker.signal(signal.SIGTERM)  # hands its jobs back
+                continue
+            p.restarts += 1
+            events.append(
+                f"server {p.spec.index} exited {rc}; restarting it "
+                f"({p.restarts}/{self.max_restarts}), log {p.server.log_path}"
+            )
+            self._start_server(p)
+        return events
+
+    def mark_ready(self, ready: set[int]) -> None:
+        """Servers whose worker reported it working are `up` in the view."""
+        for p in self.pairs:
+            if p.spec.index in ready and p.server is not None and p.server.alive():
+                p.server_state = "up"
+
+    def workers_running(self) -> bool:
+        return any(p.worker is not None and p.worker.alive() for p in self.pairs)
+
+    def stop_workers(self) -> None:
+        """SIGTERM: each worker stops claiming and hands what it holds back."""
+        self.stopping = True
+        for p in self.pairs:
+            if p.worker is not None:
+                p.worker.signal(signal.SIGTERM)
+
+    def kill_all(self) -> None:
+        self.stopping = True
+        for p in self.pairs:
+            for child in (p.worker, p.server):
+                if child is None:
+                    continue
+                if child.new_session:
+                    child.signal_group(signal.SIGKILL)
+                else:
+                    child.signal(signal.SIGKILL)
+
+    def shutdown(self, urgent: Callable[[], bool] = lambda: False) -> None:
+        """Stop what still runs (workers first, so none sees its server vanish), then
+        remove the dump dirs; once `urgent()` (a second Ctrl-C), kill what is left."""
+        self.stopping = True
+        workers = [p.worker for p in self.pairs if p.worker is not None]
+        servers = [p.server for p in self.pairs if p.server is not None]
+        for group, timeout in ((workers, 60.0), (servers, 30.0)):
+            for child in group:
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while any(c.alive() for c in group) and time.monotonic() < deadline:
+                if urgent():
+                    break
+                time.sleep(0.1)
+            if any(c.alive() for c in group):
+                self.kill_all()
+        for child in servers:
+            if child.new_session:
+                child.signal_group(signal.SIGKILL)  # what outlived the launcher
+            child.proc.wait(10)
+        for p in self.pairs:
+            shutil.rmtree(p.dump_dir, ignore_errors=True)

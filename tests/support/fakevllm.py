@@ -1,0 +1,170 @@
+"""A vLLM-shaped server for tests and the live script's CPU dry run: vLLM's completions
+API over HTTP, a transformers forward on the CPU, and hsq's real connector core writing
+the dumps. Not vLLM: it stands in for the part of vLLM the worker talks to.
+
+What it mimics, read in vLLM 0.26.0: ``POST /v1/completions`` with ``prompt`` as token
+ids answers ``usage.prompt_tokens`` (and ``prompt_tokens_details``) and the connector's
+``kv_transfer_params``; ``GET /health``. The capture is extract_hidden_states' rule
+(hsq/engines/vllm/layers.py): id ``i < L`` is HF ``hidden_states[i]``, id ``L`` the final
+state before the norm, stacked ``[T, k, H]`` in ascending id order, handed to the writer
+**after** the answer is sent (vLLM saves one engine step after the request finishes).
+
+    python -m tests.support.fakevllm --model DIR --dump-dir D --port P --layers 2,4,5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsq.engines.vllm.config import ConnectorConfig
+from hsq.engines.vllm.core import ConnectorCore, rid_of
+from hsq.engines.vllm.identity import model_identity
+from hsq.engines.vllm.layers import vllm_aux_ids
+from hsq.engines.vllm.refusals import ServingFacts
+from hsq.states import ENCODINGS, PLAIN
+
+MAX_BODY = 8 << 20
+
+
+class FakeVllm:
+    def __init__(self, model_dir: Path, cfg: ConnectorConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(2)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        config = self.model.config
+        self.num_layers = int(config.num_hidden_layers)
+        arch = str((config.architectures or ["LlamaForCausalLM"])[0])
+        facts = ServingFacts(
+            architecture=arch,
+            num_layers=self.num_layers,
+            hidden_size=int(config.hidden_size),
+            captured_ids=vllm_aux_ids(cfg.layer_ids, self.num_layers),
+            enable_prefix_caching=False,
+            cache_dtype="auto",
+        )
+        ident = model_identity(
+            str(model_dir), arch, self.num_layers, facts.hidden_size, config.to_dict()
+        )
+        self.core = ConnectorCore(cfg, facts, ident, str(model_dir))
+        self.core.start_writer("fake-vllm")
+        self.pool = ThreadPoolExecutor(8, thread_name_prefix="vllm-hs-save")  # as vLLM's
+        self.lock = threading.Lock()  # one forward at a time: bit-stable CPU results
+
+    def rows(self, ids: list[int]) -> torch.Tensor:
+        seen: dict[str, torch.Tensor] = {}
+        last = self.model.model.layers[-1]
+        hook = last.register_forward_hook(
+            lambda _m, _a, out: seen.__setitem__("pre", out[0] if isinstance(out, tuple) else out)
+        )
+        try:
+            with self.lock, torch.inference_mode():
+                out = self.model.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        finally:
+            hook.remove()
+        hs = out.hidden_states
+        stack = [hs[i][0] if i < self.num_layers else seen["pre"][0] for i in self.core.captured]
+        return torch.stack(stack, dim=1).to(torch.bfloat16)
+
+    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+        ids = body.get("prompt")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return 400, {"error": {"message": "prompt must be token ids", "code": 400}}, None
+        rid = rid_of(body.get("kv_transfer_params"))
+        rows = self.rows(ids)
+        answer = {
+            "id": f"cmpl-{body.get('request_id', 'x')}",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": 1,
+                "total_tokens": len(ids) + 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+            "kv_transfer_params": {"hsq_rid": rid} if rid else None,
+        }
+
+        def save() -> None:
+            if rid is not None:
+                key = f"cmpl-{rid}"
+                self.core.remember(key, rid)
+                tensors = {"hidden_states": rows, "token_ids": torch.tensor(ids)}
+                self.core.write_tensors(tensors, _Ready(), key)
+
+        return 200, answer, save
+
+
+class _Ready:
+    def synchronize(self) -> None:
+        pass
+
+
+def handler(app: FakeVllm) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status: int, obj: object) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {})
+            else:
+                self._send(404, {"error": {"message": "not found", "code": 404}})
+
+        def do_POST(self) -> None:
+            size = int(self.headers.get("content-length") or 0)
+            if self.path != "/v1/completions" or not 0 < size <= MAX_BODY:
+                self._send(400, {"error": {"message": "bad request", "code": 400}})
+                return
+            try:
+                body = json.loads(self.rfile.read(size))
+            except ValueError:
+                self._send(400, {"error": {"message": "malformed JSON", "code": 400}})
+                return
+            status, answer, save = app.complete(body if isinstance(body, dict) else {})
+            self._send(status, answer)
+            if save is not None:
+                app.pool.submit(save)  # after the answer, as vLLM's next engine step
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--dump-dir", type=Path, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--layers", required=True, help="the run's aux layers, e.g. 2,4,5")
+    p.add_argument("--prenorm", action="store_true")
+    p.add_argument("--dump-encoding", choices=ENCODINGS, default=PLAIN)
+    args = p.parse_args(argv)
+    cfg = ConnectorConfig(
+        dump_dir=args.dump_dir,
+        layer_ids=tuple(int(i) for i in args.layers.split(",")),
+        encoding=args.dump_encoding,
+        prenorm=args.prenorm,
+    )
+    app = FakeVllm(args.model, cfg)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(app))
+    print(f"fake vLLM at http://127.0.0.1:{args.port}, dumping to {args.dump_dir}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
