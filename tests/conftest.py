@@ -25,6 +25,13 @@ from hsq.stfile.engine import WriteEngine
 from tests.support.procs import ReferenceServer
 from tests.support.spawner import SPAWNER_ENV, ZygoteSpawner, install
 
+# The repository root first on every child's path: tests/support's servers and the zygote
+# start as `python -m tests.support.X`, and some tests start them from another directory.
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+)
+
 # SpecForge's and speculators' code, which the tests compare hsq with, is in .trainers/ (no
 # dependencies: their pins conflict with hsq's, scripts/setup.sh says why), not in .venv.
 # Appended: nothing there may shadow a package of the venv. Subprocesses see it too.

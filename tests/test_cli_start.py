@@ -104,7 +104,7 @@ def test_hsq_help_reads_as_it_would_with_every_command_loaded(columns: str) -> N
     lazy = subprocess.run([sys.executable, "-m", "hsq", "--help"], capture_output=True,
                           text=True, env=env, check=True)  # fmt: skip
     eager_code = (
-        "import sys\nfrom hsq.cli import cli\ncli.every_command()\n"
+        "import sys\nfrom hsq.cli import main as cli\ncli.every_command()\n"
         "sys.argv = ['hsq', '--help']\ncli.main()\n"
     )
     eager = subprocess.run([sys.executable, "-c", eager_code], capture_output=True, text=True,

@@ -274,7 +274,7 @@ def test_a_mistyped_dump_dir_creates_nothing(
 # poll with requests in flight raises (as an unforeseen dump-dir state could make it).
 MATCHER_BUG = """
 import sys
-from hsq.workers import dispatch
+from hsq.workers.send import dispatch
 
 real, decided = dispatch.RidMatcher.poll, [0]
 
