@@ -81,8 +81,12 @@ class Reference:
             raise ValueError(f"routing has {routing.shape[0]} rows for {len(input_ids)} tokens")
         with torch.inference_mode():
             self.captured.clear()
+            # A copy: the routing comes from a read-only memory map, and torch warns (an error
+            # under the suite's filterwarnings) when asked to wrap a non-writable array.
             self.routing = (
-                None if routing is None else torch.as_tensor(routing, device=self.device).long()
+                None
+                if routing is None
+                else torch.as_tensor(routing.copy(), device=self.device).long()
             )
             try:
                 self.model.model(torch.tensor([input_ids], device=self.device))
