@@ -219,7 +219,11 @@ def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
     assert st.count(st.keys.done) == 40 and st.count(st.keys.dead) == 0
     events = log_events(a.log_path, "sample_done") + log_events(b.log_path, "sample_done")
     firsts = Counter(str(e["sample"]) for e in events if e["first"])
-    assert len(firsts) == 40 and set(firsts.values()) == {1}  # marked done once each
+    # Marked done once each. A worker logs `sample_done` after its batch's marks, so the
+    # SIGKILL may land between the two: a sample the victim marked can lack its line (seen:
+    # 6 of 40). The rescuer ends cleanly and logs every sample it marked.
+    assert set(firsts.values()) == {1}
+    assert len(firsts) >= 40 - done_before
     rescued = {str(e["sample"]) for e in log_events(b.log_path, "sample_done")}
     assert len(rescued) == 40 - done_before  # nothing done before the kill was redone
     files = list((out / "wkill").rglob("*"))
