@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 
 def configure(level: str = "INFO", fmt: str = "json") -> None:
@@ -35,7 +35,8 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         # PrintLogger flushes every line, so logs are unbuffered even under a pipe.
-        logger_factory=structlog.PrintLoggerFactory(file=LossyWriter(sys.stderr)),
+        # (PrintLogger calls only write and flush: LossyWriter is a TextIO for it.)
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, LossyWriter(sys.stderr))),
         cache_logger_on_first_use=True,
     )
 
