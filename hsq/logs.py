@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO, cast
 
 
 def configure(level: str = "INFO", fmt: str = "json") -> None:
@@ -35,9 +35,33 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         # PrintLogger flushes every line, so logs are unbuffered even under a pipe.
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # (PrintLogger calls only write and flush: LossyWriter is a TextIO for it.)
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, LossyWriter(sys.stderr))),
         cache_logger_on_first_use=True,
     )
+
+
+class LossyWriter:
+    """A log stream whose failed write loses the line, never the process: `hsq run`'s
+    workers log to files on the output disk, and a full disk (ENOSPC) must pause them
+    ("output disk full"), not kill them with an exception out of a log call."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.lost = 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            self.lost += 1
+            return 0
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self.lost += 1
 
 
 def _load_structlog() -> None:

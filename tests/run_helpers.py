@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +28,8 @@ class Node:
 
     started: ClassVar[list[Node]] = []
 
-    def __init__(self, tmp: Path, tag: str, *args: str) -> None:
+    def __init__(self, tmp: Path, tag: str, *args: str, prefix: Sequence[str] = ()) -> None:
+        """`prefix`: run it elsewhere (`ip netns exec NS`: another host)."""
         Node.started.append(self)
         self.stdout = tmp / f"{tag}.out"
         self.stderr = tmp / f"{tag}.err"
@@ -36,7 +37,7 @@ class Node:
         env["PYTHONUNBUFFERED"] = "1"
         with open(self.stdout, "ab") as out, open(self.stderr, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hsq", "run", *args],
+                [*prefix, sys.executable, "-m", "hsq", "run", *args],
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,

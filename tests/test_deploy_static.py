@@ -116,7 +116,8 @@ def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     assert "sglang.launch_server" not in code and "launch-sglang" not in code
     assert '"$HSQ_VENV/bin/hsq" run --join --stay' in code  # servers and workers: hsq run's
-    assert '--redis-url-file "$STATE/redis-url"' in code
+    assert '--redis-url-file "$URL_FILE"' in code
+    assert "URL_FILE=${HSQ_REDIS_URL_FILE:-$STATE/redis-url}" in code
     assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
     # `hsq run` starts SGLang through the launcher (its refusals and readiness checks).
     supervisor = (ROOT / "hsq/node/supervisor.py").read_text()

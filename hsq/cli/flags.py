@@ -9,6 +9,7 @@ the same one in every command (`--run` is HSQ_RUN, `--redis` HSQ_REDIS_URL or RE
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
@@ -89,10 +90,29 @@ class RedisAccess:
         if self.redis_url_file is not None:
             if on_command_line("redis_url"):
                 raise click.UsageError("give --redis or --redis-url-file, not both")
-            from hsq.redisurl import read_url_file
-
-            url = read_url_file(self.redis_url_file)
+            url = _url_from_file(self.redis_url_file)
         return None if url is None else tls_into_url(self, url)
+
+
+def _url_from_file(path: Path) -> str:
+    """The URL a file holds; for OUT/.hsq/redis-url, OUT's own Redis, started now for as
+    long as this command runs when no `hsq run` runs it (hsq.node.redis.url_for_reader):
+    the commands a run prints at its end work as printed after it ended."""
+    from hsq.node.redis import is_private_url_file, url_for_reader
+    from hsq.redisurl import read_url_file
+
+    if not is_private_url_file(path):
+        return read_url_file(path)
+    url, redis, lock = url_for_reader(path)
+    if redis is not None and lock is not None:
+        ctx = click.get_current_context(silent=True)
+        stops = (lock.release, redis.stop)
+        for stop in stops:  # both run last first: the Redis stops, then the lock goes
+            if ctx is not None:
+                ctx.find_root().call_on_close(stop)
+            else:
+                atexit.register(stop)
+    return url
 
 
 def tls_into_url(access: RedisAccess, url: str) -> str:

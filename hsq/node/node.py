@@ -27,7 +27,7 @@ import click
 
 from hsq.errors import EXIT_OK, EXIT_PROBLEMS
 from hsq.node.plan import NodePlan
-from hsq.node.redis import DirLock, start_private_redis, state_dir
+from hsq.node.redis import JOIN_URL_FILE, DirLock, Listen, start_private_redis, state_dir
 from hsq.node.supervisor import Supervisor
 from hsq.node.view import PairView, Screen, duration
 from hsq.ops.status import RunStatus, run_status
@@ -58,6 +58,8 @@ class NodeJob:
     """Workers without --burst: they wait for more work until stopped."""
     url_file: Path | None = None
     """The --redis-url-file given, named in the commands printed at the end."""
+    listen: Listen | None = None
+    """--listen: serve this DIR's Redis to other hosts too (TLS, the run's ACL user)."""
 
 
 class Interrupts:
@@ -96,7 +98,15 @@ def _pairs(sup: Supervisor) -> list[PairView]:
     ]
 
 
-def _supervise(store: RunStore, sup: Supervisor, screen: Screen, stop: Interrupts) -> RunStatus:
+def _supervise(
+    store: RunStore,
+    sup: Supervisor,
+    screen: Screen,
+    stop: Interrupts,
+    tend: Callable[[], object],
+    causes: dict[str, str],
+) -> RunStatus:
+    """Until no worker of this node runs; `causes` gets why each of them last waited."""
     t0 = time.monotonic()
     handed_back = False
     while True:
@@ -110,7 +120,16 @@ def _supervise(store: RunStore, sup: Supervisor, screen: Screen, stop: Interrupt
             sup.stop_workers()
         for event in sup.poll():
             screen.event(event)
+        tend()
         st = run_status(store)
+        ours = {p.name for p in sup.pairs}
+        for w in st.workers:
+            if w.name in ours:
+                text = getattr(w, "cause_text", None)
+                if text:
+                    causes[w.name] = text
+                elif w.state == "working":
+                    causes.pop(w.name, None)
         working = {w.name for w in st.workers if w.state == "working"}
         sup.mark_ready({p.spec.index for p in sup.pairs if p.name in working})
         if not sup.workers_running():
@@ -146,6 +165,7 @@ def _summary_lines(
     verified: Any,
     auth: str,
     rate: Rate,
+    causes: dict[str, str] | None = None,
 ) -> list[str]:
     lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
              f" ({rate.samples} samples, {rate.tokens:,} tokens while the workers ran: "
@@ -162,6 +182,9 @@ def _summary_lines(
             f"not finished: {st.total - st.done - st.dead} samples left and no worker of this "
             "node running (see the events above); the same command resumes"
         )
+    if st.done + st.dead < st.total:
+        for name, text in sorted((causes or {}).items()):  # e.g. "output disk full since T"
+            lines.append(f"waiting  {name}: {text}")
     if st.dead:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
         lines.append(f"dead     {st.dead} ({reasons}); list them: hsq status --run {job.run}"
@@ -210,14 +233,19 @@ def run_node(job: NodeJob) -> int:
     stop = Interrupts()
     t0 = time.monotonic()
     url_file: Path | None = None
+    causes: dict[str, str] = {}
+    tend: Callable[[], object] = lambda: None  # noqa: E731
     with ExitStack() as stack:
         stack.callback(DirLock(state).acquire().release)
         url = job.redis_url
         if url is None:
-            redis = start_private_redis(state)
+            redis = start_private_redis(state, run=job.run, listen=job.listen)
             stack.callback(redis.stop)
-            url, url_file = redis.url, state / "redis-url"
-            echo(f"redis    this DIR's redis-server on 127.0.0.1:{redis.port} (AOF; {url_file})")
+            url, url_file, tend = redis.url, state / "redis-url", redis.reserve.tend
+            echo(f"redis    this DIR's redis-server on {redis.where} (AOF; {url_file})")
+            if redis.join_url is not None:
+                echo(f"join     other hosts: hsq run --join --run {job.run} --redis-url-file "
+                     f"{state / JOIN_URL_FILE} --out THEIR_DIR ...")  # fmt: skip
         store = RunStore(_connect(url), job.run)
         if job.enqueue is not None:
             for line in job.enqueue(store):
@@ -234,7 +262,7 @@ def run_node(job: NodeJob) -> int:
         before = run_status(store)
         active_t0 = time.monotonic()
         sup.start()
-        st = _supervise(store, sup, Screen(), stop)
+        st = _supervise(store, sup, Screen(), stop, tend, causes)
         rate = Rate.between(before, st, time.monotonic() - active_t0)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
     elapsed = time.monotonic() - t0
@@ -253,13 +281,10 @@ def run_node(job: NodeJob) -> int:
         }  # fmt: skip
         echo(json.dumps(summary, sort_keys=True))
         return rc
-    for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate):
+    for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate, causes):
         echo(line)
     echo(f"outputs  {run_dir}")
-    echo("next")
-    if url_file is not None:
-        echo(f"  (this DIR's Redis is stopped: `hsq run --out {out} --redis-only` serves it "
-             "again while these run)")  # fmt: skip
+    echo("next")  # with OUT/.hsq/redis-url they start OUT's Redis for as long as they run
     echo(f"  hsq verify --run {job.run}{auth} --deep")
     echo(f"  hsq export --run {job.run}{auth} --format specforge --to EXPORT_DIR")
     return rc
@@ -275,10 +300,9 @@ def serve_redis_only(out: Path) -> int:
         redis = start_private_redis(state)
         stack.callback(redis.stop)
         stop.install(stack)
-        click.echo(
-            f"redis    127.0.0.1:{redis.port}, URL in {state / 'redis-url'}; Ctrl-C stops it"
-        )
+        click.echo(f"redis    {redis.where}, URL in {state / 'redis-url'}; Ctrl-C stops it")
         while not stop.count and redis.alive():
+            redis.reserve.tend()
             time.sleep(POLL_S)
     return EXIT_OK
 

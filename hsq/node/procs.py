@@ -205,7 +205,12 @@ class ReferenceServer(DumpServer):
 
 
 class RedisServer(ManagedProcess):
-    """A private redis-server: free port, its own directory, optional password and AOF."""
+    """A private redis-server: its own directory, optional password and AOF; on a free
+    loopback port, or (``unixsocket``) on a Unix socket only, with no TCP port at all.
+
+    ``tls``: (port, bind address, certificate, key): a TLS listener besides, the only
+    TCP one (clients are not asked for certificates; they authenticate with a password).
+    ``conf_lines``: more redis.conf lines (ACL users), in the mode-600 config file."""
 
     def __init__(
         self,
@@ -215,6 +220,9 @@ class RedisServer(ManagedProcess):
         appendonly: bool = False,
         port: int | None = None,
         bind: Sequence[str] = ("127.0.0.1",),
+        unixsocket: Path | None = None,
+        tls: tuple[int, str, Path, Path] | None = None,
+        conf_lines: Sequence[str] = (),
         new_session: bool = False,
         parent_death_signal: int | None = None,
     ) -> None:
@@ -224,8 +232,10 @@ class RedisServer(ManagedProcess):
                 "redis-server not found: run `make setup` (installs it) or set "
                 "REDIS_URL to an existing Redis"
             )
-        self.port = port or free_port()
+        self.port = 0 if unixsocket is not None else (port or free_port())
         workdir.mkdir(parents=True, exist_ok=True)
+        if tls is not None:
+            bind = (tls[1],)
         argv = [
             binary,
             "--port",
@@ -243,15 +253,29 @@ class RedisServer(ManagedProcess):
             "--protected-mode",
             "yes",
         ]
+        if unixsocket is not None:
+            argv += ["--unixsocket", str(unixsocket), "--unixsocketperm", "700"]
+        if tls is not None:
+            tls_port, _host, cert, key = tls
+            argv += ["--tls-port", str(tls_port), "--tls-cert-file", str(cert)]
+            argv += ["--tls-key-file", str(key), "--tls-auth-clients", "no"]
+        lines = [*conf_lines]
         if password:
+            lines.insert(0, f'requirepass "{_conf_quote(password)}"')
+        if lines:
             # In a mode-600 config file, never on the command line (`ps` shows argv to all).
             conf = workdir / "auth.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with contextlib.suppress(FileNotFoundError):
+                conf.unlink()
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(f'requirepass "{_conf_quote(password)}"\n')
+                f.write("".join(line + "\n" for line in lines))
             argv.insert(1, str(conf))  # redis-server CONF [--options]
         auth = f":{quote(password, safe='')}@" if password else ""
-        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        if unixsocket is not None:
+            self.url = f"unix://{auth}{quote(str(unixsocket))}?db=0"
+        else:
+            self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         super().__init__(
             argv,
             workdir / "redis.log",

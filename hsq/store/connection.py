@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import socket
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
@@ -76,14 +79,65 @@ def translate_public(cls: type[T]) -> type[T]:
     return cls
 
 
+class UntrustedServerError(redis.exceptions.RedisError):
+    """The process behind a unix:// socket is not one this user trusts: nothing was sent.
+    Not a ConnectionError, so never retried as a transient fault."""
+
+
+def trusted_uids(path: str) -> set[int]:
+    """Who may serve a unix socket: this user, root, and the owner of the socket's
+    directory when only root could have made that directory (its parent is root's and
+    writable by no one else: /run/redis/ of a system Redis). A directory in a place others
+    can write (/tmp) proves nothing: anyone can make one there once the first is gone."""
+    uids = {os.geteuid(), 0}
+    parent = os.path.dirname(os.path.abspath(path))
+    with contextlib.suppress(OSError):
+        d, up = os.lstat(parent), os.lstat(os.path.dirname(parent))
+        if not d.st_mode & 0o022 and up.st_uid == 0 and not up.st_mode & 0o022:
+            uids.add(d.st_uid)
+    return uids
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Raise UntrustedServerError unless the process on the other end of a connected unix
+    socket (SO_PEERCRED: the kernel's word, not the peer's) runs as a trusted user. Called
+    right after connect(), before redis-py sends HELLO/AUTH with the password: a stale
+    URL file whose socket another user took over gets nothing."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid not in trusted_uids(path):
+        raise UntrustedServerError(
+            f"the Redis socket {path} is served by uid {uid}, not by you or root: nothing "
+            "was sent; the URL file is stale or the socket was taken over"
+        )
+
+
+class PeerCheckedUnixConnection(redis.UnixDomainSocketConnection):
+    """A unix-socket connection that checks who serves it before sending anything."""
+
+    def _connect(self) -> socket.socket:
+        sock: socket.socket = super()._connect()  # type: ignore[no-untyped-call]
+        try:
+            check_peer(sock, self.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
 def connect(url: str) -> Client:
     """A client from a URL (auth, db and TLS files come from it); retries transient
-    connection errors."""
+    connection errors. A unix:// server is checked before anything is sent (check_peer); a
+    rediss:// one by its certificate, against the URL's CA, before AUTH."""
     check_url(url)  # before any parser sees it: a reserved character would leak (redisurl.py)
+    extra: dict[str, Any] = {}
+    if url.lower().startswith("unix://"):
+        extra["connection_class"] = PeerCheckedUnixConnection
     try:
         with redis_errors(f"Redis at {redact(url)}"):
             client = redis.Redis.from_url(
                 url,
+                **extra,
                 socket_connect_timeout=5,
                 socket_timeout=30,
                 health_check_interval=15,

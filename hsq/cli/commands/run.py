@@ -80,6 +80,12 @@ class RunFlags:
         default_text="OUT's own redis-server",
         help="use this Redis (auth through the environment or --redis-url-file, never a flag)",
     )
+    listen: str | None = setting(
+        None,
+        default_text="this host only (a Unix socket in OUT/.hsq/)",
+        help="HOST[:PORT]: serve OUT's own Redis to other hosts on HOST over TLS, as the "
+        "run's own ACL user; they join with --redis-url-file OUT/.hsq/join-url (docs/multinode.md)",
+    )
     access: RedisAccess = field(default_factory=RedisAccess)
 
 
@@ -90,6 +96,17 @@ def run_name_of(dataset: Path) -> str:
     if not name:
         raise ConfigError(f"no run name in {dataset.name!r}: give --run")
     return name
+
+
+def listen_of(text: str | None, url: str | None) -> Any:
+    """--listen as hsq.node.redis.Listen; only OUT's own Redis can be served."""
+    if text is None:
+        return None
+    if url is not None:
+        raise click.UsageError("--listen serves OUT's own Redis: not with a given Redis")
+    from hsq.node.redis import Listen
+
+    return Listen.parse(text)
 
 
 def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple[str, ...]]:
@@ -188,5 +205,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         node=f.node_name or socket.gethostname().split(".")[0],
         max_restarts=f.max_server_restarts, json=f.json, verify=f.verify, stay=f.stay,
         url_file=f.access.redis_url_file,
+        listen=listen_of(f.listen, url),
     )  # fmt: skip
     sys.exit(run_node(job))
