@@ -1,4 +1,4 @@
-"""What `hsq run` starts on this node: which server kind, how many, on which GPUs.
+"""What `hsq run` starts on this node: which engine, how many servers, on which GPUs.
 
 Pure functions of what was asked and what the machine has (`visible_gpus`,
 `sglang_importable` read the machine; everything else is unit-tested without it).
@@ -15,10 +15,14 @@ from pathlib import Path
 
 from hsq.errors import ConfigError
 from hsq.states import FP8
+from hsq.workers.settings import SGLANG_API
 
 REFERENCE = "reference"
 SGLANG = "sglang"
-SERVER_KINDS = (REFERENCE, SGLANG)
+NODE_ENGINES = (REFERENCE, SGLANG)
+"""`hsq run --engine`: the servers it can start (both speak SGLang's API to the workers)."""
+WORKER_API = {REFERENCE: SGLANG_API, SGLANG: SGLANG_API}
+"""The API each engine's servers speak: `hsq worker --engine` of the worker beside one."""
 TINY_MODEL = "tiny"
 """The reference server's built-in tiny Llama: no download, runs on CPU."""
 
@@ -82,9 +86,9 @@ def choose_kind(requested: str | None, *, sglang: bool, gpus: Sequence[str]) -> 
     """(kind, why): the one asked for, else SGLang where it can run, else the reference
     server on CPU."""
     if requested is not None:
-        if requested not in SERVER_KINDS:
-            raise ConfigError(f"--server must be one of {', '.join(SERVER_KINDS)}")
-        return requested, f"--server {requested}"
+        if requested not in NODE_ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(NODE_ENGINES)}")
+        return requested, f"--engine {requested}"
     if sglang and gpus:
         return SGLANG, f"SGLang is importable and {len(gpus)} GPU(s) are visible"
     missing = "SGLang is not importable" if not sglang else "no GPU is visible"
@@ -97,7 +101,7 @@ def split_gpus(gpus: Sequence[str], tp: int) -> list[tuple[str, ...]]:
         raise ConfigError("--tp must be >= 1")
     if not gpus:
         raise ConfigError(
-            "SGLang needs GPUs and none is visible: give --gpus, or --server reference"
+            "SGLang needs GPUs and none is visible: give --gpus, or --engine reference"
         )
     if len(gpus) % tp:
         raise ConfigError(
@@ -124,7 +128,7 @@ def plan_node(
     kind, why = choose_kind(requested, sglang=sglang, gpus=gpus)
     if kind == SGLANG:
         if model is None:
-            raise ConfigError("--server sglang needs --model (the checkpoint SGLang serves)")
+            raise ConfigError("--engine sglang needs --model (the checkpoint SGLang serves)")
         groups = split_gpus(gpus, tp)
         if servers is not None and servers != len(groups):
             raise ConfigError(

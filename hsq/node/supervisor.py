@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsq.errors import EXIT_USAGE
-from hsq.node.plan import REFERENCE, NodePlan, ServerSpec
+from hsq.node.plan import REFERENCE, WORKER_API, NodePlan, ServerSpec
 from hsq.node.procs import (
     ManagedProcess,
     ReferenceServer,
@@ -86,7 +86,7 @@ class Supervisor:
     state: Path
     node: str
     worker_argv: Sequence[str] = ()
-    """Flags every `hsq worker` gets (hsq.cli.options.as_argv of the run's WorkerSettings)."""
+    """Flags every `hsq worker` gets (hsq.cli.options.as_argv of the run's WorkerTuning)."""
     server_args: Sequence[str] = ()
     """Arguments after `--`: passed to every server unchanged."""
     metrics_port: int | None = None
@@ -144,7 +144,10 @@ class Supervisor:
         pair.server_state = "starting" if not pair.restarts else f"restarted ({pair.restarts})"
 
     def _start_worker(self, pair: Pair) -> None:
-        extra = [*self.worker_argv, *(["--burst"] if self.burst else []), "--name", pair.name]
+        # The engine as a flag: an HSQ_ENGINE this process inherited (`hsq run`'s own, which
+        # may say `reference`) must not choose the worker's client.
+        extra = ["--engine", WORKER_API[pair.spec.kind], *self.worker_argv, "--name", pair.name]
+        extra += ["--burst"] if self.burst else []
         if self.metrics_port is not None:
             extra += ["--metrics-port", str(self.metrics_port + pair.spec.index)]
         pair.worker = worker_process(
