@@ -232,10 +232,10 @@ def _start(store: RunStore, cfg: RunConfig, existing: RunConfig | None) -> dict[
     if existing is None:
         return None
     c = store.counts()
-    if "counters" not in c.stats:
+    if not c.stats.counters:
         store.recount_queues()  # a run made before counters: they start here
         return store.outstanding_samples()
-    if interrupted or not c.consistent or c.stats.get("lost", 0) > 0:
+    if interrupted or not c.consistent or c.stats.lost > 0:
         return store.outstanding_samples()
     return None
 
