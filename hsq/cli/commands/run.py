@@ -128,7 +128,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     """
     import socket
 
-    from hsq.node.node import NodeJob, run_node, serve_redis_only
+    from hsq.node.node import NodeJob, dataset_enqueue, report_node, run_node, serve_redis_only
     from hsq.node.plan import (
         REFERENCE,
         persist_procs_each,
@@ -137,7 +137,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         sglang_importable,
         visible_gpus,
     )
-    from hsq.producer.enqueue import enqueue_dataset
 
     f = take(RunFlags, values)
     if f.redis_only:
@@ -162,22 +161,11 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     if plan.kind == REFERENCE:  # before Redis or any server starts
         extras.require("reference", "hsq run --engine reference")
 
-    def enqueue(store: Any) -> list[str]:
-        assert dataset is not None
-        report = enqueue_dataset(store, dataset, f.out, data, progress=False, echo=click.echo)
-        bad = sum(report.invalid.values())
-        line = (
-            f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
-            f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
-            f"{report.dead} dead)"
-        )
-        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
-
     if tuning.persist_procs is None:  # the host's cores shared by this node's workers
         tuning = dataclasses.replace(tuning, persist_procs=persist_procs_each(len(plan.servers)))
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,
-        enqueue=None if f.join else enqueue,
+        enqueue=None if dataset is None else dataset_enqueue(dataset, f.out, data),
         worker_argv=as_argv(tuning),
         server_args=server_args,
         metrics_port=f.metrics_port,
@@ -185,4 +173,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         max_restarts=f.max_server_restarts, json=f.json, verify=f.verify, stay=f.stay,
         url_file=f.access.redis_url_file,
     )  # fmt: skip
-    sys.exit(run_node(job))
+    outcome = run_node(job)
+    report_node(job, outcome)
+    sys.exit(outcome.rc)
