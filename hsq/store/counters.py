@@ -63,9 +63,9 @@ class RunStats:
 STAT_FIELDS = frozenset(f.name for f in dataclasses.fields(RunStats))
 
 
-def stat_fields(**values: int) -> dict[str, int]:
-    """A write of some of the hash's fields, their names checked against RunStats (a typo
-    is an error here, not a field nobody reads)."""
+def stat_fields(**values: int) -> Mapping[Any, int]:
+    """A write of some of the hash's fields (HSET's mapping), their names checked against
+    RunStats: a typo is an error here, not a field nobody reads."""
     if unknown := set(values) - STAT_FIELDS:
         raise KeyError(f"not a stats field: {sorted(unknown)}")
     return values
@@ -73,7 +73,8 @@ def stat_fields(**values: int) -> dict[str, int]:
 
 def stat_field(name: str) -> str:
     """One field's name, checked (for HINCRBY, HGET and HDEL)."""
-    return next(iter(stat_fields(**{name: 0})))
+    stat_fields(**{name: 0})
+    return name
 
 
 @dataclass(frozen=True)
