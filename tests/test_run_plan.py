@@ -13,8 +13,16 @@ from hsq.cli.commands.run import run_name_of
 from hsq.cli.options import as_argv
 from hsq.errors import ConfigError
 from hsq.node.node import Interrupts
-from hsq.node.plan import parse_gpus, plan_node, server_args_for, split_gpus, visible_gpus
-from hsq.node.supervisor import should_restart
+from hsq.node.plan import (
+    WORKER_API,
+    NodePlan,
+    parse_gpus,
+    plan_node,
+    server_args_for,
+    split_gpus,
+    visible_gpus,
+)
+from hsq.node.supervisor import launcher_args, should_restart
 from hsq.node.view import PairView, Screen, log_line, render
 from hsq.ops.status import RunStatus, WorkerStatus
 from hsq.workers.settings import ExchangeTuning, WorkerTuning
@@ -94,6 +102,21 @@ def test_plan_refusals_say_what_to_change() -> None:
         requested=None, model=None, gpus_flag=None, tp=1, servers=3, sglang=False, visible=()
     )
     assert p.kind == "reference" and p.model == "tiny" and len(p.servers) == 3
+
+
+def test_vllm_servers_are_planned_as_sglang_ones_and_launched_by_their_launcher() -> None:
+    with pytest.raises(ConfigError, match="--engine vllm needs --model"):
+        plan(requested="vllm", visible=("0",))
+    with pytest.raises(ConfigError, match="vLLM needs GPUs and none is visible"):
+        plan(requested="vllm", model="/m")
+    p = plan(requested="vllm", model="/m", visible=("0", "1", "2", "3"), tp=2)
+    assert isinstance(p, NodePlan) and p.kind == "vllm" and WORKER_API[p.kind] == "vllm"
+    assert [s.gpus for s in p.servers] == [("0", "1"), ("2", "3")]
+    assert launcher_args(p, Path("/dev/shm/d"), 8001) == [
+        "launch-vllm", "--model-path", "/m", "--tp", "2", "--dump-dir", "/dev/shm/d",
+        "--host", "127.0.0.1", "--port", "8001",
+    ]  # fmt: skip
+    assert WORKER_API["reference"] == WORKER_API["sglang"] == "sglang"  # one API
 
 
 def test_worker_flags_are_the_ones_given_and_only_those() -> None:

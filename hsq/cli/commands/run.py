@@ -44,9 +44,11 @@ class RunFlags:
         None, default_text="reference: tiny", help="checkpoint the servers load"
     )
     gpus: str | None = setting(
-        None, default_text="every visible GPU", help="GPUs for SGLang servers, e.g. 0-7 or 0,2"
+        None,
+        default_text="every visible GPU",
+        help="GPUs for SGLang or vLLM servers, e.g. 0-7 or 0,2",
     )
-    tp: int = setting(1, minimum=1, help="GPUs per SGLang server (servers = GPUs / TP)")
+    tp: int = setting(1, minimum=1, help="GPUs per SGLang or vLLM server (servers = GPUs / TP)")
     servers: int | None = setting(
         None, minimum=1, default_text="reference: 1; sglang: GPUs / TP", help="servers to start"
     )
@@ -115,15 +117,17 @@ def run(args: tuple[str, ...], **values: Any) -> None:
 
     Without a Redis (--redis-url-file, HSQ_REDIS_URL, REDIS_URL) it starts its own under
     OUT/.hsq/ (AOF, a generated password), so a re-run after a crash resumes. One server
-    per GPU group (SGLang through `hsq launch-sglang`) or reference server on CPU, one
-    worker each; arguments after `--` go to every server. Exit 0 all done, 1 some samples
-    dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand back and stop; twice: now).
+    per GPU group (SGLang through `hsq launch-sglang`, vLLM through `hsq launch-vllm`) or
+    reference server on CPU, one worker each; arguments after `--` go to every server. Exit
+    0 all done, 1 some samples dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand
+    back and stop; twice: now).
 
     \b
     Example:
       hsq run data.jsonl --out out/                       # CPU: the tiny reference model
       hsq run data.jsonl --out /shared/hs --model /models/qwen3-8b          # 8 GPUs, TP 1
       hsq run data.jsonl --out /shared/hs --model /models/kimi-k2.5 --tp 8  # one TP-8 server
+      hsq run data.jsonl --out /shared/hs --model /models/llama --engine vllm  # vLLM
       hsq run --join --run data --out /scratch/n2 --redis-url-file F --model M  # 2nd node
     """
     import socket
