@@ -7,6 +7,8 @@ builds every one of its options from these fields (hsq.cli.options), so a defaul
 one place. Every setting can be given as a flag or as an environment variable,
 ``HSQ_<FIELD>`` (plus any older names the field lists), the same rule in every command, so
 fields are named for what they mean (`audit_server`, not `server`, which is the worker's).
+A renamed flag or variable keeps its old name as a deprecated alias (`deprecated`,
+`deprecated_env`): it still works, and says once on stderr what replaced it.
 The only exceptions are `flag_only` fields: per-invocation choices that delete, rewrite or
 requeue (`purge --yes`, `export --prune`, `requeue --failed`) or that change what a
 command's input is (`enqueue --tokenizer`), which a variable left in a shell must not make
@@ -50,6 +52,12 @@ class SettingDoc:
     """For an int: the smallest value allowed."""
     flag_only: bool = False
     """No environment variable: a per-invocation choice (module docstring)."""
+    deprecated: tuple[str, ...] = ()
+    """Older names of the flag that still work, hidden from --help; using one prints a
+    line on stderr naming the new one (`--server-kind`, now `--engine`)."""
+    deprecated_env: tuple[str, ...] = ()
+    """Older environment variables, read when none of `env_names` is set (not listed by
+    --help); likewise announced when used."""
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
@@ -75,13 +83,15 @@ def setting(
     exists: bool = False,
     minimum: int | None = None,
     flag_only: bool = False,
+    deprecated: tuple[str, ...] = (),
+    deprecated_env: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field carrying its CLI description (no default: a required setting)."""
     if path not in (None, "file", "dir"):
         raise ValueError(f"path must be 'file', 'dir' or None, not {path!r}")
     doc = SettingDoc(
         help, flag, env, hidden, parse, default_text, choices, aliases, path, exists, minimum,
-        flag_only,
+        flag_only, deprecated, deprecated_env,
     )  # fmt: skip
     return dataclasses.field(default=default, metadata={"setting": doc})
 

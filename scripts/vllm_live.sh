@@ -7,7 +7,7 @@
 #             `hsq launch-vllm` (extract_hidden_states, hsq's connector); one short and one 1500-token prompt (3 chunks of
 #             --max-num-batched-tokens 512): each dump, read back by hsq, equals a float32
 #             transformers forward within hsq.closeness.rule (aux per layer, post-norm, pre-norm)
-#   worker    a run through `hsq worker --server-kind vllm --inflight K`, stored samples
+#   worker    a run through `hsq worker --engine vllm --inflight K`, stored samples
 #             against the same forward, the worker's tokens/s
 #   restart   SIGKILL of vLLM's process group while a worker runs; vLLM started again; the
 #             run ends with every sample done, none dead
@@ -176,7 +176,7 @@ for phase in ${phases//,/ }; do
       dataset "$WORK/w.jsonl" "$N_WORKER"
       rm -rf "$WORK/out/w"; enqueue w "$WORK/w.jsonl"
       t0=$SECONDS
-      "${HSQ[@]}" --log-format json worker --run w --server "$URL" --dump-dir "$DUMPS" --server-kind vllm \
+      "${HSQ[@]}" --log-format json worker --run w --server "$URL" --dump-dir "$DUMPS" --engine vllm \
         --inflight "$inflight" --burst 2>"$results/worker-w.log" || say "worker: exit $?"
       echo "{\"samples\": $N_WORKER, \"inflight\": $inflight, \"seconds\": $(( SECONDS - t0 ))}" > "$results/worker-time.json"
       "${CHECK[@]}" outputs "$HSQ_REDIS_URL" w "$WORK/out" "$MODEL" "$WORK/w.jsonl" "$LAYERS" 8 || say "worker: outputs MISMATCH"
@@ -186,7 +186,7 @@ for phase in ${phases//,/ }; do
       start_redis
       dataset "$WORK/r.jsonl" "$N_RESTART"
       rm -rf "$WORK/out/r"; enqueue r "$WORK/r.jsonl"
-      "${HSQ[@]}" --log-format json worker --run r --server "$URL" --dump-dir "$DUMPS" --server-kind vllm \
+      "${HSQ[@]}" --log-format json worker --run r --server "$URL" --dump-dir "$DUMPS" --engine vllm \
         --inflight "$inflight" --burst 2>"$results/worker-r.log" &
       WPID=$!
       # The first sample done (grep of the worker's log: no Python start per look), then

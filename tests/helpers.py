@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 from hsq.node.procs import ManagedProcess, worker_process
 from hsq.runstore import RunStore
 from hsq.store import connect
+from hsq.workers.settings import EngineApi, ExchangeTuning, WorkerSettings, WorkerTuning
 from tests.support.procs import ReferenceServer
 from tests.support.spawner import ZygoteSpawner, installed
 
@@ -112,3 +114,16 @@ def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def worker_settings(**flat: Any) -> WorkerSettings:
+    """A WorkerSettings from flat names, as `hsq worker`'s flags are (run=, inflight=,
+    dump_timeout_s=, engine=, ...): each goes to the record that holds it."""
+
+    def part(cls: type[Any]) -> dict[str, Any]:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: flat.pop(k) for k in list(flat) if k in names}
+
+    exchange = ExchangeTuning(**part(ExchangeTuning))
+    tuning = WorkerTuning(exchange=exchange, **part(WorkerTuning))
+    return WorkerSettings(api=EngineApi(**part(EngineApi)), tuning=tuning, **flat)

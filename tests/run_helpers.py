@@ -28,13 +28,15 @@ class Node:
 
     started: ClassVar[list[Node]] = []
 
-    def __init__(self, tmp: Path, tag: str, *args: str, prefix: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tmp: Path, tag: str, *args: str, prefix: Sequence[str] = (), **more_env: str
+    ) -> None:
         """`prefix`: run it elsewhere (`ip netns exec NS`: another host)."""
         Node.started.append(self)
         self.stdout = tmp / f"{tag}.out"
         self.stderr = tmp / f"{tag}.err"
         env = {k: v for k, v in os.environ.items() if k not in NO_REDIS}
-        env["PYTHONUNBUFFERED"] = "1"
+        env.update(more_env, PYTHONUNBUFFERED="1")
         with open(self.stdout, "ab") as out, open(self.stderr, "ab") as err:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, "-m", "hsq", "run", *args],

@@ -8,13 +8,17 @@ subprocess against a real redis-server."""
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
 from click.testing import CliRunner
 
 from hsq.cli import main as cli
+from hsq.cli.options import DeprecatedAlias
 from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect, list_runs
 from tests.helpers import enqueue, hsq
@@ -40,12 +44,23 @@ FLAG_ONLY = {
 SHARED = ("--run", "--redis", "--redis-url-file", "--redis-ca", "--redis-cert", "--redis-key")
 
 
+DEPRECATED = {
+    # Renamed flags: the old name still works (with a line on stderr), hidden from --help.
+    ("run", "--server"): "--engine",  # a kind here, a URL in `hsq worker`
+    ("worker", "--server-kind"): "--engine",
+    ("audit", "--server-kind"): "--engine",
+}
+
+
 def options() -> dict[tuple[str, str], list[str]]:
-    """(command, flag) -> the environment variables the option reads, for every option."""
+    """(command, flag) -> the environment variables the option reads, for every option
+    (not the deprecated names: they are the options they name)."""
     found: dict[tuple[str, str], list[str]] = {}
     commands: dict[str, click.Command] = {"hsq": cli.cli, **cli.every_command()}
     for name, command in commands.items():
         for param in command.params:
+            if isinstance(param, DeprecatedAlias):
+                continue
             if isinstance(param, click.Option) and not param.is_eager:  # --help, --version
                 envvar = param.envvar
                 envs = [envvar] if isinstance(envvar, str) else list(envvar or [])
@@ -99,7 +114,7 @@ def test_demo_uses_the_redis_hsq_redis_url_names(tmp_path: Path, redis_url: str)
     res = hsq("demo", "--samples", "3", "--out", str(tmp_path / "demo"), timeout=300,
               env={**env, "HSQ_REDIS_URL": redis_url})  # fmt: skip
     assert res.returncode == 0 and "demo OK" in res.stdout, res.stdout + res.stderr[-2000:]
-    assert "private redis-server" not in res.stdout
+    assert "redis-server" not in res.stdout  # none started: the given Redis is used
     made = set(list_runs(connect(redis_url))) - before
     assert len(made) == 1 and next(iter(made)).startswith("demo-"), made
 
@@ -114,7 +129,7 @@ def test_demo_reads_redis_url_file(tmp_path: Path) -> None:
     down = hsq("demo", "--samples", "1", "--out", str(tmp_path / "demo"),
                "--redis-url-file", str(url_file), timeout=300, env=env)  # fmt: skip
     assert down.returncode == 3 and "cannot reach Redis" in down.stderr, down.stderr[-2000:]
-    assert "private redis-server" not in down.stdout
+    assert "redis-server" not in down.stdout
 
 
 def test_a_bogus_log_level_is_refused_and_any_case_of_a_real_one_accepted() -> None:
@@ -122,3 +137,115 @@ def test_a_bogus_log_level_is_refused_and_any_case_of_a_real_one_accepted() -> N
     assert bad.exit_code == 2 and "bogus" in bad.output
     ok = CliRunner().invoke(cli.cli, ["--log-level", "debug", "runs", "--help"])
     assert ok.exit_code == 0, ok.output
+
+
+# --- renamed flags: the old spelling works and says so ---------------------------------------
+
+
+def test_the_renamed_flags_keep_their_old_names_out_of_help() -> None:
+    found = {
+        (name, p.opts[0]): p.new
+        for name, command in cli.every_command().items()
+        for p in command.params
+        if isinstance(p, DeprecatedAlias)
+    }
+    assert found == DEPRECATED
+    for (command, old), new in DEPRECATED.items():
+        out = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200).output
+        assert new in out and "HSQ_ENGINE" in out and "HSQ_SERVER_KIND" not in out
+        assert not re.search(rf"{old}(?![\w-])", out), (command, old)  # not --servers
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The service each command calls, replaced by a recorder: what the command parsed."""
+    seen: dict[str, Any] = {}
+
+    def record(key: str) -> Any:
+        def fake(*args: Any, **kw: Any) -> int:
+            seen[key] = kw or args[0]  # the audit's keywords, or the settings, the job
+            sys.exit(0)
+
+        return fake
+
+    import hsq.cli.commands.serve
+    import hsq.node.node
+    import hsq.ops.audit
+    import hsq.workers.worker
+
+    monkeypatch.setattr(hsq.workers.worker, "run_worker", record("worker"))
+    monkeypatch.setattr(hsq.cli.commands.serve, "_exit_now", lambda rc: sys.exit(rc))
+    monkeypatch.setattr(hsq.node.node, "run_node", record("run"))
+    monkeypatch.setattr(hsq.ops.audit, "run_audit", record("audit"))
+    return seen
+
+
+WORKER = ["worker", "--run", "r", "--server", "http://127.0.0.1:1", "--dump-dir", "/d"]
+WARNING = "warning: {} is deprecated and will be removed: use {}\n"
+
+
+def invoke(args: list[str], **env: str) -> Any:
+    base = {k: None for k in ("HSQ_ENGINE", "HSQ_SERVER_KIND", "HSQ_SERVER")}
+    return CliRunner().invoke(cli.cli, args, env={**base, **env})
+
+
+def test_worker_server_kind_is_engine_with_a_warning(captured: dict[str, Any]) -> None:
+    res = invoke([*WORKER, "--server-kind", "vllm"])
+    assert res.exit_code == 0, res.output
+    assert captured["worker"].api.engine == "vllm"
+    assert res.stderr == WARNING.format("--server-kind", "--engine")
+    new = invoke([*WORKER, "--engine", "vllm"])
+    assert new.exit_code == 0 and new.stderr == "" and captured["worker"].api.engine == "vllm"
+    env = invoke(WORKER, HSQ_SERVER_KIND="vllm")  # the old variable, when the new one is unset
+    assert env.exit_code == 0 and captured["worker"].api.engine == "vllm"
+    assert env.stderr == WARNING.format("HSQ_SERVER_KIND", "HSQ_ENGINE")
+    both = invoke(WORKER, HSQ_SERVER_KIND="vllm", HSQ_ENGINE="sglang")  # the new one wins
+    assert both.exit_code == 0 and both.stderr == "" and captured["worker"].api.engine == "sglang"
+    flag = invoke([*WORKER, "--server-kind", "vllm"], HSQ_ENGINE="sglang")  # a flag wins
+    assert flag.exit_code == 0 and captured["worker"].api.engine == "vllm"
+    twice = invoke([*WORKER, "--engine", "vllm", "--server-kind", "vllm"])
+    assert twice.exit_code == 2 and "give --engine once (--server-kind is it)" in twice.output
+    bad = invoke([*WORKER, "--server-kind", "tgi"])  # checked as --engine is
+    assert bad.exit_code == 2 and "'tgi' is not one of 'sglang', 'vllm'" in bad.output
+
+
+def test_run_server_is_engine_with_a_warning(captured: dict[str, Any], tmp_path: Path) -> None:
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 2)
+    args = ["run", str(ds), "--out", str(tmp_path / "out"), "--inflight", "2"]
+    res = invoke([*args, "--server", "reference"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == WARNING.format("--server", "--engine")
+    job = captured["run"]
+    assert job.plan.kind == "reference" and "--inflight" in job.worker_argv
+    res = invoke([*args, "--engine", "reference"], HSQ_SERVER_KIND="sglang")  # the flag wins
+    assert res.exit_code == 0 and res.stderr == "" and captured["run"].plan.kind == "reference"
+
+
+def test_audit_server_kind_is_engine_with_a_warning(
+    captured: dict[str, Any], tmp_path: Path, redis_url: str
+) -> None:
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 2)
+    enqueue(ds, "a", tmp_path / "out", redis_url)
+    args = ["audit", "--run", "a", "--redis", redis_url, "--sample-fraction", "1",
+            "--server", "http://127.0.0.1:1", "--dump-dir", str(tmp_path), "--no-progress",
+            "--request-timeout", "7"]  # fmt: skip
+    res = invoke([*args, "--server-kind", "vllm"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == WARNING.format("--server-kind", "--engine")
+    assert captured["audit"]["api"].engine == "vllm"
+    assert captured["audit"]["exchange"].request_timeout_s == 7.0  # a worker's flag, shared
+
+
+def test_a_bad_tuning_value_stops_hsq_run_before_anything_starts(tmp_path: Path) -> None:
+    """`hsq run` checks every worker's settings itself (it once built a WorkerSettings with
+    placeholders to do it): one line, exit 2, nothing made under --out."""
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 2)
+    out = tmp_path / "out"
+    res = hsq("run", str(ds), "--out", str(out), "--inflight", "0")
+    assert res.returncode == 2 and res.stderr == "error: --inflight must be within [1, 256]\n"
+    assert res.stdout == "" and not out.exists()
+    res = hsq("run", str(ds), "--out", str(out), "--request-timeout", "0")
+    assert res.returncode == 2 and res.stderr == "error: --request-timeout must be > 0\n"

@@ -77,7 +77,7 @@ def test_every_compose_worker_waits_for_a_healthy_server_it_shares_a_dump_dir_wi
     # The gpu profile is one `hsq run --join`: it starts its servers and workers itself.
     node = services["node"]["command"]
     assert node[:4] == ["hsq", "run", "--join", "--stay"] and "--metrics-host" in node
-    assert node[node.index("--server") + 1] == "sglang"
+    assert node[node.index("--engine") + 1] == "sglang"
 
 
 def test_local_override_uses_host_networking_for_what_it_starts() -> None:
@@ -118,7 +118,7 @@ def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     assert '"$HSQ_VENV/bin/hsq" run --join --stay' in code  # servers and workers: hsq run's
     assert '--redis-url-file "$URL_FILE"' in code
     assert "URL_FILE=${HSQ_REDIS_URL_FILE:-$STATE/redis-url}" in code
-    assert "--metrics-host" in code and "HSQ_SERVER=reference" in text
+    assert "--metrics-host" in code and "HSQ_ENGINE=reference" in text
     # `hsq run` starts SGLang through the launcher (its refusals and readiness checks).
     supervisor = (ROOT / "hsq/node/supervisor.py").read_text()
     assert '"launch-sglang"' in supervisor and "sglang.launch_server" not in supervisor

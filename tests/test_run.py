@@ -54,7 +54,9 @@ def test_kill_9_of_the_group_then_the_same_command_does_each_sample_once(tmp_pat
     assert 8 <= len(done_before) < SAMPLES
     offsets = {log: log.stat().st_size for log in worker_logs(out)}
 
-    again = Node(tmp_path, "again", *args)  # the same command: same Redis data, password
+    # The same command (same Redis data, password), the engine from its variable: the
+    # workers, which inherit HSQ_ENGINE=reference, still speak SGLang's API (their flag).
+    again = Node(tmp_path, "again", *args, HSQ_ENGINE="reference")
     assert again.wait() == 0, again.output()
     summary = again.summary()
     status = summary["status"]

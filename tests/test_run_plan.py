@@ -9,15 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from hsq.cli.commands.run import PER_WORKER, run_name_of
+from hsq.cli.commands.run import run_name_of
 from hsq.cli.options import as_argv
 from hsq.errors import ConfigError
 from hsq.node.node import Interrupts
-from hsq.node.plan import parse_gpus, plan_node, server_args_for, split_gpus, visible_gpus
-from hsq.node.supervisor import should_restart
+from hsq.node.plan import (
+    WORKER_API,
+    NodePlan,
+    parse_gpus,
+    plan_node,
+    server_args_for,
+    split_gpus,
+    visible_gpus,
+)
+from hsq.node.supervisor import launcher_args, should_restart
 from hsq.node.view import PairView, Screen, log_line, render
 from hsq.ops.status import RunStatus, WorkerStatus
-from hsq.workers.settings import WorkerSettings
+from hsq.workers.settings import ExchangeTuning, WorkerTuning
 
 
 def plan(**kw: object) -> object:
@@ -96,16 +104,27 @@ def test_plan_refusals_say_what_to_change() -> None:
     assert p.kind == "reference" and p.model == "tiny" and len(p.servers) == 3
 
 
+def test_vllm_servers_are_planned_as_sglang_ones_and_launched_by_their_launcher() -> None:
+    with pytest.raises(ConfigError, match="--engine vllm needs --model"):
+        plan(requested="vllm", visible=("0",))
+    with pytest.raises(ConfigError, match="vLLM needs GPUs and none is visible"):
+        plan(requested="vllm", model="/m")
+    p = plan(requested="vllm", model="/m", visible=("0", "1", "2", "3"), tp=2)
+    assert isinstance(p, NodePlan) and p.kind == "vllm" and WORKER_API[p.kind] == "vllm"
+    assert [s.gpus for s in p.servers] == [("0", "1"), ("2", "3")]
+    assert launcher_args(p, Path("/dev/shm/d"), 8001) == [
+        "launch-vllm", "--model-path", "/m", "--tp", "2", "--dump-dir", "/dev/shm/d",
+        "--host", "127.0.0.1", "--port", "8001",
+    ]  # fmt: skip
+    assert WORKER_API["reference"] == WORKER_API["sglang"] == "sglang"  # one API
+
+
 def test_worker_flags_are_the_ones_given_and_only_those() -> None:
-    fixed = dict(run="r", server="http://x", dump_dir=Path("/d"), redis_url="redis://", name=None)
-    assert as_argv(WorkerSettings(**fixed), skip=PER_WORKER) == []  # type: ignore[arg-type]
-    s = WorkerSettings(
-        **fixed,  # type: ignore[arg-type]
-        inflight=2, direct_io=False, dump_dir_force=True, dump_timeout_s=5.0,
-    )  # fmt: skip
-    argv = as_argv(s, skip=PER_WORKER)
-    assert argv == ["--dump-timeout", "5.0", "--no-direct-io", "--inflight", "2",
-                    "--dump-dir-force"]  # fmt: skip
+    assert as_argv(WorkerTuning()) == []
+    exchange = ExchangeTuning(dump_timeout_s=5.0, dump_dir_force=True)
+    s = WorkerTuning(exchange=exchange, inflight=2, direct_io=False)
+    assert as_argv(s) == ["--dump-timeout", "5.0", "--dump-dir-force", "--no-direct-io",
+                          "--inflight", "2"]  # fmt: skip
 
 
 def test_run_names_come_from_the_file_name() -> None:

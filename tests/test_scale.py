@@ -134,7 +134,7 @@ def test_a_run_made_before_counters_gets_them_from_one_recount(
     assert not st.counts().consistent
     assert counted(st) == exact(st)
     c = st.counts()
-    assert c.consistent and c.stats["main_samples"] == 12 and c.dead_reasons == {"bad": 1}
+    assert c.consistent and c.stats.main_samples == 12 and c.dead_reasons == {"bad": 1}
     job = st.claim("w", 1)  # the legacy job: its size comes from the job-sizes hash
     assert job is not None and job_size(job.job_id) is None
     assert counted(st) == exact(st)
@@ -148,7 +148,7 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
     st.to_dead("s0001", "stale_dump", "x", 3, "w")
     assert st.mark_done_many([*batch, batch[0]]) == [True] * 5 + [False]
     assert st.mark_done_many(batch[:2]) == [False, False]
-    assert st.stats()["tokens"] == 15 and st.stats()["bytes"] == 500
+    assert st.stats().tokens == 15 and st.stats().bytes == 500
     assert st.count(st.keys.dead) == 0 and st.dead_reasons() == {}  # done leaves the dead
     st.to_dead("s0002", "x", "y", 1, "w")
     assert st.count(st.keys.dead) == 0  # a done sample is not dead-lettered
@@ -173,7 +173,7 @@ def test_a_worker_whose_job_was_reaped_marks_none_of_its_samples(
     assert st.reap() == {"wa": 1}
     assert st.mark_held_done("wa", [(s1, job.job_id, manifest(s1))]) == [None]
     assert st.done_among([s0, s1]) == {s0}
-    assert st.stats()["tokens"] == 3  # only s0 counted
+    assert st.stats().tokens == 3  # only s0 counted
     other = st.claim("wb", 1)
     assert other is not None and other.job_id == job.job_id
     assert st.mark_held_done("wb", [(s1, job.job_id, manifest(s1))]) == [True]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +13,14 @@ import pytest
 from click.testing import CliRunner
 
 from hsq.cli import main as cli
-from hsq.cli.commands.produce import RUN_SETTINGS
-from hsq.cli.options import settings_options
+from hsq.cli.options import settings_options, take
 from hsq.engines.reference.settings import ReferenceSettings
 from hsq.errors import ConfigError
 from hsq.keys import HEARTBEAT_TTL_S
+from hsq.producer.settings import RUN_SETTINGS
 from hsq.runconfig import RunConfig
 from hsq.settings import env_names, setting_doc
-from hsq.workers.settings import WorkerSettings
+from hsq.workers.settings import WorkerSettings, WorkerTuning
 
 # Flags that docs, compose files, Slurm recipes and tests already use: they must keep working.
 WORKER_FLAGS = [
@@ -37,15 +38,39 @@ def parse(args: list[str], env: dict[str, str] | None = None) -> WorkerSettings:
     @click.command()
     @settings_options(WorkerSettings, skip=("redis_url",))
     def cmd(**values: Any) -> None:
-        seen.append(WorkerSettings(redis_url="redis://x", **values))
+        seen.append(take(WorkerSettings, values, redis_url="redis://x"))
 
     res = CliRunner().invoke(cmd, args, env=env or {}, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     return seen[0]
 
 
+def leaves(cls: type[Any]) -> list[dataclasses.Field[Any]]:
+    """The settings fields of `cls`, nested settings records flattened (as its flags are)."""
+    hints = typing.get_type_hints(cls)
+    out: list[dataclasses.Field[Any]] = []
+    for f in dataclasses.fields(cls):
+        out += [f] if setting_doc(f) is not None else leaves(hints[f.name])
+    return out
+
+
+def value(obj: object, name: str) -> object:
+    """A setting of a (nested) settings record by its flat name."""
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if f.name == name:
+            return getattr(obj, name)
+        if setting_doc(f) is None:
+            try:
+                return value(getattr(obj, f.name), name)
+            except KeyError:
+                continue
+    raise KeyError(name)
+
+
 def test_every_worker_setting_is_described() -> None:
-    for f in dataclasses.fields(WorkerSettings):
+    names = [f.name for f in leaves(WorkerSettings)]
+    assert len(names) == len(set(names)) > 20  # flat flags: no name twice
+    for f in leaves(WorkerSettings):
         doc = setting_doc(f)
         assert doc is not None and doc.help, f.name
 
@@ -61,14 +86,14 @@ def test_help_shows_every_setting_with_its_env_variable() -> None:
     assert res.exit_code == 0, res.output
     for flag in [*WORKER_FLAGS, "--reap-interval", "--heartbeat-interval", "--claim-timeout"]:
         assert flag in res.output, flag
-    for f in dataclasses.fields(WorkerSettings):
+    for f in leaves(WorkerSettings):
         if f.name != "redis_url":
             assert env_names(f)[0] in res.output, f.name
     assert "HSQ_REDIS_URL" in res.output and "REDIS_URL" in res.output
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "field", "value"),
+    ("args", "env", "field", "want"),
     [
         (["--reap-interval", "0.5"], {}, "reap_interval_s", 0.5),
         ([], {"HSQ_REAP_INTERVAL": "7"}, "reap_interval_s", 7.0),
@@ -85,9 +110,9 @@ def test_help_shows_every_setting_with_its_env_variable() -> None:
     ],
 )
 def test_a_setting_from_a_flag_or_its_env_variable(
-    args: list[str], env: dict[str, str], field: str, value: object
+    args: list[str], env: dict[str, str], field: str, want: object
 ) -> None:
-    assert getattr(parse(REQUIRED + args, env), field) == value
+    assert value(parse(REQUIRED + args, env), field) == want
 
 
 def test_older_env_names_still_work() -> None:
@@ -108,19 +133,21 @@ def test_a_missing_required_setting_is_a_usage_error() -> None:
 
 
 def test_bad_worker_settings_are_refused_by_name() -> None:
-    bad = dataclasses.replace(parse(REQUIRED), reap_interval_s=0)
-    with pytest.raises(Exception, match="--reap-interval must be > 0"):
+    bad = parse([*REQUIRED, "--reap-interval", "0"])
+    with pytest.raises(ConfigError, match="--reap-interval must be > 0"):
         bad.validate()
+    with pytest.raises(ConfigError, match="--request-timeout must be > 0"):
+        parse([*REQUIRED, "--request-timeout", "0"]).validate()
 
 
 def test_a_heartbeat_interval_the_store_ttl_cannot_keep_up_with_is_refused() -> None:
     """Issue 32: heartbeats 12 s apart passed validation while a heartbeat expires after
     HEARTBEAT_TTL_S (10 s): a reaper would take a live worker's jobs back every cycle."""
-    slow = dataclasses.replace(parse(REQUIRED), heartbeat_interval_s=12)
+    slow = WorkerTuning(heartbeat_interval_s=12)
     with pytest.raises(ConfigError, match="--heartbeat-interval must be at most 5 s"):
         slow.validate()
     dataclasses.replace(slow, heartbeat_interval_s=HEARTBEAT_TTL_S / 2).validate()
-    assert parse([*REQUIRED, "--heartbeat-interval", "0.5"]).heartbeat_interval_s == 0.5
+    assert parse([*REQUIRED, "--heartbeat-interval", "0.5"]).tuning.heartbeat_interval_s == 0.5
 
 
 REFERENCE_FLAGS = [

@@ -19,7 +19,7 @@ from hsq.errors import ConfigError, ServerRejectedError, ServerUnavailableError
 from hsq.workers.send import vllm_client
 from hsq.workers.send.client import ServerClient, make_client
 from hsq.workers.send.vllm_client import VllmClient
-from hsq.workers.settings import WorkerSettings
+from hsq.workers.settings import EngineApi, WorkerSettings
 
 
 class FakeVllm(BaseHTTPRequestHandler):
@@ -137,13 +137,13 @@ def test_an_unreachable_server_is_unavailable() -> None:
         VllmClient(f"http://127.0.0.1:{port}", connect_timeout=2).prefill([1], "r")
 
 
-def test_the_server_kind_picks_the_client() -> None:
+def test_the_engine_picks_the_client() -> None:
     assert type(make_client("vllm", "http://x", request_timeout=1, model="m")) is VllmClient
     assert type(make_client("sglang", "http://x", request_timeout=1)) is ServerClient
     s = WorkerSettings(
-        run="r", server="http://x", dump_dir=Path("/d"), redis_url="", server_kind="tgi"
+        run="r", server="http://x", dump_dir=Path("/d"), redis_url="", api=EngineApi("tgi")
     )
-    with pytest.raises(ConfigError, match="server-kind"):
+    with pytest.raises(ConfigError, match="--engine must be one of sglang, vllm"):
         s.validate()
 
 
@@ -156,16 +156,16 @@ def test_the_marker_decides_which_client_is_right() -> None:
     from hsq.dump.ready import ReadyMarker
     from hsq.engines.vllm.writer import SERVER
     from hsq.errors import HookInactiveError
-    from hsq.workers.readiness import check_server_kind
+    from hsq.workers.readiness import check_engine
 
     def marker(server: str) -> ReadyMarker:
         model = ModelIdentity("m", "LlamaForCausalLM", 4, 16, "0" * 64)
         return ReadyMarker((1,), model, server, "0.26.0", "0", 1, 0.0)
 
-    check_server_kind(marker(SERVER), "vllm")
-    check_server_kind(marker("sglang"), "sglang")
-    check_server_kind(marker("hsq-reference"), "sglang")
-    with pytest.raises(HookInactiveError, match="--server-kind vllm"):
-        check_server_kind(marker(SERVER), "sglang")
-    with pytest.raises(HookInactiveError, match="--server-kind sglang"):
-        check_server_kind(marker("sglang"), "vllm")
+    check_engine(marker(SERVER), "vllm")
+    check_engine(marker("sglang"), "sglang")
+    check_engine(marker("hsq-reference"), "sglang")
+    with pytest.raises(HookInactiveError, match="--engine vllm"):
+        check_engine(marker(SERVER), "sglang")
+    with pytest.raises(HookInactiveError, match="--engine sglang"):
+        check_engine(marker("sglang"), "vllm")

@@ -1,4 +1,4 @@
-"""`hsq worker --server-kind vllm` end to end with real processes: a real redis-server, a
+"""`hsq worker --engine vllm` end to end with real processes: a real redis-server, a
 real worker, real HTTP to a vLLM-shaped server (tests.support.fakevllm: vLLM's completions
 API and capture rule over a transformers forward, not vLLM itself) whose dumps hsq's real
 connector core writes after answering. The stored states are compared with a transformers
@@ -79,7 +79,7 @@ def test_a_run_through_the_vllm_client(
     layers = ",".join(map(str, LAYERS))
     enqueue(ds, "v", out, redis_url, "--chunk-size", "3", "--layers", layers, "--prenorm")
     w = start_worker(
-        tmp_path, "v", server, redis_url, "--burst", "--server-kind", "vllm", "--inflight", "4"
+        tmp_path, "v", server, redis_url, "--burst", "--engine", "vllm", "--inflight", "4"
     )
     assert w.proc.wait(180) == 0, w.log_tail()
     st = store(redis_url, "v")
@@ -99,23 +99,23 @@ def test_a_run_through_the_vllm_client(
     audit = ["audit", "--run", "v", "--redis", redis_url, "--sample-fraction", "1", "--out",
              str(out), "--server", server.url, "--dump-dir", str(server.dump_dir)]  # fmt: skip
     wrong = hsq(*audit, timeout=300)  # SGLang's client: refused before any request
-    assert wrong.returncode == 2 and "--server-kind vllm" in wrong.stderr, wrong.stderr
-    res = hsq(*audit, "--server-kind", "vllm", timeout=300)
+    assert wrong.returncode == 2 and "--engine vllm" in wrong.stderr, wrong.stderr
+    res = hsq(*audit, "--engine", "vllm", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "audited         10 of 10" in res.stdout and "match           10" in res.stdout
     assert "mismatched      0" in res.stdout
 
 
-def test_the_wrong_server_kind_is_refused_at_start(
+def test_the_wrong_engine_is_refused_at_start(
     tmp_path: Path, server: FakeVllmServer, redis_url: str
 ) -> None:
-    """SGLang's /generate does not exist on vLLM: a worker without --server-kind vllm
+    """SGLang's /generate does not exist on vLLM: a worker without --engine vllm
     reads the connector's marker and exits 2 before its first request, holding nothing."""
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 2, seed=1, min_len=3, max_len=20, vocab=1000)
     enqueue(ds, "s", tmp_path / "out", redis_url)
     w = start_worker(tmp_path, "s", server, redis_url, "--burst")
     assert w.proc.wait(180) == 2
-    assert "--server-kind vllm" in w.log_tail()
+    assert "--engine vllm" in w.log_tail()
     st = store(redis_url, "s")
     assert st.count(st.keys.done) == 0 and st.count(st.keys.dead) == 0

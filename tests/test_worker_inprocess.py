@@ -34,9 +34,9 @@ from hsq.store import ChunkJob, MemoryRun, MemoryStore, SampleRef
 from hsq.workers.lock import DumpDirLock
 from hsq.workers.runview import RunView
 from hsq.workers.send.client import ServerClient
-from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, Started
 from hsq.workers.worker import Worker
+from tests.helpers import worker_settings
 
 IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
 EVIL = ModelIdentity("other", "LlamaModel", 8, 16, "1" * 64)
@@ -191,7 +191,7 @@ def run_worker(
     }
     opts.update(kw)
     opts.setdefault("persist_procs", 0)  # threads: the stages monkeypatched here run here
-    settings = WorkerSettings(
+    settings = worker_settings(
         run="r", server="http://srv", dump_dir=dump, redis_url="redis://unused", **opts
     )
     staging = dump / STAGING

@@ -348,7 +348,7 @@ def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
     from hsq.workers.settings import WorkerSettings
 
     s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
-    assert s.metrics_host == "127.0.0.1"
+    assert s.tuning.metrics_host == "127.0.0.1"
 
 
 # ---------------------------------------------------------------------------- issue 23, 7-12

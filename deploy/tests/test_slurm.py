@@ -163,7 +163,7 @@ def test_head_and_cpu_worker_node_run_a_run_and_scancel_leaves_nothing(cluster: 
     )  # fmt: skip
     node = cluster.sbatch(
         "worker-node.sbatch", "--gpus-per-node=0", "--oversubscribe", "--cpus-per-task=1",
-        **common, HSQ_RUN=run, HSQ_SERVER="reference", HSQ_SERVERS="2", HSQ_WAIT_S="300",
+        **common, HSQ_RUN=run, HSQ_ENGINE="reference", HSQ_SERVERS="2", HSQ_WAIT_S="300",
         HSQ_SERVER_PORT_BASE=str(server_base), HSQ_METRICS_PORT_BASE=str(metrics_base),
     )  # fmt: skip
     prom_url = f"http://127.0.0.1:{prom}"

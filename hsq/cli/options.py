@@ -11,6 +11,7 @@ way (hsq.settings.env_names).
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from hsq.settings import SettingDoc, base_name, env_names, setting_doc
 
@@ -66,10 +68,24 @@ def _decls(flag: str, aliases: tuple[str, ...]) -> list[str]:
     return [*short, flag, *(a for a in aliases if a.startswith("--"))]
 
 
-def field_option(f: dataclasses.Field[Any], hint: Any) -> Callable[[F], F]:
-    """One click option for one settings field; the parameter name is the field's name."""
+OptionSpec = tuple[type[click.Option], list[str], dict[str, Any]]
+"""(option class, declarations, attributes): one click option, made by settings_params or
+by settings_options' decorator."""
+
+
+def field_specs(f: dataclasses.Field[Any], hint: Any) -> list[OptionSpec]:
+    """The click options of one settings field: its own (the parameter name is the
+    field's), then one hidden DeprecatedAlias per older name of its flag."""
     decls, attrs = option_args(f, hint)
-    return click.option(*decls, **attrs)
+    doc = setting_doc(f)
+    assert doc is not None  # option_args refused a field without one
+    new = flag_of(f.name, doc)
+    aliases: list[OptionSpec] = [
+        (DeprecatedAlias, [old, f"{f.name}__{old.strip('-').replace('-', '_')}"],
+         {"type": attrs.get("type"), "new": new, "field": f.name, "parse": doc.parse})
+        for old in doc.deprecated
+    ]  # fmt: skip
+    return [(click.Option, decls, attrs), *aliases]
 
 
 def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[str, Any]]:
@@ -77,7 +93,7 @@ def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[s
     doc = setting_doc(f)
     if doc is None:
         raise TypeError(f"settings field {f.name} has no setting() description")
-    flag = doc.flag or "--" + base_name(f.name).replace("_", "-")
+    flag = flag_of(f.name, doc)
     names = _decls(flag, doc.aliases)
     required = f.default is dataclasses.MISSING
     kind, _optional = _plain_type(hint)
@@ -88,6 +104,10 @@ def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[s
         "hidden": doc.hidden,
         "help": doc.help,
     }
+    if doc.deprecated or doc.deprecated_env:
+        if required or kind is bool or typing.get_origin(kind) is tuple:
+            raise TypeError(f"{f.name}: deprecated names need a single value with a default")
+        common["callback"] = _Renamed(doc, flag)
     if kind is bool:
         if f.default is True:  # on by default: `--no-fsync` turns it off (HSQ_FSYNC=0 too)
             name = flag.removeprefix("--")
@@ -101,40 +121,119 @@ def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[s
             "type": _click_type(item, doc),
             **common,
         }
-    callback = None
-    if doc.parse is not None:
-        parse = doc.parse
-
-        def callback(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
-            if value is None or not isinstance(value, str):
-                return value
-            try:
-                return parse(value)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc)) from exc
-
     show: Any = doc.default_text if doc.default_text is not None else not required
     if f.default is None and doc.default_text is None:
         show = False
     if not required:  # click (>= 8.3) takes an explicit default=None as a given value
         common["default"] = f.default
+    if doc.parse is not None and "callback" not in common:
+        common["callback"] = _Parse(doc.parse)
     return [*names, f.name], {
         "type": _click_type(kind, doc),
         "required": required,
         "show_default": show,
-        "callback": callback,
         **common,
     }
+
+
+def flag_of(name: str, doc: SettingDoc) -> str:
+    """A field's flag: its own name (`--dump-timeout` for dump_timeout_s) unless it names one."""
+    return doc.flag or "--" + base_name(name).replace("_", "-")
+
+
+class _Parse:
+    """A field's `parse` as a click callback: from the flag's text to the field's value."""
+
+    def __init__(self, parse: Callable[[str], Any]) -> None:
+        self.parse = parse
+
+    def __call__(self, _ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        try:
+            return self.parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+
+
+_ALIASED = "hsq.deprecated_aliases"
+"""ctx.meta key: {parameter name: (the old flag, the value)} given through a DeprecatedAlias."""
+
+
+def deprecation(old: str, new: str) -> None:
+    """The one line on stderr a deprecated name prints (scripts keep working meanwhile)."""
+    click.echo(f"warning: {old} is deprecated and will be removed: use {new}", err=True)
+
+
+class _Renamed:
+    """The callback of a field with older names: a value given through a DeprecatedAlias
+    (on the command line) or an older variable (when none of the field's is set) becomes
+    the field's, announced once; the new flag and the old one together are refused."""
+
+    def __init__(self, doc: SettingDoc, flag: str) -> None:
+        self.doc = doc
+        self.flag = flag
+
+    def __call__(self, ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        assert param.name is not None
+        source = ctx.get_parameter_source(param.name)
+        given = ctx.meta.get(_ALIASED, {})
+        if param.name in given:
+            if source is ParameterSource.COMMANDLINE:
+                raise click.UsageError(f"give {self.flag} once ({given[param.name][0]} is it)")
+            ctx.set_parameter_source(param.name, ParameterSource.COMMANDLINE)
+            return given[param.name][1]
+        if source is ParameterSource.DEFAULT:
+            for env in self.doc.deprecated_env:
+                raw = os.environ.get(env)
+                if raw:
+                    deprecation(env, (list(param.envvar or []) or [self.flag])[0])
+                    ctx.set_parameter_source(param.name, ParameterSource.ENVIRONMENT)
+                    value = param.type_cast_value(ctx, raw)
+                    break
+        return value if self.doc.parse is None else _Parse(self.doc.parse)(ctx, param, value)
+
+
+class DeprecatedAlias(click.Option):
+    """An older name of a settings option (SettingDoc.deprecated): hidden from --help, no
+    variable of its own; its value, checked as the option's, goes to that option (`field`,
+    whose flag is now `new`) with a line on stderr. Only on the command line: a default or
+    variable is read by the option itself."""
+
+    def __init__(
+        self,
+        decls: list[str],
+        *,
+        new: str,
+        field: str,
+        parse: Callable[[str], Any] | None,
+        **attrs: Any,
+    ) -> None:
+        super().__init__(decls, hidden=True, expose_value=False, callback=self._given, **attrs)
+        self.new, self.field = new, field
+        self.parse = None if parse is None else _Parse(parse)
+
+    def _given(self, ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        assert self.name is not None
+        if ctx.get_parameter_source(self.name) is not ParameterSource.COMMANDLINE:
+            return
+        old = self.opts[0]
+        if ctx.get_parameter_source(self.field) is ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"give {self.new} once ({old} is it)")
+        deprecation(old, self.new)
+        if self.parse is not None:
+            value = self.parse(ctx, param, value)
+        ctx.meta.setdefault(_ALIASED, {})[self.field] = (old, value)
 
 
 def settings_params(cls: type) -> list[click.Option]:
     """The options settings_options(cls) adds, as click.Option objects (for a command
     class that adds them itself: hsq/cli/command.py)."""
-    out = []
-    for f, hint in _option_fields(cls):
-        decls, attrs = option_args(f, hint)
-        out.append(click.Option(decls, **attrs))
-    return out
+    return [
+        kind(decls, **attrs)
+        for f, hint in _option_fields(cls)
+        for kind, decls, attrs in field_specs(f, hint)
+    ]
 
 
 def option_names(cls: type) -> tuple[str, ...]:
@@ -168,9 +267,11 @@ def settings_options(
             raise TypeError(f"{cls.__name__} has no settings {sorted(unknown)}")
         fields = [(f, hint) for f, hint in fields if f.name in wanted]
 
+    specs = [spec for f, hint in fields for spec in field_specs(f, hint)]
+
     def decorate(fn: F) -> F:
-        for f, hint in reversed(fields):  # click lists options in decoration order, bottom up
-            fn = field_option(f, hint)(fn)
+        for kind, decls, attrs in reversed(specs):  # click lists options bottom up
+            fn = click.option(*decls, cls=kind, **attrs)(fn)
         return fn
 
     return decorate
@@ -223,7 +324,7 @@ def as_argv(obj: DataclassInstance, *, skip: Iterable[str] = ()) -> list[str]:
         doc = setting_doc(f)
         if doc is None:
             raise TypeError(f"settings field {f.name} has no setting() description")
-        flag = doc.flag or "--" + base_name(f.name).replace("_", "-")
+        flag = flag_of(f.name, doc)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag.removeprefix("--"))
         elif value is None:

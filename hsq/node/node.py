@@ -31,6 +31,7 @@ from hsq.node.redis import JOIN_URL_FILE, DirLock, Listen, start_private_redis, 
 from hsq.node.supervisor import Supervisor
 from hsq.node.view import PairView, Screen, duration
 from hsq.ops.status import RunStatus, run_status
+from hsq.producer.settings import DatasetInput
 from hsq.runstore import RunStore
 
 POLL_S = 0.5
@@ -157,25 +158,36 @@ def _exit_code(st: RunStatus, stop: Interrupts, verified: Any) -> int:
     return EXIT_OK
 
 
-def _summary_lines(
-    job: NodeJob,
-    st: RunStatus,
-    stop: Interrupts,
-    elapsed: float,
-    verified: Any,
-    auth: str,
-    rate: Rate,
-    causes: dict[str, str] | None = None,
-) -> list[str]:
-    lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(elapsed)}"
+@dataclass(frozen=True)
+class NodeOutcome:
+    """How a `run_node` ended: what its summary (`report_node`, `hsq demo`'s) says."""
+
+    rc: int
+    status: RunStatus
+    rate: Rate
+    verified: Any
+    """hsq.ops.verify's result with --verify (and not interrupted), else None."""
+    elapsed: float
+    run_dir: Path
+    url_file: Path | None
+    """This DIR's Redis URL file (None: the Redis was given)."""
+    interrupts: int
+    """SIGINT/SIGTERM received (0: it ran to its end)."""
+    causes: dict[str, str]
+    """Why each worker of this node last waited (e.g. "output disk full since T")."""
+
+
+def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
+    st, rate, verified, causes = o.status, o.rate, o.verified, o.causes
+    lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(o.elapsed)}"
              f" ({rate.samples} samples, {rate.tokens:,} tokens while the workers ran: "
              f"{rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s)"]  # fmt: skip
-    if stop.count >= 2:
+    if o.interrupts >= 2:
         lines.append(
             "killed: what the workers held goes back to the queue once their heartbeats "
             "expire; the same command resumes"
         )
-    elif stop.count:
+    elif o.interrupts:
         lines.append("interrupted: the workers handed their jobs back; the same command resumes")
     elif st.done + st.dead < st.total:
         lines.append(
@@ -183,7 +195,7 @@ def _summary_lines(
             "node running (see the events above); the same command resumes"
         )
     if st.done + st.dead < st.total:
-        for name, text in sorted((causes or {}).items()):  # e.g. "output disk full since T"
+        for name, text in sorted(causes.items()):  # e.g. "output disk full since T"
             lines.append(f"waiting  {name}: {text}")
     if st.dead:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
@@ -226,7 +238,9 @@ class Rate:
         }
 
 
-def run_node(job: NodeJob) -> int:
+def run_node(job: NodeJob) -> NodeOutcome:
+    """Redis, the enqueue, the servers and workers until they are done (or interrupted),
+    then the deep verify if asked; what happened, for a summary (`report_node`)."""
     echo = click.echo
     out = job.out.resolve()
     state = state_dir(out)
@@ -265,29 +279,37 @@ def run_node(job: NodeJob) -> int:
         st = _supervise(store, sup, Screen(), stop, tend, causes)
         rate = Rate.between(before, st, time.monotonic() - active_t0)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
-    elapsed = time.monotonic() - t0
     rc = _exit_code(st, stop, verified)
-    hint = url_file or job.url_file
+    elapsed = time.monotonic() - t0
+    return NodeOutcome(rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes)
+
+
+def report_node(job: NodeJob, o: NodeOutcome) -> None:
+    """`hsq run`'s end: one JSON summary (--json), or the summary in words and the
+    commands to run next."""
+    echo = click.echo
+    hint = o.url_file or job.url_file
     auth = f" --redis-url-file {hint}" if hint is not None else ""
     if job.json:
+        v = o.verified
         summary = {
-            "run": job.run, "exit_code": rc, "elapsed_s": round(elapsed, 1),
-            "outputs": str(run_dir), "redis_url_file": None if url_file is None else str(url_file),
-            "interrupted": bool(stop.count), "active_s": round(rate.seconds, 3),
-            "status": {**st.to_dict(), **rate.to_dict()},
-            "verified": None if verified is None else {
-                "checked": verified.checked, "ok": verified.ok, "problems": verified.problems
+            "run": job.run, "exit_code": o.rc, "elapsed_s": round(o.elapsed, 1),
+            "outputs": str(o.run_dir),
+            "redis_url_file": None if o.url_file is None else str(o.url_file),
+            "interrupted": bool(o.interrupts), "active_s": round(o.rate.seconds, 3),
+            "status": {**o.status.to_dict(), **o.rate.to_dict()},
+            "verified": None if v is None else {
+                "checked": v.checked, "ok": v.ok, "problems": v.problems
             },
         }  # fmt: skip
         echo(json.dumps(summary, sort_keys=True))
-        return rc
-    for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate, causes):
+        return
+    for line in _summary_lines(job, o, auth):
         echo(line)
-    echo(f"outputs  {run_dir}")
+    echo(f"outputs  {o.run_dir}")
     echo("next")  # with OUT/.hsq/redis-url they start OUT's Redis for as long as they run
     echo(f"  hsq verify --run {job.run}{auth} --deep")
     echo(f"  hsq export --run {job.run}{auth} --format specforge --to EXPORT_DIR")
-    return rc
 
 
 def serve_redis_only(out: Path) -> int:
@@ -305,6 +327,27 @@ def serve_redis_only(out: Path) -> int:
             redis.reserve.tend()
             time.sleep(POLL_S)
     return EXIT_OK
+
+
+def dataset_enqueue(
+    dataset: Path, out: Path, data: DatasetInput
+) -> Callable[[RunStore], list[str]]:
+    """NodeJob.enqueue for DATASET: the producer's enqueue (what `hsq enqueue` does), its
+    report as the lines the node prints."""
+
+    def enqueue(store: RunStore) -> list[str]:
+        from hsq.producer.enqueue import enqueue_dataset
+
+        report = enqueue_dataset(store, dataset, out, data, progress=False, echo=click.echo)
+        bad = sum(report.invalid.values())
+        line = (
+            f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
+            f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
+            f"{report.dead} dead)"
+        )
+        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
+
+    return enqueue
 
 
 def _connect(url: str) -> Any:

@@ -1,4 +1,5 @@
-"""What `hsq run` starts on this node: which server kind, how many, on which GPUs.
+"""What `hsq run` starts on this node: which engine (reference, SGLang, vLLM), how many
+servers, on which GPUs.
 
 Pure functions of what was asked and what the machine has (`visible_gpus`,
 `sglang_importable` read the machine; everything else is unit-tested without it).
@@ -15,10 +16,18 @@ from pathlib import Path
 
 from hsq.errors import ConfigError
 from hsq.states import FP8
+from hsq.workers.settings import SGLANG_API, VLLM_API
 
 REFERENCE = "reference"
 SGLANG = "sglang"
-SERVER_KINDS = (REFERENCE, SGLANG)
+VLLM = "vllm"
+NODE_ENGINES = (REFERENCE, SGLANG, VLLM)
+"""`hsq run --engine`: the servers it can start (`hsq serve-reference`, `hsq launch-sglang`,
+`hsq launch-vllm`)."""
+ON_GPUS = {SGLANG: "SGLang", VLLM: "vLLM"}
+"""The engines whose servers take GPUs, TP-sized groups of them (by name, for messages)."""
+WORKER_API = {REFERENCE: SGLANG_API, SGLANG: SGLANG_API, VLLM: VLLM_API}
+"""The API each engine's servers speak: `hsq worker --engine` of the worker beside one."""
 TINY_MODEL = "tiny"
 """The reference server's built-in tiny Llama: no download, runs on CPU."""
 
@@ -82,22 +91,22 @@ def choose_kind(requested: str | None, *, sglang: bool, gpus: Sequence[str]) -> 
     """(kind, why): the one asked for, else SGLang where it can run, else the reference
     server on CPU."""
     if requested is not None:
-        if requested not in SERVER_KINDS:
-            raise ConfigError(f"--server must be one of {', '.join(SERVER_KINDS)}")
-        return requested, f"--server {requested}"
+        if requested not in NODE_ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(NODE_ENGINES)}")
+        return requested, f"--engine {requested}"
     if sglang and gpus:
         return SGLANG, f"SGLang is importable and {len(gpus)} GPU(s) are visible"
     missing = "SGLang is not importable" if not sglang else "no GPU is visible"
     return REFERENCE, f"{missing}: the reference server on CPU"
 
 
-def split_gpus(gpus: Sequence[str], tp: int) -> list[tuple[str, ...]]:
+def split_gpus(gpus: Sequence[str], tp: int, engine: str = "SGLang") -> list[tuple[str, ...]]:
     """Consecutive groups of `tp` GPUs, one per server; every GPU used exactly once."""
     if tp < 1:
         raise ConfigError("--tp must be >= 1")
     if not gpus:
         raise ConfigError(
-            "SGLang needs GPUs and none is visible: give --gpus, or --server reference"
+            f"{engine} needs GPUs and none is visible: give --gpus, or --engine reference"
         )
     if len(gpus) % tp:
         raise ConfigError(
@@ -117,26 +126,29 @@ def plan_node(
     sglang: bool,
     visible: Sequence[str],
 ) -> NodePlan:
-    """The servers to start. SGLang: GPUs / TP servers (the GPUs of --gpus, default every
-    visible one). Reference: --servers of them (default 1) on CPU, the tiny model unless
-    --model."""
+    """The servers to start. SGLang or vLLM: GPUs / TP servers (the GPUs of --gpus, default
+    every visible one). Reference: --servers of them (default 1) on CPU, the tiny model
+    unless --model."""
     gpus = parse_gpus(gpus_flag) if gpus_flag is not None else tuple(visible)
     kind, why = choose_kind(requested, sglang=sglang, gpus=gpus)
-    if kind == SGLANG:
+    if kind in ON_GPUS:
+        name = ON_GPUS[kind]
         if model is None:
-            raise ConfigError("--server sglang needs --model (the checkpoint SGLang serves)")
-        groups = split_gpus(gpus, tp)
+            raise ConfigError(f"--engine {kind} needs --model (the checkpoint {name} serves)")
+        groups = split_gpus(gpus, tp, name)
         if servers is not None and servers != len(groups):
             raise ConfigError(
                 f"--servers {servers} disagrees with {len(gpus)} GPU(s) / --tp {tp} = "
-                f"{len(groups)}: SGLang servers are GPUs / TP (choose them with --gpus)"
+                f"{len(groups)}: {name} servers are GPUs / TP (choose them with --gpus)"
             )
         specs = tuple(ServerSpec(i, kind, g) for i, g in enumerate(groups))
         return NodePlan(kind, model, tp, specs, why)
     if gpus_flag is not None:
-        raise ConfigError(f"--gpus is for SGLang servers ({why})")
+        raise ConfigError(f"--gpus is for SGLang and vLLM servers ({why})")
     if tp != 1:
-        raise ConfigError("--tp is for SGLang; the reference server runs on one device")
+        raise ConfigError(
+            "--tp is for SGLang and vLLM servers; the reference server runs on one device"
+        )
     n = 1 if servers is None else servers
     if n < 1:
         raise ConfigError("--servers must be >= 1")

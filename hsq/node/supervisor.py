@@ -1,9 +1,10 @@
 """The servers and workers of one `hsq run`, as child processes of one supervisor.
 
-Each pair is a server (`hsq serve-reference` or `hsq launch-sglang`, so the launcher's
-refusals and readiness checks are the real ones) and the `hsq worker` that owns its dump
-dir. Children share this process's group, so a kill of the group (a terminal's Ctrl-C, a
-batch system's cancel) reaches them all, and each gets SIGTERM if this process dies alone.
+Each pair is a server (`hsq serve-reference`, `hsq launch-sglang` or `hsq launch-vllm`, so
+the launcher's refusals and readiness checks are the real ones) and the `hsq worker` that
+owns its dump dir. Children share this process's group, so a kill of the group (a
+terminal's Ctrl-C, a batch system's cancel) reaches them all, and each gets SIGTERM if this
+process dies alone.
 
 What a dead child means, as chosen here:
 - a server that exits is restarted on the same port and dump dir, up to `max_restarts`
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsq.errors import EXIT_USAGE
-from hsq.node.plan import REFERENCE, NodePlan, ServerSpec
+from hsq.node.plan import REFERENCE, SGLANG, VLLM, WORKER_API, NodePlan, ServerSpec
 from hsq.node.procs import (
     ManagedProcess,
     ReferenceServer,
@@ -52,6 +53,14 @@ def dump_dir_for(state: Path, run: str, index: int) -> Path:
     what the killed one left instead of leaving it in /dev/shm."""
     tag = hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:10]
     return dump_root() / f"hsq-{run}-{tag}-{index}"
+
+
+def launcher_args(plan: NodePlan, dump_dir: Path, port: int) -> list[str]:
+    """`hsq launch-sglang` or `hsq launch-vllm` for one server of a GPU engine's plan (the
+    launchers' own checks and readiness: hsq/engines/sglang/, hsq/engines/vllm/)."""
+    command = {SGLANG: "launch-sglang", VLLM: "launch-vllm"}[plan.kind]
+    return [command, "--model-path", plan.model, "--tp", str(plan.tp), "--dump-dir",
+            str(dump_dir), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
 
 
 def should_restart(rc: int | None, restarts: int, max_restarts: int) -> bool:
@@ -86,7 +95,7 @@ class Supervisor:
     state: Path
     node: str
     worker_argv: Sequence[str] = ()
-    """Flags every `hsq worker` gets (hsq.cli.options.as_argv of the run's WorkerSettings)."""
+    """Flags every `hsq worker` gets (hsq.cli.options.as_argv of the run's WorkerTuning)."""
     server_args: Sequence[str] = ()
     """Arguments after `--`: passed to every server unchanged."""
     metrics_port: int | None = None
@@ -109,7 +118,7 @@ class Supervisor:
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(mode=0o700)
             # SGLang derives more ports from its own (gRPC: port + 10000): a low one.
-            port = free_port() if spec.kind == REFERENCE else low_port()
+            port = low_port() if spec.kind == SGLANG else free_port()
             pair = Pair(spec, d, port, f"{self.node}-{spec.index}")
             self.pairs.append(pair)
             self._start_server(pair)
@@ -129,22 +138,23 @@ class Supervisor:
                 admin=False,  # a run's server takes no fault rules from anyone (issue 33 D10)
             )
         else:
-            argv = hsq_command(
-                "launch-sglang", "--model-path", self.plan.model, "--tp", str(self.plan.tp),
-                "--dump-dir", str(pair.dump_dir), "--host", "127.0.0.1", "--port", str(pair.port),
-                *self.server_args,
-            )  # fmt: skip
+            launcher = launcher_args(self.plan, pair.dump_dir, pair.port)
+            argv = hsq_command(*launcher, *self.server_args)
             env = {"CUDA_VISIBLE_DEVICES": ",".join(pair.spec.gpus)}
-            # Its own process group: SGLang forks schedulers, which a stop (or a kill) of
-            # the group reaches; a terminal's Ctrl-C does not, so it is stopped after its
-            # worker has handed back. If hsq dies, the launcher's SIGTERM ends SGLang.
+            # Its own process group: SGLang forks schedulers and vLLM its engine cores,
+            # which a stop (or a kill) of the group reaches; a terminal's Ctrl-C does not,
+            # so it is stopped after its worker has handed back. If hsq dies, SIGTERM ends
+            # the launcher (SGLang's, which stops SGLang; vLLM's execs vLLM itself).
             pair.server = ManagedProcess(
                 argv, log, env, new_session=True, parent_death_signal=signal.SIGTERM
             )
         pair.server_state = "starting" if not pair.restarts else f"restarted ({pair.restarts})"
 
     def _start_worker(self, pair: Pair) -> None:
-        extra = [*self.worker_argv, *(["--burst"] if self.burst else []), "--name", pair.name]
+        # The engine as a flag: an HSQ_ENGINE this process inherited (`hsq run`'s own, which
+        # may say `reference`) must not choose the worker's client.
+        extra = ["--engine", WORKER_API[pair.spec.kind], *self.worker_argv, "--name", pair.name]
+        extra += ["--burst"] if self.burst else []
         if self.metrics_port is not None:
             extra += ["--metrics-port", str(self.metrics_port + pair.spec.index)]
         pair.worker = worker_process(

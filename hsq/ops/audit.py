@@ -41,13 +41,16 @@ from hsq.outputs.format import open_output, output_relpath
 from hsq.outputs.manifest import ManifestEntry
 from hsq.runstore import RunStore
 from hsq.workers.lock import DumpDirLock
-from hsq.workers.readiness import await_hook, check_server_kind
+from hsq.workers.readiness import await_hook, check_engine
 from hsq.workers.runview import RunView
 from hsq.workers.send.client import ServerClient, make_client
+from hsq.workers.settings import EngineApi, ExchangeTuning
 from hsq.workers.startup import check_dump_dir
 
 log = structlog.get_logger("hsq.audit")
 CONNECT_TIMEOUT_S = 10.0
+SGLANG, EXCHANGE = EngineApi(), ExchangeTuning()
+"""A worker's defaults: SGLang's API, its waits."""
 
 
 @dataclass
@@ -95,17 +98,15 @@ def run_audit(
     out_root: Path,
     seed: int | None = None,
     do_requeue: bool = False,
-    dump_timeout_s: float = 60.0,
-    request_timeout_s: float = 600.0,
-    dump_dir_force: bool = False,
-    server_kind: str = "sglang",
-    served_model: str | None = None,
+    api: EngineApi = SGLANG,
+    exchange: ExchangeTuning = EXCHANGE,
     on_progress: Callable[[int], None] = lambda _n: None,
     on_total: Callable[[int], None] = lambda _n: None,
 ) -> AuditReport:
     """`on_total` hears how many samples were chosen (a progress bar's total), `on_progress`
-    each one as it is audited. `server_kind` is the server's API, as a worker's
-    --server-kind (the dump protocol is the same for both)."""
+    each one as it is audited. `api` and `exchange` are what a worker of that server would
+    be given: its API (the dump protocol is the same for both), the waits, the dump dir's
+    checks."""
     if not 0.0 < fraction <= 1.0:
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
@@ -118,12 +119,15 @@ def run_audit(
     on_total(len(chosen))
     if not chosen:
         return report
-    if check_dump_dir(dump_dir, dump_dir_force):
+    request_timeout_s = exchange.request_timeout_s
+    if check_dump_dir(dump_dir, exchange.dump_dir_force):
         dump_dir.mkdir(parents=True, mode=0o700)
     _require_reachable(server, request_timeout_s)
     lock = DumpDirLock(dump_dir)
     lock.acquire(f"hsq-audit:{socket.gethostname()}:{os.getpid()}")  # refuses a worker's
-    client = make_client(server_kind, server, request_timeout=request_timeout_s, model=served_model)
+    client = make_client(
+        api.engine, server, request_timeout=request_timeout_s, model=api.served_model
+    )
     try:
         # Not a worker's 30 minutes for a starting checkpoint: the audit's own request
         # timeout bounds the wait for a server that answers but is not healthy yet.
@@ -138,9 +142,10 @@ def run_audit(
             stop=threading.Event(),
         )
         if marker is not None:  # the wrong client: every request would fail or never dump
-            check_server_kind(marker, server_kind, who="audit")
+            check_engine(marker, api.engine, who="audit")
         clear_dump_dir(dump_dir)
-        target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
+        view = RunView.of(cfg, store.run)
+        target = _Target(client, dump_dir, exchange.dump_timeout_s, view)
         index = store.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:

@@ -49,9 +49,9 @@ def run_figures(store: RunStore) -> RunFigures:
         dead=snap.dead,
         remaining=max(total - snap.done - snap.dead, 0),
         invalid_lines=snap.dead_lines,
-        tokens_total=snap.stats.get("total_tokens", 0),
-        tokens_done=snap.stats.get("tokens", 0),
-        bytes_done=snap.stats.get("bytes", 0),
+        tokens_total=snap.stats.total_tokens,
+        tokens_done=snap.stats.tokens,
+        bytes_done=snap.stats.bytes,
         queued_jobs=snap.main_jobs,
         retry_jobs=snap.retry_jobs,
         held_jobs=snap.held_jobs,
@@ -268,16 +268,16 @@ def run_status(
         recount(store)
         c = store.counts()
     st = c.stats
-    invalid = st.get("invalid_lines", 0)
+    invalid = st.invalid_lines
     total = c.index + invalid
     remaining = max(total - c.done - c.dead, 0)
-    missing = min(max(st.get("lost", 0), 0), remaining)
-    retry = min(max(st.get("retry_samples", 0), 0), remaining - missing)
-    queued = min(max(st.get("main_samples", 0), 0), remaining - missing - retry)
+    missing = min(max(st.lost, 0), remaining)
+    retry = min(max(st.retry_samples, 0), remaining - missing)
+    queued = min(max(st.main_samples, 0), remaining - missing - retry)
     workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
-    tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)
+    tokens_total, tokens_done = st.total_tokens, st.tokens
     # Tokens of dead samples are never done: what is left is the unsettled samples' share.
     tokens_left = max(tokens_total - tokens_done, 0) if remaining else 0
     return RunStatus(
@@ -292,7 +292,7 @@ def run_status(
         invalid_lines=invalid,
         tokens_done=tokens_done,
         tokens_total=tokens_total,
-        bytes_done=st.get("bytes", 0),
+        bytes_done=st.bytes,
         samples_per_s=round(samples_s, 3),
         tokens_per_s=round(tokens_s, 1),
         eta_s=eta(tokens_left, tokens_s, workers),

@@ -23,7 +23,7 @@ the dataset, with every output file already on disk checked first.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from hsq.producer.report import (
     prune,
     refuse_conflicts,
 )
+from hsq.producer.settings import DatasetInput
 from hsq.runconfig import DEFAULT_CHUNK_SIZE, RunConfig
 from hsq.runstore import RunStore
 from hsq.store import AnyRef, chunked
@@ -77,6 +78,44 @@ def enqueue_run(
                 exc.reason,
             ) from exc
         raise
+
+
+def enqueue_dataset(
+    store: RunStore,
+    dataset: Path,
+    out: Path,
+    data: DatasetInput,
+    *,
+    progress: bool,
+    echo: Callable[[str], None],
+) -> EnqueueReport:
+    """`hsq enqueue` (and `hsq run`'s enqueue) from what the command was given: with chat
+    settings (--tokenizer), tokenize DATASET's chat rows first (its rejects dead-lettered;
+    the tokenizer's report to `echo`), else take the rejects file `hsq tokenize` left next
+    to it; then enqueue what is neither done nor queued."""
+    from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
+
+    chat, tokens = data.chat, data.flags.tokens
+    if chat is not None:
+        chat.validate()
+        target = tokens or tokens_path(dataset)
+        tok_report, rejects = tokenize_file(dataset, target, chat, progress=progress)
+        for line in tok_report.lines_out():
+            echo(line)
+        dataset = target
+    else:
+        rejects = read_rejects(rejects_path(dataset))
+    cfg = RunConfig(
+        run=store.run, dataset=str(dataset.resolve()), out=str(out.resolve()), **data.settings
+    )
+    return enqueue_run(
+        store,
+        cfg,
+        strict=data.flags.strict,
+        progress=progress,
+        rejected=[r.dead_letter() for r in rejects],
+        defaulted=data.defaulted,
+    )
 
 
 STREAM_BATCH = 5000
@@ -193,10 +232,10 @@ def _start(store: RunStore, cfg: RunConfig, existing: RunConfig | None) -> dict[
     if existing is None:
         return None
     c = store.counts()
-    if "counters" not in c.stats:
+    if not c.stats.counters:
         store.recount_queues()  # a run made before counters: they start here
         return store.outstanding_samples()
-    if interrupted or not c.consistent or c.stats.get("lost", 0) > 0:
+    if interrupted or not c.consistent or c.stats.lost > 0:
         return store.outstanding_samples()
     return None
 

@@ -12,13 +12,15 @@ By aggregate, each in its module, sharing one Fence (fence.py) per store:
     connection.py  connect() (TLS files from the URL), Redis errors as hsq errors
     scripts.py     the Lua scripts
     config.py      ConfigIndex: the run's config and pins, the dataset index
-    counters.py    Stats and Counters: the O(1) counters status reads, recounting them
+    counters.py    Stats, Counters, RunStats (the stats hash, typed): the O(1) counters
+                   status reads, recounting them
     queue.py       JobQueue: enqueue, claim, finish, give back, reap
     ledger.py      Ledger: done (through a DoneCodec), dead letter, crash counts
     workers.py     WorkerRegistry: registration and heartbeats
     lifecycle.py   Lifecycle: the enqueue lock, begin/end enqueue, lost samples, purge
     facade.py      Store: all of them in one object
-    roles.py       what each consumer needs (WorkerStore, Claimer, DoneMarker, BatchMarker)
+    roles.py       what each consumer needs (WorkerStore, Claimer, DoneMarker, BatchMarker,
+                   StatsKeeper)
     memory.py      MemoryStore: an in-memory fake of the worker's roles, for unit tests
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.store.config import ConfigIndex
 from hsq.store.connection import Client, RunListing, connect, list_runs, redis_calls, scan_runs
-from hsq.store.counters import Counters, Stats
+from hsq.store.counters import Counters, RunStats, Stats
 from hsq.store.facade import Store
 from hsq.store.fence import Fence
 from hsq.store.jobs import AnyRef, ChunkJob, SampleRef, chunked, job_size
@@ -35,7 +37,7 @@ from hsq.store.ledger import DoneCodec, Ledger
 from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
-from hsq.store.roles import BatchMarker, Claimer, DoneMarker, WorkerStore
+from hsq.store.roles import BatchMarker, Claimer, DoneMarker, StatsKeeper, WorkerStore
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
@@ -56,8 +58,10 @@ __all__ = [
     "MemoryRun",
     "MemoryStore",
     "RunListing",
+    "RunStats",
     "SampleRef",
     "Stats",
+    "StatsKeeper",
     "Store",
     "WorkerRegistry",
     "WorkerStore",

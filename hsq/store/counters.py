@@ -2,11 +2,17 @@
 and retry queues and the samples known lost; every script or MULTI that moves a job moves its
 count with it (a job id ends in `-n<samples>`), so `hsq status` reads a handful of O(1)
 values instead of every job. `recount_queues` re-derives them.
+
+The hash is read and written through one typed record, RunStats: its fields are the hash's
+fields, so no caller outside hsq/store names one by a string (the scripts, in Lua, use the
+same names; tests/test_run_stats.py checks the hash holds no other).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +23,58 @@ from hsq.store import scripts
 from hsq.store.connection import text, translate_public
 from hsq.store.fence import Fence
 from hsq.store.jobs import fetch_jobs, job_size, parse_job
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """A run's stats hash, typed: each field is the hash field of its name (0 if absent)."""
+
+    total_samples: int = 0
+    """Valid samples of the dataset, as the last enqueue counted them."""
+    total_tokens: int = 0
+    """Their tokens."""
+    invalid_lines: int = 0
+    """Dataset lines that are no sample (dead-letter entries `line:N`)."""
+    tokens: int = 0
+    """Tokens of the done samples (moved by every done mark and un-mark, in the script)."""
+    bytes: int = 0
+    """Bytes of the done samples' output files."""
+    main_samples: int = 0
+    """Samples in the main queue's jobs."""
+    main_jobs: int = 0
+    retry_samples: int = 0
+    """Samples in the retry queue's jobs."""
+    retry_jobs: int = 0
+    lost: int = 0
+    """Samples a recount found in no queue, less those enqueued again since."""
+    counters: int = 0
+    """scripts.COUNTERS_VERSION once the scripts keep the queue counters; 0 in a run made
+    before they existed (the first enqueue or status of a newer hsq recounts it)."""
+    enqueuing: int = 0
+    """1 while an enqueue runs; left by one that crashed (the next looks at every job)."""
+
+    @classmethod
+    def from_hash(cls, raw: Mapping[Any, Any]) -> RunStats:
+        """The record of HGETALL's reply; fields it does not know are ignored."""
+        values = {text(k): int(v) for k, v in raw.items()}
+        return cls(**{k: v for k, v in values.items() if k in STAT_FIELDS})
+
+
+STAT_FIELDS = frozenset(f.name for f in dataclasses.fields(RunStats))
+
+
+def stat_fields(**values: int) -> Mapping[Any, int]:
+    """A write of some of the hash's fields (HSET's mapping), their names checked against
+    RunStats: a typo is an error here, not a field nobody reads."""
+    if unknown := set(values) - STAT_FIELDS:
+        raise KeyError(f"not a stats field: {sorted(unknown)}")
+    return values
+
+
+def stat_field(name: str) -> str:
+    """One field's name, checked (for HINCRBY, HGET and HDEL)."""
+    stat_fields(**{name: 0})
+    return name
 
 
 @dataclass(frozen=True)
@@ -31,7 +89,7 @@ class Counters:
     main_jobs: int
     """Jobs the main queue lists (its length)."""
     retry_jobs: int
-    stats: dict[str, int]
+    stats: RunStats
     dead_reasons: dict[str, int]
     held_jobs: int = 0
     """Jobs in the registered workers' wip lists (snapshot() only)."""
@@ -43,7 +101,7 @@ class Counters:
     @property
     def dead_lines(self) -> int:
         """Invalid dataset lines (dead-letter entries `line:N`)."""
-        return self.stats.get("invalid_lines", 0)
+        return self.stats.invalid_lines
 
     @property
     def consistent(self) -> bool:
@@ -51,9 +109,9 @@ class Counters:
         match the queues' lengths (a queue damaged from outside, e.g. a DEL, breaks this)."""
         st = self.stats
         return (
-            st.get("counters") == scripts.COUNTERS_VERSION
-            and st.get("main_jobs", 0) == self.main_jobs
-            and st.get("retry_jobs", 0) == self.retry_jobs
+            st.counters == scripts.COUNTERS_VERSION
+            and st.main_jobs == self.main_jobs
+            and st.retry_jobs == self.retry_jobs
         )
 
 
@@ -66,17 +124,13 @@ class Stats:
         self._recount = self.client.register_script(scripts.RECOUNT)
 
     def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
-        self.client.hset(
-            self.keys.stats,
-            mapping={
-                "total_samples": samples,
-                "total_tokens": tokens,
-                "invalid_lines": invalid_lines,
-            },
+        totals = stat_fields(
+            total_samples=samples, total_tokens=tokens, invalid_lines=invalid_lines
         )
+        self.client.hset(self.keys.stats, mapping=totals)
 
-    def stats(self) -> dict[str, int]:
-        return {text(k): int(v) for k, v in self.client.hgetall(self.keys.stats).items()}
+    def stats(self) -> RunStats:
+        return RunStats.from_hash(self.client.hgetall(self.keys.stats))
 
     def counts(self) -> Counters:
         """The O(1) counters `hsq status` adds up, in one MULTI: one instant of the run."""
@@ -164,6 +218,6 @@ def _counters(
         dead=int(dead),
         main_jobs=int(main),
         retry_jobs=int(retry),
-        stats={text(a): int(b) for a, b in stats.items()},
+        stats=RunStats.from_hash(stats),
         dead_reasons={text(a): int(b) for a, b in reasons.items() if int(b) > 0},
     )

@@ -13,6 +13,7 @@ from hsq.errors import ConfigError
 from hsq.keys import rq_job_key
 from hsq.store import scripts
 from hsq.store.connection import redis_errors, scan_names, text, translate_public
+from hsq.store.counters import stat_field, stat_fields
 from hsq.store.fence import Fence
 from hsq.store.queue import JobQueue
 from hsq.store.workers import WorkerRegistry
@@ -68,22 +69,22 @@ class Lifecycle:
         """Flag an enqueue in progress; True if the last one never finished (a crash between
         its index writes and its jobs: the next enqueue must then look at every job)."""
         p = self.client.pipeline(transaction=True)
-        p.hget(self.keys.stats, "enqueuing")
-        p.hset(self.keys.stats, "enqueuing", 1)
+        p.hget(self.keys.stats, stat_field("enqueuing"))
+        p.hset(self.keys.stats, mapping=stat_fields(enqueuing=1))
         was, _ = p.execute()
         return was is not None
 
     def end_enqueue(self) -> None:
         """Everything of the dataset not done, dead or queued was enqueued: nothing is lost."""
         p = self.client.pipeline(transaction=True)
-        p.hset(self.keys.stats, "lost", 0)
-        p.hdel(self.keys.stats, "enqueuing")
+        p.hset(self.keys.stats, mapping=stat_fields(lost=0))
+        p.hdel(self.keys.stats, stat_field("enqueuing"))
         p.execute()
 
     def set_lost(self, samples: int) -> None:
         """Record how many samples are in no queue (a recount found them, or they were
         all enqueued again: 0)."""
-        self.client.hset(self.keys.stats, "lost", max(0, samples))
+        self.client.hset(self.keys.stats, mapping=stat_fields(lost=max(0, samples)))
 
     def forget_lost(self, samples: int) -> None:
         """`samples` lost ones were enqueued again (the count never goes below 0)."""

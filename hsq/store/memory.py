@@ -13,8 +13,11 @@ operator's) while a worker writes through another, as in production:
     operator.create_config(cfg)
     operator.enqueue([refs])
 
-Not modelled: heartbeats expiring (reap finds no dead worker), the run's totals and
-counters, the dataset index.
+The stats hash is the same typed record as the real store's (RunStats): the totals and
+lost samples as written, the done samples' tokens and bytes as marked (`totals` gives an
+entry's, as the real store's codec does), the queue counters counted from the queues.
+
+Not modelled: heartbeats expiring (reap finds no dead worker), the dataset index.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -30,7 +33,9 @@ from hsq.dataset.jsonl import IndexEntry
 from hsq.errors import RunChangedError
 from hsq.keys import RunKeys
 from hsq.runconfig import RunConfig
+from hsq.store import scripts
 from hsq.store.config import required
+from hsq.store.counters import RunStats
 from hsq.store.jobs import AnyRef, ChunkJob, SampleRef
 from hsq.store.ledger import dead_entry
 
@@ -49,6 +54,9 @@ class MemoryRun(Generic[E]):
     dead: dict[str, dict[str, Any]] = field(default_factory=dict)
     crashes: Counter[str] = field(default_factory=Counter)
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stats: RunStats = field(default_factory=RunStats)
+    """The fields written (totals, lost) or moved by marks (tokens, bytes); the queue
+    counters are counted when read."""
     changed: threading.Condition = field(default_factory=threading.Condition)
     """Held while reading or writing any of the above; notified when a job is queued or the
     run is purged."""
@@ -59,10 +67,17 @@ class MemoryRun(Generic[E]):
         for part in (self.main, self.retry, self.wip, self.done, self.dead, self.crashes):
             part.clear()
         self.workers.clear()
+        self.stats = RunStats()
 
 
 class MemoryStore(Generic[E]):
-    def __init__(self, run: MemoryRun[E] | None = None) -> None:
+    def __init__(
+        self,
+        run: MemoryRun[E] | None = None,
+        totals: Callable[[E], tuple[int, int]] = lambda _e: (0, 0),
+    ) -> None:
+        """`totals`: the (tokens, bytes) a done entry adds to the run's (DoneCodec.totals)."""
+        self.totals = totals
         self.state: MemoryRun[E] = run if run is not None else MemoryRun()
         self.run = self.state.name
         self.keys = RunKeys(self.run)
@@ -250,8 +265,16 @@ class MemoryStore(Generic[E]):
                 if newly:
                     self.state.done[sid] = entry
                     self.state.dead.pop(sid, None)  # done and dead stay disjoint
+                    self._move_totals(entry, 1)
                 out.append(newly)
             return out
+
+    def _move_totals(self, entry: E, sign: int) -> None:
+        tokens, nbytes = self.totals(entry)
+        st = self.state.stats
+        self.state.stats = replace(
+            st, tokens=st.tokens + sign * tokens, bytes=st.bytes + sign * nbytes
+        )
 
     def mark_held_done(
         self, worker_id: str, entries: Sequence[tuple[str, str, E]]
@@ -270,10 +293,12 @@ class MemoryStore(Generic[E]):
             return self.state.done.get(sample_id)
 
     def undo_done(self, sample_id: str, entry: E) -> bool:
-        del entry  # the real store moves the run's totals by it; the fake keeps none
         with self._lock:
             self._fence()
-            return self.state.done.pop(sample_id, None) is not None
+            if self.state.done.pop(sample_id, None) is None:
+                return False
+            self._move_totals(entry, -1)
+            return True
 
     def to_dead(
         self, sample_id: str, reason: str, message: str, attempts: int, worker: str | None
@@ -288,3 +313,35 @@ class MemoryStore(Generic[E]):
             self._fence()
             self.state.crashes[sample_id] += 1
             return self.state.crashes[sample_id]
+
+    # ------------------------------------------------------------------ counters
+    def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None:
+        with self._lock:
+            self.state.stats = replace(
+                self.state.stats,
+                total_samples=samples,
+                total_tokens=tokens,
+                invalid_lines=invalid_lines,
+            )
+
+    def set_lost(self, samples: int) -> None:
+        with self._lock:
+            self.state.stats = replace(self.state.stats, lost=max(0, samples))
+
+    def forget_lost(self, samples: int) -> None:
+        with self._lock:
+            st = self.state.stats
+            self.state.stats = replace(st, lost=max(0, st.lost - samples))
+
+    def stats(self) -> RunStats:
+        """As the real store's: the queue counters are what the queues hold, exact."""
+        with self._lock:
+            s = self.state
+            return replace(
+                s.stats,
+                main_samples=sum(len(j.samples) for j in s.main),
+                main_jobs=len(s.main),
+                retry_samples=sum(len(j.samples) for j in s.retry),
+                retry_jobs=len(s.retry),
+                counters=scripts.COUNTERS_VERSION,
+            )

@@ -27,6 +27,7 @@ from hsq.store.connection import (
     text,
     translate_public,
 )
+from hsq.store.counters import stat_field
 from hsq.store.fence import Fence
 from hsq.store.jobs import JOB_FUNC, AnyRef, ChunkJob, fetch_jobs, job_kwargs, job_size, parse_job
 from hsq.store.workers import WorkerRegistry
@@ -134,8 +135,8 @@ class JobQueue:
                     pipe.multi()
                     q.enqueue_many(datas, pipeline=pipe)
                     # The queue's counters move in the same transaction as its jobs.
-                    pipe.hincrby(k.stats, f"{which}_samples", samples)
-                    pipe.hincrby(k.stats, f"{which}_jobs", len(datas))
+                    pipe.hincrby(k.stats, stat_field(f"{which}_samples"), samples)
+                    pipe.hincrby(k.stats, stat_field(f"{which}_jobs"), len(datas))
                     if cleared:
                         # EVALSHA queued in the MULTI (the script was loaded above).
                         pipe.evalsha(self._dead_remove.sha, 2, k.dead, k.dead_reasons, *cleared)
@@ -193,7 +194,7 @@ class JobQueue:
         if parsed is None:
             p = self.client.pipeline(transaction=True)
             p.lrem(wip, 1, job_id)
-            p.hincrby(self.keys.stats, "lost", job_size(job_id) or 1)
+            p.hincrby(self.keys.stats, stat_field("lost"), job_size(job_id) or 1)
             p.execute()
             raise StoreError(
                 f"job {job_id} unreadable; its samples are found by `hsq requeue --missing`"

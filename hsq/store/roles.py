@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from hsq.runconfig import RunConfig
+from hsq.store.counters import RunStats
 from hsq.store.jobs import AnyRef, ChunkJob
 
 E = TypeVar("E")
@@ -26,6 +27,16 @@ class Claimer(Protocol):
     def finish(self, worker_id: str, job: ChunkJob) -> bool: ...
     def give_back(self, worker_id: str, job: ChunkJob) -> bool: ...
     def release_wip(self, worker_id: str) -> int: ...
+
+
+class StatsKeeper(Protocol):
+    """The run's stats hash as one typed record (hsq/store/counters.py): the producer's
+    totals and lost samples, read back with what the marks and queues moved."""
+
+    def set_totals(self, *, samples: int, tokens: int, invalid_lines: int) -> None: ...
+    def set_lost(self, samples: int) -> None: ...
+    def forget_lost(self, samples: int) -> None: ...
+    def stats(self) -> RunStats: ...
 
 
 class BatchMarker(Protocol[E_contra]):

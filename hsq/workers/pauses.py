@@ -107,7 +107,7 @@ class Pauses:
         """A 5xx answer: give the server a moment (longer after each in a row)."""
         self._server_errors += 1
         self._hold_until = time.monotonic() + backoff(
-            self._server_errors, cap=self.settings.backoff_max_s
+            self._server_errors, cap=self.settings.tuning.backoff_max_s
         )
 
     def server_ok(self) -> None:
@@ -136,7 +136,7 @@ class Pauses:
         elif pause is Pause.STORE_DOWN:
             self._release_when_store_back()
         else:
-            delay = backoff(self._count, base=1.0, cap=self.settings.backoff_max_s)
+            delay = backoff(self._count, base=1.0, cap=self.settings.tuning.backoff_max_s)
             log.error("paused_backing_off", cause=pause.value, retry_in_s=delay)
             self._stop.wait(delay)
         self.current = None
@@ -156,7 +156,7 @@ class Pauses:
                 "waiting_for_server", server=self.settings.server, retry_in_s=round(delay, 2)
             )
             self._stop.wait(delay)
-            delay = min(delay * 2, self.settings.backoff_max_s)
+            delay = min(delay * 2, self.settings.tuning.backoff_max_s)
         if self._stop.is_set():
             return
         if was_down:
@@ -190,4 +190,4 @@ class Pauses:
             except STORE_DOWN as exc:
                 n += 1
                 log.error("redis_unavailable", error=str(exc))
-                self._stop.wait(backoff(n, cap=self.settings.backoff_max_s))
+                self._stop.wait(backoff(n, cap=self.settings.tuning.backoff_max_s))

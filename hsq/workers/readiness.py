@@ -63,14 +63,15 @@ VLLM_SERVER = "vllm"
 """The marker's `server` of hsq's vLLM connector (hsq.engines.vllm.writer.SERVER)."""
 
 
-def check_server_kind(marker: ReadyMarker, server_kind: str, who: str = "worker") -> None:
-    """A vLLM connector's marker needs the vLLM client and any other marker SGLang's API:
-    with the wrong one every request fails (a 404 per sample) or is never dumped."""
-    if (marker.server == VLLM_SERVER) != (server_kind == VLLM_SERVER):
+def check_engine(marker: ReadyMarker, engine: str, who: str = "worker") -> None:
+    """A vLLM connector's marker needs the vLLM client and any other marker SGLang's API
+    (`engine`, hsq.workers.settings.EngineApi): with the wrong one every request fails (a
+    404 per sample) or is never dumped."""
+    if (marker.server == VLLM_SERVER) != (engine == VLLM_SERVER):
         want = VLLM_SERVER if marker.server == VLLM_SERVER else "sglang"
         raise HookInactiveError(
             f"the server's dump hook is {marker.server!r} and the {who} speaks "
-            f"{server_kind!r}: start the {who} with --server-kind {want}"
+            f"{engine!r}: start the {who} with --engine {want}"
         )
 
 

@@ -1,31 +1,43 @@
-"""The worker's settings, built once at the edge (CLI flags and env vars) and validated."""
+"""The worker's settings, built once at the edge (CLI flags and env vars) and validated.
+
+Three commands set them, each the part it owns, so nothing is filled with placeholders:
+
+    WorkerSettings   one `hsq worker`: who it is (run, server URL, dump dir, Redis, name)
+      api            EngineApi: which API that server speaks         (hsq worker, hsq audit)
+      tuning         WorkerTuning: how any worker works              (hsq worker, hsq run)
+        exchange     ExchangeTuning: one request and its dump        (+ hsq audit)
+
+`hsq run` takes a WorkerTuning and hands it to each worker it starts (hsq.cli.options.as_argv),
+with the identity and the engine it chose itself; `hsq audit` takes an EngineApi and an
+ExchangeTuning, as it talks to one server the way a worker does.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsq.errors import ConfigError
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.settings import setting
 
-SERVER_KINDS = ("sglang", "vllm")
+SGLANG_API = "sglang"
+VLLM_API = "vllm"
+ENGINES = (SGLANG_API, VLLM_API)
+"""The APIs a worker speaks: SGLang's /generate (SGLang with hsq's hook and the reference
+server) and vLLM's /v1/completions (stock vLLM with hsq's connector)."""
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
-    """Each field is a flag of `hsq worker` and an HSQ_* variable (hsq.settings)."""
+class EngineApi:
+    """Which API the server speaks, and the model name its requests carry."""
 
-    run: str = setting(help="run name")
-    server: str = setting(help="inference server URL")
-    dump_dir: Path = setting(
-        help="the server's dump dir, owned by this worker", env=("SGLANG_HS_DUMP_DIR",)
-    )
-    redis_url: str = setting(help="Redis URL (the shared --redis option)")
-    server_kind: str = setting(
-        "sglang",
-        choices=SERVER_KINDS,
-        help="the server's API: sglang (SGLang with hsq's hook, the reference server: "
+    engine: str = setting(
+        SGLANG_API,
+        choices=ENGINES,
+        deprecated=("--server-kind",),
+        deprecated_env=("HSQ_SERVER_KIND",),
+        help="the server's API: sglang (SGLang with hsq's hook, or the reference server: "
         "/generate) or vllm (stock vLLM with hsq's connector: /v1/completions)",
     )
     served_model: str | None = setting(
@@ -33,14 +45,35 @@ class WorkerSettings:
         default_text="the server's only model",
         help="vLLM only: the `model` of each completions request (--served-model-name)",
     )
-    name: str | None = setting(
-        None, help="stable name for logs and metrics; a unique suffix is added"
-    )
-    burst: bool = setting(False, help="exit when the run has nothing queued or held")
+
+
+@dataclass(frozen=True)
+class ExchangeTuning:
+    """One request to a server and the dump it writes, as a worker or the audit waits for
+    them, and the dump dir it takes."""
+
     dump_timeout_s: float = setting(
         60.0, help="seconds to wait for a dump's `done` after the server answered"
     )
-    request_timeout_s: float = setting(600.0, help="seconds one /generate request may take")
+    request_timeout_s: float = setting(
+        600.0,
+        help="seconds one request to the server may take (the audit also waits this long for "
+        "a server that answers to become healthy)",
+    )
+    dump_dir_force: bool = setting(
+        False, help="use a dump dir that looks shared (sticky, or owned by another user)"
+    )
+
+    def validate(self) -> None:
+        _positive(self, "dump_timeout_s", "request_timeout_s")
+
+
+@dataclass(frozen=True)
+class WorkerTuning:
+    """How a worker works, whatever its run and server: the same for every worker of an
+    `hsq run` (each gets the flags given)."""
+
+    exchange: ExchangeTuning = field(default_factory=ExchangeTuning)
     claim_timeout_s: float = setting(
         1.0, help="seconds one claim waits for a job before the worker looks around"
     )
@@ -56,7 +89,7 @@ class WorkerSettings:
         None,
         help="persist processes doing each sample's checks, quantizing and writing outside "
         "the worker's interpreter (0: threads only) [default: half the usable cores, at most "
-        "8; 0 below 4 cores]",
+        "8; 0 below 4 cores; `hsq run`: the cores shared by its workers]",
     )
     direct_io: bool = setting(
         True,
@@ -75,9 +108,6 @@ class WorkerSettings:
     heartbeat_interval_s: float = setting(
         2.0, help=f"seconds between heartbeats in Redis (at most {HEARTBEAT_TTL_S / 2:g})"
     )
-    metrics_port: int | None = setting(
-        None, help="serve Prometheus metrics on this port [default: off]"
-    )
     metrics_host: str = setting(
         "127.0.0.1",
         help="bind address of the metrics endpoint (0.0.0.0 exposes it to the network)",
@@ -92,9 +122,6 @@ class WorkerSettings:
         help="cap on the tokens of the requests in flight [default: only --inflight caps it]; "
         "one larger sample still goes alone",
     )
-    dump_dir_force: bool = setting(
-        False, help="use a dump dir that looks shared (sticky, or owned by another user)"
-    )
     audit_fraction: float = setting(
         0.0,
         help="re-extract this fraction of done samples alone and compare with the stored "
@@ -103,10 +130,7 @@ class WorkerSettings:
     )
 
     def validate(self) -> None:
-        if not self.server.startswith(("http://", "https://")):
-            raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
-        if self.server_kind not in SERVER_KINDS:
-            raise ConfigError(f"--server-kind must be one of {', '.join(SERVER_KINDS)}")
+        self.exchange.validate()
         if not 0.0 <= self.audit_fraction <= 1.0:
             raise ConfigError("--audit-fraction must be within [0, 1]")
         if not 1 <= self.inflight <= 256:
@@ -119,17 +143,9 @@ class WorkerSettings:
             raise ConfigError(
                 "--persist-depth, --persist-threads and --max-server-crashes must be >= 1"
             )
-        for name in (
-            "dump_timeout_s",
-            "request_timeout_s",
-            "claim_timeout_s",
-            "backoff_max_s",
-            "reap_interval_s",
-            "heartbeat_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                flag = "--" + name.removesuffix("_s").replace("_", "-")
-                raise ConfigError(f"{flag} must be > 0")
+        _positive(
+            self, "claim_timeout_s", "backoff_max_s", "reap_interval_s", "heartbeat_interval_s"
+        )
         if self.heartbeat_interval_s > HEARTBEAT_TTL_S / 2:
             # Slower beats let the heartbeat expire between two of them (a reaper then takes
             # the jobs of a live worker) or break its lease on every beat
@@ -138,3 +154,39 @@ class WorkerSettings:
                 f"--heartbeat-interval must be at most {HEARTBEAT_TTL_S / 2:g} s, half the "
                 f"{HEARTBEAT_TTL_S} s heartbeat TTL"
             )
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One `hsq worker`: each field is a flag and an HSQ_* variable (hsq.settings)."""
+
+    run: str = setting(help="run name")
+    server: str = setting(help="inference server URL")
+    dump_dir: Path = setting(
+        help="the server's dump dir, owned by this worker", env=("SGLANG_HS_DUMP_DIR",)
+    )
+    redis_url: str = setting(help="Redis URL (the shared --redis option)")
+    api: EngineApi = field(default_factory=EngineApi)
+    name: str | None = setting(
+        None, help="stable name for logs and metrics; a unique suffix is added"
+    )
+    burst: bool = setting(False, help="exit when the run has nothing queued or held")
+    metrics_port: int | None = setting(
+        None, help="serve Prometheus metrics on this port [default: off]"
+    )
+    tuning: WorkerTuning = field(default_factory=WorkerTuning)
+
+    def validate(self) -> None:
+        if not self.server.startswith(("http://", "https://")):
+            raise ConfigError(f"--server must be an http(s) URL, not {self.server!r}")
+        if self.api.engine not in ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}")
+        self.tuning.validate()
+
+
+def _positive(obj: object, *names: str) -> None:
+    """Each named duration must be > 0; the message names its flag."""
+    for name in names:
+        if getattr(obj, name) <= 0:
+            flag = "--" + name.removesuffix("_s").replace("_", "-")
+            raise ConfigError(f"{flag} must be > 0")

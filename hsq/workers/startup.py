@@ -124,7 +124,7 @@ def take_dump_dir(
     the dir must exist; when it was removed or replaced under a running worker it is taken
     again, and made again if removed (the path passed the checks at start)."""
     d = s.dump_dir
-    create = check_dump_dir(d, s.dump_dir_force)
+    create = check_dump_dir(d, s.tuning.exchange.dump_dir_force)
     if create and not create_missing:
         raise missing_dump_dir(d)
     try:
@@ -184,7 +184,7 @@ def startup(s: WorkerSettings, worker_id: str) -> Started:
     if not os.access(cfg.dataset, os.R_OK):
         raise StoreError(f"dataset {cfg.dataset} is not readable on this node")
     # before anything is created anywhere
-    require_dump_dir(s.dump_dir, s.dump_dir_force, lambda: _answers(s.server))
+    require_dump_dir(s.dump_dir, s.tuning.exchange.dump_dir_force, lambda: _answers(s.server))
     view = RunView.of(cfg, s.run)
     lock, staging, cleared = take_dump_dir(s, worker_id, create_missing=False)
     view.out_root.mkdir(parents=True, exist_ok=True)

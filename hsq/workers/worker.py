@@ -56,7 +56,7 @@ from hsq.workers.persist.procs import default_procs
 from hsq.workers.persist.stage import Lease, PersistStage
 from hsq.workers.policy import STORE_DOWN, STORE_DOWN_OR_RUN_CHANGED, Pause
 from hsq.workers.rate import RateWindow
-from hsq.workers.readiness import check_server_kind, require_hook
+from hsq.workers.readiness import check_engine, require_hook
 from hsq.workers.runview import RunView
 from hsq.workers.runwatch import RunWatch
 from hsq.workers.send.client import ServerClient, make_client
@@ -74,6 +74,7 @@ class Worker:
         self, settings: WorkerSettings, started: Started, client: ServerClient, worker_id: str
     ) -> None:
         s = self.settings = settings
+        t = s.tuning
         self.id = worker_id
         self.name = s.name or self.id.rsplit(".", 1)[0]
         self.store: WorkerStore[ManifestEntry] = started.store
@@ -89,14 +90,14 @@ class Worker:
         self._stop = threading.Event()
         self.events: queue.Queue[Event] = queue.Queue()
         self.book = ChunkBook()
-        self.inflight = InFlight(s.inflight, s.max_inflight_tokens, self.notices)
+        self.inflight = InFlight(t.inflight, t.max_inflight_tokens, self.notices)
         self.last_sample: str | None = None
         self._claim_after = 0.0
         self.dump_dir = HeldDumpDir(s, worker_id, started.lock)
         self.dispatcher = Dispatcher(
             s.dump_dir,
             started.staging,
-            timeout_s=s.dump_timeout_s,
+            timeout_s=t.exchange.dump_timeout_s,
             on_discard=self.metrics.discarded,
         )
         lease = Lease(HEARTBEAT_TTL_S)
@@ -106,21 +107,21 @@ class Worker:
             self.id,
             self.metrics,
             self.events,
-            depth=s.persist_depth,
-            threads=s.persist_threads,
+            depth=t.persist_depth,
+            threads=t.persist_threads,
             on_done=self.rate.add,
             lease=lease,
-            direct_io=s.direct_io,
-            procs=default_procs() if s.persist_procs is None else s.persist_procs,
+            direct_io=t.direct_io,
+            procs=default_procs() if t.persist_procs is None else t.persist_procs,
         )
         self.send = SendStage(
-            client, self.dispatcher, self.persist, self.events, self.metrics, s.inflight
+            client, self.dispatcher, self.persist, self.events, self.metrics, t.inflight
         )
-        self.audit = WorkerAudit(s.audit_fraction, self.send, self.store, self.notices, self.id)
+        self.audit = WorkerAudit(t.audit_fraction, self.send, self.store, self.notices, self.id)
         self.heartbeat = Heartbeat(
-            self.store, self.claims, self.id, s.heartbeat_interval_s, self._info, lease, self._stop
+            self.store, self.claims, self.id, t.heartbeat_interval_s, self._info, lease, self._stop
         )
-        self.watch = RunWatch(s.run, self.store, self._stop, self.request_stop, s.backoff_max_s)
+        self.watch = RunWatch(s.run, self.store, self._stop, self.request_stop, t.backoff_max_s)
         self.pauses = Pauses(
             s,
             self.claims,
@@ -137,7 +138,7 @@ class Worker:
             self.claims,
             self.book,
             self.id,
-            s.max_server_crashes,
+            t.max_server_crashes,
             self.pauses,
             self.watch,
             self.notices,
@@ -155,7 +156,7 @@ class Worker:
             self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
         )
         if marker is not None:
-            check_server_kind(marker, self.settings.server_kind)
+            check_engine(marker, self.settings.api.engine)
         self.dispatcher.start()
         self.heartbeat.start()
         log.info(
@@ -165,8 +166,8 @@ class Worker:
             server=self.settings.server,
             dump_dir=str(self.settings.dump_dir),
             out=str(self.view.out_root),
-            inflight=self.settings.inflight,
-            max_inflight_tokens=self.settings.max_inflight_tokens,
+            inflight=self.settings.tuning.inflight,
+            max_inflight_tokens=self.settings.tuning.max_inflight_tokens,
             burst=self.settings.burst,
             cleared_dumps=self.cleared,
         )
@@ -178,7 +179,7 @@ class Worker:
                 try:
                     if time.monotonic() >= next_reap:
                         self._reap()
-                        next_reap = time.monotonic() + self.settings.reap_interval_s
+                        next_reap = time.monotonic() + self.settings.tuning.reap_interval_s
                     if self._step():
                         break
                 except RunChangedError as exc:
@@ -251,7 +252,7 @@ class Worker:
             if self._claim(block=idle and not self.settings.burst):
                 nxt = self.book.peek_tokens()
             else:  # an empty queue: with work in flight, look again in a while
-                self._claim_after = time.monotonic() + self.settings.claim_timeout_s
+                self._claim_after = time.monotonic() + self.settings.tuning.claim_timeout_s
         if nxt is not None and self.inflight.allows(nxt):
             item = self.book.next_item()
             assert item is not None
@@ -277,7 +278,7 @@ class Worker:
     def _claim(self, block: bool) -> bool:
         # With nothing in flight, blocks up to --claim-timeout on an empty queue. With work
         # in flight it does not wait: its events (and, at a burst's end, the exit) would.
-        job = self.claims.claim(self.settings.claim_timeout_s if block else 0)
+        job = self.claims.claim(self.settings.tuning.claim_timeout_s if block else 0)
         if job is None:
             return False
         done = self.store.done_among([sid for sid, _ in job.samples])
@@ -376,13 +377,13 @@ class Worker:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "ts": time.time(),
-            "inflight": self.settings.inflight,
+            "inflight": self.settings.tuning.inflight,
             "in_flight_now": self.inflight.total,
             "peak_inflight_tokens": self.inflight.peak_tokens,
             "rss_mb": _peak_rss_mb(),
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
-            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+            "heartbeat_interval_s": self.settings.tuning.heartbeat_interval_s,
             **self.pauses.cause(),
             **self.tally.counts,
             **self.audit.counts,
@@ -404,14 +405,14 @@ def run_worker(settings: WorkerSettings) -> int:
     worker_id = new_worker_id(settings.name)
     started = startup(settings, worker_id)
     client = make_client(
-        settings.server_kind,
+        settings.api.engine,
         settings.server,
-        request_timeout=settings.request_timeout_s,
-        model=settings.served_model,
+        request_timeout=settings.tuning.exchange.request_timeout_s,
+        model=settings.api.served_model,
     )
     worker = Worker(settings, started, client, worker_id)
     if settings.metrics_port is not None:
-        worker.metrics.serve(settings.metrics_port, settings.metrics_host)
+        worker.metrics.serve(settings.metrics_port, settings.tuning.metrics_host)
     signal.signal(signal.SIGTERM, worker.request_stop)
     signal.signal(signal.SIGINT, worker.request_stop)
     return worker.run()

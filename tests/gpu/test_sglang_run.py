@@ -1,4 +1,4 @@
-"""`hsq run --server sglang` end to end on one GPU: its own Redis, one SGLang server through
+"""`hsq run --engine sglang` end to end on one GPU: its own Redis, one SGLang server through
 `hsq launch-sglang`, one worker, every output verified (issue 29).
 
     scripts/sglang_live.sh --job run="tests/gpu/test_sglang_run.py"
@@ -30,7 +30,7 @@ def test_hsq_run_with_sglang_on_one_gpu(
     make_dataset(ds, [16 + 40 * i for i in range(SAMPLES)], vocab=VOCAB, seed=5)
     out = wd / "out"
     argv = hsq_command(
-        "--log-format", "json", "run", str(ds), "--out", str(out), "--server", "sglang",
+        "--log-format", "json", "run", str(ds), "--out", str(out), "--engine", "sglang",
         "--gpus", "0", "--model", str(model.served), "--json", "--verify",
         "--", "--layers", model.layers, "--mem-fraction-static", "0.12", *SGLANG_FLAGS,
     )  # fmt: skip

@@ -10,6 +10,11 @@ state before the norm, stacked ``[T, k, H]`` in ascending id order, handed to th
 **after** the answer is sent (vLLM saves one engine step after the request finishes).
 
     python -m tests.support.fakevllm --model DIR --dump-dir D --port P --layers 2,4,5
+
+or vLLM's own command line, as `hsq launch-vllm` writes it (`serve MODEL --port P
+--kv-transfer-config JSON ...`: the connector's settings come from that JSON, the rest is
+vLLM's and ignored), for `hsq run --engine vllm` through `hsq launch-vllm --python` (a
+script that drops the `-m vllm.entrypoints.cli.main` and runs this module instead).
 """
 
 from __future__ import annotations
@@ -145,7 +150,27 @@ def handler(app: FakeVllm) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def from_vllm_argv(argv: list[str]) -> tuple[Path, int, ConnectorConfig]:
+    """(model, port, the connector's config) of `serve MODEL ... --port P
+    --kv-transfer-config JSON ...`."""
+    p = argparse.ArgumentParser(prog="vllm")
+    p.add_argument("serve")
+    p.add_argument("model", type=Path)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--kv-transfer-config", required=True)
+    args, _vllms_own = p.parse_known_args(argv)
+    extra = json.loads(args.kv_transfer_config)["kv_connector_extra_config"]
+    return args.model, args.port, ConnectorConfig.from_extra(extra)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        model, port, cfg = from_vllm_argv(argv)
+        serve(FakeVllm(model, cfg), port, cfg.dump_dir)
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--dump-dir", type=Path, required=True)
@@ -160,9 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         encoding=args.dump_encoding,
         prenorm=args.prenorm,
     )
-    app = FakeVllm(args.model, cfg)
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), handler(app))
-    print(f"fake vLLM at http://127.0.0.1:{args.port}, dumping to {args.dump_dir}", flush=True)
+    serve(FakeVllm(args.model, cfg), args.port, args.dump_dir)
+
+
+def serve(app: FakeVllm, port: int, dump_dir: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler(app))
+    print(f"fake vLLM at http://127.0.0.1:{port}, dumping to {dump_dir}", flush=True)
     server.serve_forever()
 
 

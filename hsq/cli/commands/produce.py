@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from hsq import extras
 from hsq.cli.command import hsq_command
+from hsq.cli.dataset import dataset_options, take_dataset
 from hsq.cli.flags import RedisFlags, RunName
-from hsq.cli.options import given, settings_options, take
+from hsq.cli.options import settings_options, take
 from hsq.producer.settings import TokenizeSettings
-from hsq.runconfig import RunConfig
 from hsq.settings import setting
-
-if TYPE_CHECKING:
-    from hsq.producer.report import EnqueueReport
-    from hsq.runstore import RunStore
-
-RUN_SETTINGS = (
-    "max_attempts",
-    "chunk_size",
-    "layer_ids",
-    "model_id",
-    "max_tokens",
-    "store_dtype",
-    "prenorm",
-)
-"""RunConfig fields `hsq enqueue` takes as options (the rest: arguments or recorded later)."""
 
 
 @dataclass(frozen=True)
@@ -71,59 +55,6 @@ def tokenize(chats: Path, **values: Any) -> None:
 
 
 @dataclass(frozen=True)
-class DatasetFlags:
-    """How `hsq enqueue` and `hsq run` read DATASET."""
-
-    strict: bool = setting(False, help="refuse the whole dataset if any line is bad")
-    # Flag only: HSQ_TOKENIZER, set for `hsq tokenize`, must not turn the token rows of a
-    # later `hsq enqueue` into chat rows to tokenize (and reject).
-    tokenizer: Path | None = setting(
-        None,
-        path="dir",
-        exists=True,
-        flag_only=True,
-        help="DATASET holds chat rows: tokenize them with this local HF tokenizer first",
-    )
-    tokens: Path | None = setting(
-        None,
-        path="file",
-        flag_only=True,
-        default_text="DATASET's name with .tokens.jsonl, next to it",
-        help="with --tokenizer: where the tokenized JSONL goes (on storage every worker reads)",
-    )
-
-
-@dataclass(frozen=True)
-class DatasetInput:
-    """What dataset_options parsed: the flags, the RUN_SETTINGS given, and the tokenizer's
-    settings when DATASET holds chat rows."""
-
-    flags: DatasetFlags
-    settings: dict[str, Any]
-    chat: TokenizeSettings | None
-
-
-def dataset_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of a command that enqueues DATASET (enqueue, run): DatasetFlags, the
-    run's RUN_SETTINGS and the chat rows' tokenize settings; take_dataset reads them."""
-    fn = settings_options(TokenizeSettings, skip=("tokenizer",))(fn)
-    fn = settings_options(RunConfig, only=RUN_SETTINGS)(fn)
-    return settings_options(DatasetFlags)(fn)
-
-
-def take_dataset(values: dict[str, Any], command: str) -> DatasetInput:
-    """What dataset_options parsed for `command` (named in the message when --tokenizer
-    needs an extra that is not installed)."""
-    flags = take(DatasetFlags, values)
-    settings = {name: values.pop(name) for name in RUN_SETTINGS}
-    chat = None
-    if flags.tokenizer is not None:
-        extras.require("chat", f"{command} --tokenizer")
-        chat = take(TokenizeSettings, values, tokenizer=str(flags.tokenizer))
-    return DatasetInput(flags, settings, chat)
-
-
-@dataclass(frozen=True)
 class EnqueueFlags:
     out: Path = setting(path="dir", help="output root; files go to OUT/RUN/")
     no_progress: bool = setting(False, help="no progress bar")
@@ -148,6 +79,7 @@ def enqueue(dataset: Path, **values: Any) -> None:
     used go to the dead letter. Without it, the rejects file `hsq tokenize` wrote next to
     DATASET (DATASET.rejects.jsonl), if any, is dead-lettered too.
     """
+    from hsq.producer.enqueue import enqueue_dataset
     from hsq.producer.report import log_report
     from hsq.runstore import RunStore
 
@@ -160,50 +92,10 @@ def enqueue(dataset: Path, **values: Any) -> None:
         flags.out,
         take_dataset(values, "hsq enqueue"),
         progress=not flags.no_progress,
+        echo=click.echo,
     )
     log_report(run, report)
     for line in report.lines_out():
         click.echo(line)
     for p in report.problems[:10]:
         click.echo(f"  invalid: {p}", err=True)
-
-
-def enqueue_dataset(
-    store: RunStore,
-    dataset: Path,
-    out: Path,
-    data: DatasetInput,
-    *,
-    progress: bool,
-) -> EnqueueReport:
-    """What `hsq enqueue` does (also `hsq run`'s enqueue): with chat settings (--tokenizer),
-    tokenize DATASET's chat rows first (its rejects dead-lettered), else take the rejects
-    file `hsq tokenize` left next to it; then enqueue what is neither done nor queued. The
-    RUN_SETTINGS not given on the command line are recorded as defaulted."""
-    from hsq.producer.enqueue import enqueue_run
-    from hsq.producer.tokenize import read_rejects, rejects_path, tokenize_file, tokens_path
-
-    chat, tokens = data.chat, data.flags.tokens
-    if chat is not None:
-        chat.validate()
-        target = tokens or tokens_path(dataset)
-        tok_report, rejects = tokenize_file(dataset, target, chat, progress=progress)
-        for line in tok_report.lines_out():
-            click.echo(line)
-        dataset = target
-    else:
-        rejects = read_rejects(rejects_path(dataset))
-    cfg = RunConfig(
-        run=store.run,
-        dataset=str(dataset.resolve()),
-        out=str(out.resolve()),
-        **data.settings,
-    )
-    return enqueue_run(
-        store,
-        cfg,
-        strict=data.flags.strict,
-        progress=progress,
-        rejected=[r.dead_letter() for r in rejects],
-        defaulted=[name for name in RUN_SETTINGS if not given(name)],
-    )

@@ -13,19 +13,13 @@ import click
 
 from hsq import extras
 from hsq.cli.command import hsq_command
-from hsq.cli.commands.produce import dataset_options, enqueue_dataset, take_dataset
+from hsq.cli.dataset import dataset_options, take_dataset
 from hsq.cli.flags import RedisAccess
 from hsq.cli.options import as_argv, settings_options, take
 from hsq.errors import ConfigError
+from hsq.node.plan import NODE_ENGINES
 from hsq.settings import setting
-from hsq.workers.settings import WorkerSettings
-
-PER_WORKER = ("run", "server", "dump_dir", "redis_url", "name", "burst")
-NODE_DECIDES = ("server_kind", "served_model")
-"""Worker settings `hsq run` sets from its own --server (the reference server and SGLang
-speak one protocol); as options they would shadow run's --server."""
-"""WorkerSettings `hsq run` sets per worker itself; every other one is a flag of `hsq run`
-and reaches each `hsq worker` as given (--metrics-port: worker i gets PORT + i)."""
+from hsq.workers.settings import WorkerTuning
 
 
 @dataclass(frozen=True)
@@ -38,20 +32,23 @@ class RunFlags:
         help="add this node's servers and workers to a run another node enqueued, in the "
         "given Redis (enqueues nothing)",
     )
-    server_kind: str | None = setting(
+    engine: str | None = setting(
         None,
-        flag="--server",
-        choices=("reference", "sglang"),
+        choices=NODE_ENGINES,
+        deprecated=("--server",),
+        deprecated_env=("HSQ_SERVER_KIND",),
         default_text="sglang if importable and GPUs are visible, else reference",
-        help="inference server kind",
+        help="the inference servers to start (each worker gets the API they speak)",
     )
     model: str | None = setting(
         None, default_text="reference: tiny", help="checkpoint the servers load"
     )
     gpus: str | None = setting(
-        None, default_text="every visible GPU", help="GPUs for SGLang servers, e.g. 0-7 or 0,2"
+        None,
+        default_text="every visible GPU",
+        help="GPUs for SGLang or vLLM servers, e.g. 0-7 or 0,2",
     )
-    tp: int = setting(1, minimum=1, help="GPUs per SGLang server (servers = GPUs / TP)")
+    tp: int = setting(1, minimum=1, help="GPUs per SGLang or vLLM server (servers = GPUs / TP)")
     servers: int | None = setting(
         None, minimum=1, default_text="reference: 1; sglang: GPUs / TP", help="servers to start"
     )
@@ -65,6 +62,9 @@ class RunFlags:
     )
     max_server_restarts: int = setting(
         3, minimum=0, help="times one server that exits is started again"
+    )
+    metrics_port: int | None = setting(
+        None, help="worker i serves Prometheus metrics on this port + i [default: off]"
     )
     json: bool = setting(False, help="one JSON summary on stdout at the end")
     verify: bool = setting(False, help="read every output back (hsq verify --deep) at the end")
@@ -127,27 +127,29 @@ def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple
 @hsq_command("run")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[DATASET] [-- SERVER_ARGS]")
 @settings_options(RunFlags)
-@settings_options(WorkerSettings, skip=(*PER_WORKER, *NODE_DECIDES))
+@settings_options(WorkerTuning)
 @dataset_options
 def run(args: tuple[str, ...], **values: Any) -> None:
     """Run a whole node's share of a run: Redis, servers, workers, live view. Safe to rerun.
 
     Without a Redis (--redis-url-file, HSQ_REDIS_URL, REDIS_URL) it starts its own under
     OUT/.hsq/ (AOF, a generated password), so a re-run after a crash resumes. One server
-    per GPU group (SGLang through `hsq launch-sglang`) or reference server on CPU, one
-    worker each; arguments after `--` go to every server. Exit 0 all done, 1 some samples
-    dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand back and stop; twice: now).
+    per GPU group (SGLang through `hsq launch-sglang`, vLLM through `hsq launch-vllm`) or
+    reference server on CPU, one worker each; arguments after `--` go to every server. Exit
+    0 all done, 1 some samples dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand
+    back and stop; twice: now).
 
     \b
     Example:
       hsq run data.jsonl --out out/                       # CPU: the tiny reference model
       hsq run data.jsonl --out /shared/hs --model /models/qwen3-8b          # 8 GPUs, TP 1
       hsq run data.jsonl --out /shared/hs --model /models/kimi-k2.5 --tp 8  # one TP-8 server
+      hsq run data.jsonl --out /shared/hs --model /models/llama --engine vllm  # vLLM
       hsq run --join --run data --out /scratch/n2 --redis-url-file F --model M  # 2nd node
     """
     import socket
 
-    from hsq.node.node import NodeJob, run_node, serve_redis_only
+    from hsq.node.node import NodeJob, dataset_enqueue, report_node, run_node, serve_redis_only
     from hsq.node.plan import (
         REFERENCE,
         persist_procs_each,
@@ -160,11 +162,8 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     f = take(RunFlags, values)
     if f.redis_only:
         sys.exit(serve_redis_only(f.out))
-    worker = take(
-        WorkerSettings, values, run="-", server="http://127.0.0.1", dump_dir=Path("-"),
-        redis_url="-", name=None, burst=True, server_kind="sglang", served_model=None,
-    )  # fmt: skip
-    worker.validate()
+    tuning = take(WorkerTuning, values)  # each worker's, checked before anything starts
+    tuning.validate()
     data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
     server_args = tuple(server_args_for(str(data.settings.get("store_dtype", "")), server_args))
@@ -177,34 +176,25 @@ def run(args: tuple[str, ...], **values: Any) -> None:
             "--join needs the Redis of the run: --redis-url-file FIRST_OUT/.hsq/redis-url"
         )
     plan = plan_node(
-        requested=f.server_kind, model=f.model, gpus_flag=f.gpus, tp=f.tp, servers=f.servers,
+        requested=f.engine, model=f.model, gpus_flag=f.gpus, tp=f.tp, servers=f.servers,
         sglang=sglang_importable(), visible=visible_gpus(),
     )  # fmt: skip
     if plan.kind == REFERENCE:  # before Redis or any server starts
-        extras.require("reference", "hsq run --server reference")
+        extras.require("reference", "hsq run --engine reference")
 
-    def enqueue(store: Any) -> list[str]:
-        assert dataset is not None
-        report = enqueue_dataset(store, dataset, f.out, data, progress=False)
-        bad = sum(report.invalid.values())
-        line = (
-            f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
-            f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
-            f"{report.dead} dead)"
-        )
-        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
-
-    if worker.persist_procs is None:  # the host's cores shared by this node's workers
-        worker = dataclasses.replace(worker, persist_procs=persist_procs_each(len(plan.servers)))
+    if tuning.persist_procs is None:  # the host's cores shared by this node's workers
+        tuning = dataclasses.replace(tuning, persist_procs=persist_procs_each(len(plan.servers)))
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,
-        enqueue=None if f.join else enqueue,
-        worker_argv=as_argv(worker, skip=(*PER_WORKER, *NODE_DECIDES, "metrics_port")),
+        enqueue=None if dataset is None else dataset_enqueue(dataset, f.out, data),
+        worker_argv=as_argv(tuning),
         server_args=server_args,
-        metrics_port=worker.metrics_port,
+        metrics_port=f.metrics_port,
         node=f.node_name or socket.gethostname().split(".")[0],
         max_restarts=f.max_server_restarts, json=f.json, verify=f.verify, stay=f.stay,
         url_file=f.access.redis_url_file,
         listen=listen_of(f.listen, url),
     )  # fmt: skip
-    sys.exit(run_node(job))
+    outcome = run_node(job)
+    report_node(job, outcome)
+    sys.exit(outcome.rc)

@@ -16,7 +16,7 @@ from hsq.cli.flags import MountedOut, RedisFlags, RunName
 from hsq.cli.options import settings_options, take
 from hsq.errors import EXIT_PROBLEMS
 from hsq.settings import setting
-from hsq.workers.settings import SERVER_KINDS
+from hsq.workers.settings import EngineApi, ExchangeTuning
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,9 @@ def verify(**values: Any) -> None:
 
 @dataclass(frozen=True)
 class AuditFlags:
+    """The audit's own flags; how it talks to --server is a worker's (EngineApi,
+    ExchangeTuning: the same flags and variables)."""
+
     # audit_*: not HSQ_SERVER / HSQ_DUMP_DIR / HSQ_SEED, which name a worker's server and
     # dump dir and the reference server's weights, things the audit must not take by accident.
     sample_fraction: float = setting(
@@ -106,35 +109,14 @@ class AuditFlags:
     audit_seed: int | None = setting(
         None, flag="--seed", default_text="random, printed", help="which samples"
     )
-    dump_timeout_s: float = setting(
-        60.0, help="seconds to wait for a dump's `done` after the server answered"
-    )
-    audit_request_timeout_s: float = setting(
-        600.0,
-        flag="--request-timeout",
-        help="seconds a request to --server may take; also the longest wait for it to "
-        "become healthy (a server that cannot be reached fails at once)",
-    )
-    dump_dir_force: bool = setting(False, help="use a dump dir that looks shared")
-    audit_server_kind: str = setting(
-        "sglang",
-        flag="--server-kind",
-        choices=SERVER_KINDS,
-        help="--server's API, as a worker's --server-kind: sglang (/generate) or vllm "
-        "(stock vLLM with hsq's connector: /v1/completions)",
-    )
-    audit_served_model: str | None = setting(
-        None,
-        flag="--served-model",
-        default_text="the server's only model",
-        help="vLLM only: the `model` of each completions request (--served-model-name)",
-    )
 
 
 @hsq_command("audit")
 @settings_options(RunName)
 @settings_options(RedisFlags)
 @settings_options(AuditFlags)
+@settings_options(EngineApi)
+@settings_options(ExchangeTuning)
 @settings_options(MountedOut)
 def audit(**values: Any) -> None:
     """Re-extract a random subset of done samples alone and compare with the stored states.
@@ -156,11 +138,13 @@ def audit(**values: Any) -> None:
           --dump-dir /dev/shm/hsq-audit --requeue
       # a vLLM server (hsq launch-vllm) of its own:
       hsq audit --run kimi-v1 --sample-fraction 0.01 --server http://127.0.0.1:8009 \\
-          --server-kind vllm --dump-dir /dev/shm/hsq-audit
+          --engine vllm --dump-dir /dev/shm/hsq-audit
     """
     extras.require("reference", "hsq audit")  # it compares states as tensors (torch)
     from hsq.ops.audit import run_audit
 
+    api, exchange = take(EngineApi, values), take(ExchangeTuning, values)
+    exchange.validate()
     st = take(RedisFlags, values).run_store(take(RunName, values).run)
     f = take(AuditFlags, values)
     mounted = take(MountedOut, values)
@@ -178,11 +162,8 @@ def audit(**values: Any) -> None:
             out_root=mounted.run_dir(st),
             seed=f.audit_seed,
             do_requeue=f.requeue,
-            dump_timeout_s=f.dump_timeout_s,
-            request_timeout_s=f.audit_request_timeout_s,
-            dump_dir_force=f.dump_dir_force,
-            server_kind=f.audit_server_kind,
-            served_model=f.audit_served_model,
+            api=api,
+            exchange=exchange,
             on_progress=bar.update,
             on_total=set_total,
         )

@@ -48,7 +48,7 @@ def launch_vllm(ctx: click.Context, /, **values: Any) -> None:
     Sets extract_hidden_states with the aux layers (plus the final layer), hsq's connector,
     --no-enable-prefix-caching and --enable-prompt-tokens-details; extra arguments go to
     vLLM unchanged, bar those that would give wrong dumps. Then execs vLLM. Run the worker
-    with --server-kind vllm (docs/vllm.md). hsq's --log-level and --log-format go before
+    with --engine vllm (docs/vllm.md). hsq's --log-level and --log-format go before
     the command here: after it, they are vLLM's.
 
     \b

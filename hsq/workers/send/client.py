@@ -108,7 +108,7 @@ class ServerClient:
 def make_client(
     kind: str, base_url: str, *, request_timeout: float, model: str | None = None
 ) -> ServerClient:
-    """The client for a server kind (WorkerSettings.server_kind): same errors, same answer."""
+    """The client for an engine's API (EngineApi.engine): same errors, same answer."""
     if kind == "vllm":
         from hsq.workers.send.vllm_client import VllmClient
 
