@@ -17,6 +17,7 @@ By aggregate, each in its module, sharing one Fence (fence.py) per store:
     ledger.py      Ledger: done (through a DoneCodec), dead letter, crash counts
     workers.py     WorkerRegistry: registration and heartbeats
     lifecycle.py   Lifecycle: the enqueue lock, begin/end enqueue, lost samples, purge
+    spool.py       Spool: a streamed run's byte reservations, consumer groups, commits
     facade.py      Store: all of them in one object
     roles.py       what each consumer needs (WorkerStore, Claimer, DoneMarker, BatchMarker)
     memory.py      MemoryStore: an in-memory fake of the worker's roles, for unit tests
@@ -36,6 +37,7 @@ from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
 from hsq.store.roles import BatchMarker, Claimer, DoneMarker, WorkerStore
+from hsq.store.spool import Delivery, GroupInfo, Spool
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
@@ -47,9 +49,11 @@ __all__ = [
     "Client",
     "ConfigIndex",
     "Counters",
+    "Delivery",
     "DoneCodec",
     "DoneMarker",
     "Fence",
+    "GroupInfo",
     "JobQueue",
     "Ledger",
     "Lifecycle",
@@ -57,6 +61,7 @@ __all__ = [
     "MemoryStore",
     "RunListing",
     "SampleRef",
+    "Spool",
     "Stats",
     "Store",
     "WorkerRegistry",

@@ -14,7 +14,7 @@ operator's) while a worker writes through another, as in production:
     operator.enqueue([refs])
 
 Not modelled: heartbeats expiring (reap finds no dead worker), the run's totals and
-counters, the dataset index.
+counters, the dataset index, a streamed run's consumers (the stream is a list of ids).
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ class MemoryRun(Generic[E]):
     dead: dict[str, dict[str, Any]] = field(default_factory=dict)
     crashes: Counter[str] = field(default_factory=Counter)
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    spool: dict[str, int] = field(default_factory=dict)
+    """A streamed run's reservations (the real store's spool hash)."""
+    published: list[str] = field(default_factory=list)
+    """A streamed run's stream: a sample id per done mark."""
     changed: threading.Condition = field(default_factory=threading.Condition)
     """Held while reading or writing any of the above; notified when a job is queued or the
     run is purged."""
@@ -58,6 +62,8 @@ class MemoryRun(Generic[E]):
         self.cfg = None
         for part in (self.main, self.retry, self.wip, self.done, self.dead, self.crashes):
             part.clear()
+        self.spool.clear()
+        self.published.clear()
         self.workers.clear()
 
 
@@ -250,6 +256,8 @@ class MemoryStore(Generic[E]):
                 if newly:
                     self.state.done[sid] = entry
                     self.state.dead.pop(sid, None)  # done and dead stay disjoint
+                    if self.state.cfg is not None and self.state.cfg.streamed:
+                        self.state.published.append(sid)  # published iff done
                 out.append(newly)
             return out
 
@@ -282,6 +290,28 @@ class MemoryStore(Generic[E]):
             self._fence()
             if sample_id not in self.state.done:
                 self.state.dead[sample_id] = dead_entry(reason, message, attempts, worker)
+                self.state.spool.pop(sample_id, None)  # a dead sample has no file
+
+    def spool_settled(self) -> bool:
+        with self._lock:
+            return not self.state.spool
+
+    def reserve_spool(self, sample_id: str, nbytes: int | None) -> bool:
+        """As the real store's: against the config's budget, once per sample; a sample
+        always fits an empty spool. (The fake does not set a done sample's reservation
+        to its file's size: it knows no entry's bytes.)"""
+        with self._lock:
+            self._fence()
+            cfg = self.state.cfg
+            budget = cfg.spool_budget if cfg is not None else None
+            if not budget or sample_id in self.state.spool:
+                return True
+            n = budget if nbytes is None else nbytes
+            total = sum(self.state.spool.values())
+            if total > 0 and total + n > budget:
+                return False
+            self.state.spool[sample_id] = n
+            return True
 
     def record_crash(self, sample_id: str) -> int:
         with self._lock:
