@@ -29,7 +29,7 @@ def check_store_dtype(name: str) -> str:
 _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 DEFAULT_GROUP = "train"
-HEADER_ALLOWANCE = 16 * 2**10
+HEADER_ALLOWANCE = 4 * 2**10
 """Bytes an output file holds besides its tensors (the safetensors header and metadata),
 at most: a reservation's margin before the file's real size replaces it."""
 

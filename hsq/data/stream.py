@@ -38,6 +38,7 @@ group has nothing more for this consumer. Ranks end independently (docs/training
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -65,7 +66,9 @@ STATE_VERSION = 1
 POSITION = "_hsq_stream_position"
 """The key StreamingDataLoader's workers put on each item (taken off before it is yielded)."""
 REJECT_REASON = "output_corrupt"
-READ_BATCH = 16
+READ_BATCH = 2
+"""Entries one XREADGROUP takes: few, so that one consumer (a DataLoader worker, a rank)
+does not hold entries another one could be handing to the trainer."""
 MAX_BACKOFF_S = 5.0
 
 
@@ -309,6 +312,10 @@ def requeue_rejected(store: RunStore, sample_id: str) -> bool:
     return True
 
 
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+"""torch >= 2.6: DataLoader(in_order=False) yields whichever worker's batch is ready."""
+
+
 class _Marked:
     """A batch with the stream positions of its items (crosses the worker pipe)."""
 
@@ -339,6 +346,10 @@ class StreamingDataLoader(DataLoader[Any]):
 
         batched = kwargs.get("batch_size", 1) is not None
         inner = kwargs.pop("collate_fn", None) or (default_collate if batched else default_convert)
+        if kwargs.get("num_workers", 0) > 0 and _HAS_IN_ORDER:
+            # Not round-robin over the workers: one waiting for an entry (the spool full
+            # until the trainer commits) would hold back the items the others have.
+            kwargs.setdefault("in_order", False)
         dataset._marking = True
         super().__init__(dataset, *args, collate_fn=_MarkingCollate(inner), **kwargs)
         self.stream = dataset

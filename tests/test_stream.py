@@ -1,0 +1,197 @@
+"""Train while extracting, end to end: `hsq run --spool-budget` (its own redis-server, the
+reference server with the tiny model, real workers) and trainers as users write them
+(tests/support/streamtrainer.py: a StreamingHiddenStateDataset, a checkpoint and a commit
+every few items), killed with SIGKILL mid-stream and started again from their last
+checkpoint.
+
+Proved each time: every sample trained exactly once (the last checkpoint's list), the
+spool never above its budget plus one file (watched on disk and in Redis throughout),
+every file removed once committed, nothing left reserved, `hsq run` exits 0 once all is
+committed. Waits for events, never for time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from hsq.producer.synthetic import write_synthetic
+from tests.helpers import wait_until
+from tests.run_helpers import Node, no_node_left, run_store
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="process groups"),
+    pytest.mark.timeout(300),
+    pytest.mark.usefixtures(no_node_left.__name__),
+]
+
+SAMPLES = 24
+BUDGET = 44 * 1024
+"""The tiny model's outputs of these samples are about 4x this (checked below)."""
+
+
+class Trainer:
+    """tests/support/streamtrainer.py as its own process group (its DataLoader workers die
+    with it)."""
+
+    def __init__(self, tmp: Path, out: Path, tag: str, *extra: str, group: str = "train") -> None:
+        self.ckpt = tmp / f"{tag}.ckpt.json"
+        self.progress = tmp / f"{tag}.progress"
+        self.log = tmp / f"{tag}.log"
+        self.argv = [
+            sys.executable, "-m", "tests.support.streamtrainer", "--run", "data",
+            "--redis-url-file", str(out / ".hsq" / "redis-url"), "--ckpt", str(self.ckpt),
+            "--group", group, "--progress", str(self.progress), *extra,
+        ]  # fmt: skip
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as log:
+            return subprocess.Popen(
+                self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def received(self) -> int:
+        return len(self.progress.read_text().split()) if self.progress.exists() else 0
+
+    def kill_9_and_restart(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.proc = self._start()
+
+    def wait(self) -> list[str]:
+        try:
+            rc = self.proc.wait(240)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"trainer still running:\n{self.log.read_text()}") from None
+        assert rc == 0, self.log.read_text()
+        ckpt = json.loads(self.ckpt.read_text())
+        assert ckpt.get("finished")
+        return list(ckpt["trained"])
+
+
+class Watch:
+    """The spool's peak, on disk (the run's output files) and in Redis, all through."""
+
+    def __init__(self, out: Path) -> None:
+        self.run_dir = out / "data"
+        self.out = out
+        self.peak_disk = 0
+        self.largest = 0
+        self.sizes: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            total = 0
+            for p in self.run_dir.rglob("*.safetensors") if self.run_dir.exists() else []:
+                try:
+                    size = p.stat().st_size
+                except FileNotFoundError:
+                    continue  # removed after its commit while we looked
+                total += size
+                self.sizes[p.name] = size
+                self.largest = max(self.largest, size)
+            self.peak_disk = max(self.peak_disk, total)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, SAMPLES, seed=3, min_len=4, max_len=32)
+    return ds
+
+
+def start_run(tmp: Path, ds: Path, *extra: str) -> tuple[Node, Path, Watch]:
+    out = tmp / "out"
+    node = Node(tmp, "run", str(ds), "--out", str(out), "--servers", "1", "--chunk-size", "4",
+                "--spool-budget", f"{BUDGET // 1024}K", "--json", *extra)  # fmt: skip
+    return node, out, Watch(out)
+
+
+def all_ids(ds: Path) -> set[str]:
+    return {json.loads(x)["id"] for x in ds.read_text().splitlines() if x}
+
+
+def finish(node: Node, out: Path, watch: Watch) -> None:
+    """`hsq run` exits 0 with everything done; nothing is left on disk or reserved."""
+    assert node.wait(240) == 0, node.output()
+    watch.stop()
+    status = node.summary()["status"]
+    assert isinstance(status, dict) and status["done"] == SAMPLES and status["dead"] == 0
+    assert not list((out / "data").rglob("*.safetensors"))  # every file removed
+    # The outputs were about 4x the budget, and the spool never held more than the
+    # budget plus one file.
+    assert sum(watch.sizes.values()) >= 3 * BUDGET, sum(watch.sizes.values())
+    assert 0 < watch.peak_disk <= BUDGET + watch.largest, (watch.peak_disk, watch.largest)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["in-process", "2-dataloader-workers"])
+def test_a_trainer_killed_mid_stream_trains_every_sample_once(
+    tmp_path: Path, dataset: Path, workers: int
+) -> None:
+    node, out, watch = start_run(tmp_path, dataset)
+    st = run_store(out, "data")
+    wait_until(lambda: st.spool.published() >= 2, 180, interval=0.05)
+    trainer = Trainer(tmp_path, out, "t", "--every", "3", "--workers", str(workers))
+    # Killed once it received items past a checkpoint: some committed, some not.
+    wait_until(lambda: trainer.ckpt.exists() and trainer.received() >= 7, 180, interval=0.02)
+    trainer.kill_9_and_restart()
+    trained = trainer.wait()
+    assert Counter(trained) == Counter(all_ids(dataset))  # every sample once
+    finish(node, out, watch)
+
+
+def test_two_groups_each_train_every_sample_and_a_file_stays_until_both_committed(
+    tmp_path: Path, dataset: Path
+) -> None:
+    node, out, watch = start_run(tmp_path, dataset, "--consumers", "train,ablate")
+    st = run_store(out, "data")
+    train = Trainer(tmp_path, out, "train", "--every", "2")
+    # `train` commits what the spool holds; with `ablate` not reading, nothing is removed.
+    wait_until(lambda: train.received() >= 3 and train.ckpt.exists(), 180, interval=0.02)
+    committed = json.loads(train.ckpt.read_text())["trained"]
+    on_disk = {p.name.removesuffix(".safetensors") for p in (out / "data").rglob("*.safetensors")}
+    assert set(committed) <= on_disk  # committed by one group of two: still there
+    assert not st.client.scard(st.keys.consumed)
+    train.kill_9_and_restart()
+    ablate = Trainer(tmp_path, out, "ablate", "--every", "2", group="ablate")
+    assert Counter(train.wait()) == Counter(all_ids(dataset))
+    assert Counter(ablate.wait()) == Counter(all_ids(dataset))
+    finish(node, out, watch)
+
+
+def test_a_corrupt_file_is_dead_lettered_extracted_again_and_delivered(
+    tmp_path: Path, dataset: Path
+) -> None:
+    node, out, watch = start_run(tmp_path, dataset)
+    st = run_store(out, "data")
+    wait_until(lambda: st.spool.published() >= 2, 180, interval=0.05)
+    first = next(iter(st.iter_hash_keys(st.keys.done)))
+    path = next((out / "data").rglob(f"{first}.safetensors"))
+    with open(path, "r+b") as f:  # same size, other bytes: the checksum tells
+        f.seek(path.stat().st_size - 8)
+        f.write(b"\xff" * 8)
+    trainer = Trainer(tmp_path, out, "t", "--every", "4")
+    trained = trainer.wait()
+    assert Counter(trained) == Counter(all_ids(dataset))  # delivered, once: the new file
+    text = trainer.log.read_text()
+    assert "stream_output_rejected" in text and first in text and "checksum" in text
+    assert "stream_output_requeued" in text
+    finish(node, out, watch)
