@@ -133,7 +133,9 @@ def finish(node: Node, out: Path, watch: Watch) -> None:
     """`hsq run` exits 0 with everything done; nothing is left on disk or reserved."""
     assert node.wait(240) == 0, node.output()
     watch.stop()
-    status = node.summary()["status"]
+    summary = node.summary()
+    assert str(summary["stream"]).startswith("stream   every sample committed by every group")
+    status = summary["status"]
     assert isinstance(status, dict) and status["done"] == SAMPLES and status["dead"] == 0
     assert not list((out / "data").rglob("*.safetensors"))  # every file removed
     # The outputs were about 4x the budget, and the spool never held more than the

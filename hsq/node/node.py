@@ -28,6 +28,7 @@ import click
 from hsq.errors import EXIT_OK, EXIT_PROBLEMS
 from hsq.node.plan import NodePlan
 from hsq.node.redis import DirLock, start_private_redis, state_dir
+from hsq.node.stream import StreamView
 from hsq.node.supervisor import Supervisor
 from hsq.node.view import PairView, Screen, duration
 from hsq.ops.status import RunStatus, run_status
@@ -96,7 +97,13 @@ def _pairs(sup: Supervisor) -> list[PairView]:
     ]
 
 
-def _supervise(store: RunStore, sup: Supervisor, screen: Screen, stop: Interrupts) -> RunStatus:
+def _supervise(
+    store: RunStore,
+    sup: Supervisor,
+    screen: Screen,
+    stop: Interrupts,
+    stream: StreamView | None = None,
+) -> RunStatus:
     t0 = time.monotonic()
     handed_back = False
     while True:
@@ -118,6 +125,8 @@ def _supervise(store: RunStore, sup: Supervisor, screen: Screen, stop: Interrupt
             screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
             return st
         screen.show(st, _pairs(sup), time.monotonic() - t0)
+        if stream is not None and (line := stream.tick()) is not None:
+            screen.event(line)
         time.sleep(POLL_S)
     st = run_status(store)
     screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
@@ -233,8 +242,11 @@ def run_node(job: NodeJob) -> int:
         stack.callback(sup.shutdown, lambda: stop.count >= 2)
         before = run_status(store)
         active_t0 = time.monotonic()
+        cfg = store.require_config()
+        stream = StreamView(store, cfg, run_dir) if cfg.streamed else None
         sup.start()
-        st = _supervise(store, sup, Screen(), stop)
+        st = _supervise(store, sup, Screen(), stop, stream)
+        stream_summary = None if stream is None else stream.summary()
         rate = Rate.between(before, st, time.monotonic() - active_t0)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
     elapsed = time.monotonic() - t0
@@ -246,6 +258,7 @@ def run_node(job: NodeJob) -> int:
             "run": job.run, "exit_code": rc, "elapsed_s": round(elapsed, 1),
             "outputs": str(run_dir), "redis_url_file": None if url_file is None else str(url_file),
             "interrupted": bool(stop.count), "active_s": round(rate.seconds, 3),
+            "stream": stream_summary,
             "status": {**st.to_dict(), **rate.to_dict()},
             "verified": None if verified is None else {
                 "checked": verified.checked, "ok": verified.ok, "problems": verified.problems
@@ -255,6 +268,8 @@ def run_node(job: NodeJob) -> int:
         return rc
     for line in _summary_lines(job, st, stop, elapsed, verified, auth, rate):
         echo(line)
+    if stream_summary is not None:
+        echo(stream_summary)
     echo(f"outputs  {run_dir}")
     echo("next")
     if url_file is not None:
