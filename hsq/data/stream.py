@@ -38,6 +38,7 @@ group has nothing more for this consumer. Ranks end independently (docs/training
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import time
@@ -204,12 +205,8 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         cfg = self._config()
         spool = self.store.spool
         for consumer, last in positions.items():
-            _retrying(
-                "commit",
-                lambda c=consumer, last_id=last: spool.commit(
-                    self.group, c, last_id, len(cfg.groups), cfg.keep_after_commit
-                ),
-            )
+            args = (self.group, consumer, last, len(cfg.groups), cfg.keep_after_commit)
+            _retrying("commit", functools.partial(spool.commit, *args))
         _retrying("remove committed files", lambda: remove_committed(self.store, self.run_dir))
 
     def record(self, consumer: str, entry_id: str) -> None:
@@ -244,7 +241,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         spool, group = self.store.spool, self.group
         while True:  # first this consumer's own pending entries after `after`, in order
             got = _retrying(
-                "read", lambda a=after: spool.read(group, consumer, READ_BATCH, None, a)
+                "read", functools.partial(spool.read, group, consumer, READ_BATCH, None, after)
             )
             if not got:
                 break
@@ -253,11 +250,9 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         block_ms = max(1, int(self.poll_s * 1000))
         while True:
             finished = _retrying("look at the run", spool.extraction_finished)
+            wait = None if finished else block_ms
             got = _retrying(
-                "read",
-                lambda wait=None if finished else block_ms: spool.read(
-                    group, consumer, READ_BATCH, wait, None
-                ),
+                "read", functools.partial(spool.read, group, consumer, READ_BATCH, wait, None)
             )
             if got:
                 yield from got
@@ -330,8 +325,9 @@ class _MarkingCollate:
 
     def __call__(self, data: Any) -> _Marked:
         items = data if isinstance(data, list) else [data]
-        positions = [tuple(item.pop(POSITION)) for item in items if POSITION in item]
-        return _Marked(self.inner(data), positions)  # type: ignore[arg-type]
+        positions = [(str(c), str(e)) for item in items if POSITION in item
+                     for c, e in [item.pop(POSITION)]]  # fmt: skip
+        return _Marked(self.inner(data), positions)
 
 
 class StreamingDataLoader(DataLoader[Any]):
@@ -351,7 +347,8 @@ class StreamingDataLoader(DataLoader[Any]):
             # until the trainer commits) would hold back the items the others have.
             kwargs.setdefault("in_order", False)
         dataset._marking = True
-        super().__init__(dataset, *args, collate_fn=_MarkingCollate(inner), **kwargs)
+        kwargs["collate_fn"] = _MarkingCollate(inner)
+        super().__init__(dataset, *args, **kwargs)
         self.stream = dataset
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]

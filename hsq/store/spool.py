@@ -88,7 +88,7 @@ class Spool:
     ) -> list[Delivery]:
         """New entries for this consumer (`after` None), or its own pending ones after the
         entry id `after` ("0": all of them), in id order."""
-        reply = self.client.xreadgroup(
+        reply: Any = self.client.xreadgroup(
             group,
             consumer,
             {self.keys.ready: ">" if after is None else after},
@@ -147,7 +147,8 @@ class Spool:
     # ------------------------------------------------------------------ removal
     def removals(self, limit: int = 1000) -> list[str]:
         """Samples every group committed whose file is still to be removed."""
-        return [text(x) for x in self.client.srandmember(self.keys.spool_gc, limit) or []]
+        members: Any = self.client.srandmember(self.keys.spool_gc, limit)
+        return [text(x) for x in members or []]
 
     def removed(self, sample_id: str) -> bool:
         """The sample's file is gone: release its reservation (once; False if done before)."""
