@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -196,4 +197,61 @@ def test_a_corrupt_file_is_dead_lettered_extracted_again_and_delivered(
     text = trainer.log.read_text()
     assert "stream_output_rejected" in text and first in text and "checksum" in text
     assert "stream_output_requeued" in text
+    finish(node, out, watch)
+
+
+def spool_matches_disk(out: Path) -> None:
+    """The accounting invariant, read while nothing runs: every output file on disk is a
+    done sample with a reservation of exactly its size; every done sample's reservation
+    is its file; what else is reserved is in flight (not done: no file yet)."""
+    st = run_store(out, "data")
+    reserved = st.spool.reserved()
+    files = {p.name.removesuffix(".safetensors"): p.stat().st_size
+             for p in (out / "data").rglob("*.safetensors")}  # fmt: skip
+    done = set(st.iter_hash_keys(st.keys.done))
+    consumed = {x.decode() for x in st.client.smembers(st.keys.consumed)}
+    assert all(reserved.get(sid) == size for sid, size in files.items()), (files, reserved)
+    in_files = {sid: n for sid, n in reserved.items() if sid in done}
+    assert in_files == {sid: files[sid] for sid in in_files}, (in_files, files)
+    assert not set(files) & consumed
+    assert st.spool.spool_bytes() == sum(reserved.values())
+
+
+def test_kills_of_the_run_and_the_trainer_at_random_points_leak_no_reservation(
+    tmp_path: Path, dataset: Path
+) -> None:
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    print("seed", seed)  # shown when the test fails
+    args = [str(dataset), "--out", str(tmp_path / "out"), "--servers", "1", "--chunk-size",
+            "4", "--spool-budget", f"{BUDGET // 1024}K", "--json"]  # fmt: skip
+    out = tmp_path / "out"
+    node = Node(tmp_path, "first", *args)
+    watch = Watch(out)
+    st = run_store(out, "data")
+    wait_until(lambda: st.spool.published() >= 1, 180, interval=0.02)
+    trainer = Trainer(tmp_path, out, "t", "--every", "2")
+    at = rng.randrange(2, 8)
+    wait_until(lambda: trainer.received() >= at, 180, interval=0.01)
+    trainer.kill_9_and_restart()
+    at = rng.randrange(1, 10)
+    wait_until(lambda: st.spool.published() >= min(SAMPLES, 3 + at), 180, interval=0.01)
+    os.killpg(node.proc.pid, signal.SIGKILL)  # hsq run, its redis, server and worker
+    node.wait(30)
+    os.killpg(trainer.proc.pid, signal.SIGKILL)
+    trainer.proc.wait(30)
+    redis_only = Node(tmp_path, "redis-only", "--out", str(out), "--redis-only")
+    wait_until(lambda: "Ctrl-C stops it" in redis_only.output(), 60, interval=0.05)
+    spool_matches_disk(out)
+    os.killpg(redis_only.proc.pid, signal.SIGINT)
+    assert redis_only.wait(30) == 0
+    node = Node(tmp_path, "again", *args)
+    trainer.proc = trainer._start()
+    at = trainer.received() + rng.randrange(1, 6)
+    wait_until(lambda: trainer.received() >= min(at, SAMPLES) or trainer.proc.poll() is not None,
+               180, interval=0.01)  # fmt: skip
+    if trainer.proc.poll() is None:
+        trainer.kill_9_and_restart()
+    assert Counter(trainer.wait()) == Counter(all_ids(dataset)), seed
     finish(node, out, watch)
