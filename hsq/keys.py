@@ -27,6 +27,20 @@ Per run R (a name matching RUN_NAME_RE):
     hsq:run:R:worker:W            HASH  worker W's heartbeat and state (expires HEARTBEAT_TTL_S
                                         after the last heartbeat: liveness)
     hsq:run:R:wip:W               LIST  job ids worker W holds (reliable-queue pattern)
+    hsq:run:R:ready               STREAM a streamed run's (spool_budget set) done samples, one
+                                        entry (id, tokens, bytes) per done mark, added by the
+                                        mark's script; its consumer groups are the run's
+                                        `consumers` (created with the config, from id 0)
+    hsq:run:R:spool               HASH  sample id -> bytes reserved for its output (reserved
+                                        before dispatch, set to the file's size when done,
+                                        released when the file is removed or the sample
+                                        dead); the sum is the stats hash's `spool_bytes`
+    hsq:run:R:acks                HASH  stream entry id -> groups that committed it (removed
+                                        when every group has)
+    hsq:run:R:spool-gc            SET   sample ids every group committed, whose file is to be
+                                        removed and reservation released (idempotent)
+    hsq:run:R:consumed            SET   sample ids whose file was removed after every group
+                                        committed it (done, trained, no file by design)
     rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
     rq:job:hsq-R-<16 hex>-n<count> HASH RQ job (JSON serializer): the chunk's samples; the
@@ -82,7 +96,8 @@ JOB_COUNT_DIGITS = 9
 ACL_COMMANDS = (
     "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
     "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
-    "+lpush +rpush +lpos +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard"
+    "+lpush +rpush +lpos +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard "
+    "+xadd +xreadgroup +xack +xpending +xrange +xgroup|create +xinfo|groups +xlen +scard"
 )
 """What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
 the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""
@@ -176,6 +191,26 @@ class RunKeys:
     def reaper(self) -> str:
         return self._prefix + "reaper"
 
+    @property
+    def ready(self) -> str:
+        return self._prefix + "ready"
+
+    @property
+    def spool(self) -> str:
+        return self._prefix + "spool"
+
+    @property
+    def acks(self) -> str:
+        return self._prefix + "acks"
+
+    @property
+    def spool_gc(self) -> str:
+        return self._prefix + "spool-gc"
+
+    @property
+    def consumed(self) -> str:
+        return self._prefix + "consumed"
+
     def worker(self, worker_id: str) -> str:
         return self._prefix + "worker:" + worker_id
 
@@ -234,6 +269,11 @@ class RunKeys:
             self.enqueue_lock,
             self.reaper,
             self.rq_registry,
+            self.ready,
+            self.spool,
+            self.acks,
+            self.spool_gc,
+            self.consumed,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from hsq import jsonsafe
 from hsq.errors import ConfigError
 from hsq.settings import int_list_or_none, setting
-from hsq.states import BF16, STORE_DTYPES
+from hsq.states import BF16, FP8, STORE_DTYPES
 
 DEFAULT_MAX_ATTEMPTS = 3
 DEFAULT_CHUNK_SIZE = 16
@@ -23,6 +24,38 @@ def check_store_dtype(name: str) -> str:
     if name not in STORE_DTYPES:
         raise ConfigError(f"store dtype must be one of {', '.join(STORE_DTYPES)}, not {name!r}")
     return name
+
+
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+DEFAULT_GROUP = "train"
+HEADER_ALLOWANCE = 4 * 2**10
+"""Bytes an output file holds besides its tensors (the safetensors header and metadata),
+at most: a reservation's margin before the file's real size replaces it."""
+
+
+def parse_size(text: str) -> int:
+    """ "64G" -> 64 GiB in bytes; plain digits are bytes; K/M/G/T are powers of 1024."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise ValueError(f"a size is bytes or a number with K/M/G/T, not {text!r}") from None
+    if n < 0:
+        raise ValueError(f"a size is not negative: {text!r}")
+    return int(n * _SIZE_UNITS[unit])
+
+
+def parse_groups(text: str) -> list[str] | None:
+    """ "train,ablate" -> ["train", "ablate"]: consumer group names, each a plain name."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for name in names:
+        if not GROUP_RE.fullmatch(name):
+            raise ValueError(f"consumer group {name!r} must match {GROUP_RE.pattern}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"consumer groups named twice: {text!r}")
+    return names or None
 
 
 @dataclass(frozen=True)
@@ -76,12 +109,61 @@ class RunConfig:
     )
     """Runs recorded before the field existed read as False, which is what they stored."""
 
+    spool_budget: int | None = setting(
+        None,
+        parse=parse_size,
+        help="stream the run: bytes of finished, not yet committed outputs on disk at most "
+        "(K/M/G/T suffixes); workers stop claiming while it is full, and each output is "
+        "removed once every consumer group committed it (hsq.data.StreamingHiddenStateDataset)",
+    )
+    """None or 0: no stream, an offline run (every output stays)."""
+    consumers: list[str] | None = setting(
+        None,
+        parse=parse_groups,
+        default_text="train",
+        help="a streamed run's consumer groups (comma-separated): each gets every sample once",
+    )
+    keep_after_commit: bool = setting(
+        False, help="a streamed run keeps each output after every group committed it"
+    )
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.spool_budget)
+
+    @property
+    def groups(self) -> list[str]:
+        """The consumer groups of a streamed run (none for an offline one)."""
+        if not self.streamed:
+            return []
+        return list(self.consumers or [DEFAULT_GROUP])
+
+    def spool_bytes_per_token(self) -> int | None:
+        """Bytes per token of an output file's tensors (exact for the store dtype, the
+        layers and the pre-norm state), or None while the layers or hidden size are not
+        known yet (pinned by the first valid dump)."""
+        if self.layer_ids is None or self.hidden_size is None:
+            return None
+        states = len(self.layer_ids) + 1 + int(self.prenorm)
+        if self.store_dtype == FP8:  # one byte a value, a float32 scale per row and tensor
+            per = states * self.hidden_size + 4 * (len(self.layer_ids) + 1 + int(self.prenorm))
+        else:
+            per = states * self.hidden_size * 2
+        return per + 16  # input_ids and loss_mask: int64 each
+
+    def spool_estimate(self, tokens: int) -> int | None:
+        """The bytes to reserve for a sample's output (None: not known yet)."""
+        per = self.spool_bytes_per_token()
+        return None if per is None else tokens * per + HEADER_ALLOWANCE
+
     def validate(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError("--max-attempts must be >= 1")
         if not 1 <= self.chunk_size <= 4096:
             raise ConfigError("--chunk-size must be within [1, 4096]")
         check_store_dtype(self.store_dtype)
+        if self.spool_budget is not None and self.spool_budget < 0:
+            raise ConfigError("--spool-budget must be >= 0")
 
     def to_redis(self) -> dict[str, str]:
         # Unset fields are left out, so workers can pin them atomically with HSETNX.
@@ -102,7 +184,7 @@ class RunConfig:
 
     def conflicts(self, other: RunConfig) -> list[str]:
         """Settings a second `enqueue` may not change for an existing run."""
-        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype", "prenorm")
+        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype", "prenorm", "consumers")
         return [
             f"{n}: recorded {getattr(self, n)!r}, given {getattr(other, n)!r}"
             for n in names

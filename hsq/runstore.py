@@ -8,6 +8,9 @@ hsq.store.MemoryStore[ManifestEntry], instead.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from hsq.outputs.format import remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC, ManifestEntry
 from hsq.store import Client, Store
 
@@ -15,3 +18,15 @@ from hsq.store import Client, Store
 class RunStore(Store[ManifestEntry]):
     def __init__(self, client: Client, run: str) -> None:
         super().__init__(client, run, MANIFEST_CODEC)
+
+
+def remove_committed(store: RunStore, run_dir: Path) -> int:
+    """A streamed run's files every consumer group committed: removed (under `run_dir`,
+    following no link) and their reservations released. Idempotent: a crash between the
+    two is finished by the next call, from any consumer or `hsq run`. Returns files done."""
+    n = 0
+    while sids := store.spool.removals():
+        for sid in sids:
+            remove_output(run_dir, sid)
+            n += store.spool.removed(sid)
+    return n

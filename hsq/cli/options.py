@@ -50,9 +50,9 @@ def _click_type(hint: Any, doc: SettingDoc) -> Any:
         )
     if hint is int and doc.minimum is not None:
         return click.IntRange(min=doc.minimum)
-    if hint in (int, float, str):
+    if hint in (int, float, str) and doc.parse is None:
         return hint
-    return str  # parsed by the field's `parse`
+    return str  # parsed by the field's `parse` (a size such as 64G for an int)
 
 
 def _nested(f: dataclasses.Field[Any], hint: Any) -> type | None:

@@ -26,7 +26,14 @@ import structlog
 
 from hsq import jsonsafe
 from hsq.errors import OutputError
-from hsq.outputs.format import IDS_TENSOR, REQUIRED_TENSORS, SUFFIX, open_output, read_header
+from hsq.outputs.format import (
+    IDS_TENSOR,
+    REQUIRED_TENSORS,
+    SUFFIX,
+    OutputSample,
+    open_output,
+    read_header,
+)
 from hsq.states import PRENORM_TENSOR
 
 log = structlog.get_logger("hsq.data")
@@ -125,19 +132,25 @@ class HiddenStateDataset:
         out = open_output(self.root / item.relpath, raw=self.raw_fp8)
         if out.sample_id != item.sample_id:
             raise OutputError(f"{item.relpath} holds {out.sample_id!r}, not {item.sample_id!r}")
-        n = self.max_length
-        extra = {}
-        if out.last_hidden_state_prenorm is not None:
-            extra[PRENORM] = out.last_hidden_state_prenorm[:n]
-        return {
-            "id": item.sample_id,
-            "input_ids": out.input_ids[:n],
-            "loss_mask": out.loss_mask[:n],
-            "aux_hidden_states": out.aux_hidden_states[:n],
-            "last_hidden_state": out.last_hidden_state[:n],
-            **extra,
-            **{name: scale[:n] for name, scale in out.scales.items()},
-        }
+        return item_of(item.sample_id, out, self.max_length)
+
+
+def item_of(sample_id: str, out: OutputSample, max_length: int | None) -> dict[str, Any]:
+    """A dataset item from an opened output (views, no copies), T cut to `max_length`: the
+    one shape of an item, for HiddenStateDataset and StreamingHiddenStateDataset."""
+    n = max_length
+    extra = {}
+    if out.last_hidden_state_prenorm is not None:
+        extra[PRENORM] = out.last_hidden_state_prenorm[:n]
+    return {
+        "id": sample_id,
+        "input_ids": out.input_ids[:n],
+        "loss_mask": out.loss_mask[:n],
+        "aux_hidden_states": out.aux_hidden_states[:n],
+        "last_hidden_state": out.last_hidden_state[:n],
+        **extra,
+        **{name: scale[:n] for name, scale in out.scales.items()},
+    }
 
 
 def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, Any]:
@@ -156,3 +169,12 @@ def collate(batch: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
         torch.arange(out["input_ids"].shape[1])[None] < lengths[:, None]
     ).long()
     return out
+
+
+def __getattr__(name: str) -> Any:
+    # The streaming dataset imports torch and the store: only when asked for.
+    if name in ("StreamingHiddenStateDataset", "StreamingDataLoader"):
+        from hsq.data import stream
+
+        return getattr(stream, name)
+    raise AttributeError(name)

@@ -28,6 +28,7 @@ import click
 from hsq.errors import EXIT_OK, EXIT_PROBLEMS
 from hsq.node.plan import NodePlan
 from hsq.node.redis import JOIN_URL_FILE, DirLock, Listen, start_private_redis, state_dir
+from hsq.node.stream import StreamView
 from hsq.node.supervisor import Supervisor
 from hsq.node.view import PairView, Screen, duration
 from hsq.ops.status import RunStatus, run_status
@@ -106,6 +107,7 @@ def _supervise(
     stop: Interrupts,
     tend: Callable[[], object],
     causes: dict[str, str],
+    stream: StreamView | None = None,
 ) -> RunStatus:
     """Until no worker of this node runs; `causes` gets why each of them last waited."""
     t0 = time.monotonic()
@@ -138,6 +140,8 @@ def _supervise(
             screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
             return st
         screen.show(st, _pairs(sup), time.monotonic() - t0)
+        if stream is not None and (line := stream.tick()) is not None:
+            screen.event(line)
         time.sleep(POLL_S)
     st = run_status(store)
     screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
@@ -175,6 +179,8 @@ class NodeOutcome:
     """SIGINT/SIGTERM received (0: it ran to its end)."""
     causes: dict[str, str]
     """Why each worker of this node last waited (e.g. "output disk full since T")."""
+    stream_summary: str | None = None
+    """A streamed run's last line on its consumer groups (None: not streamed)."""
 
 
 def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
@@ -275,13 +281,18 @@ def run_node(job: NodeJob) -> NodeOutcome:
         stack.callback(sup.shutdown, lambda: stop.count >= 2)
         before = run_status(store)
         active_t0 = time.monotonic()
+        cfg = store.require_config()
+        stream = StreamView(store, cfg, run_dir) if cfg.streamed else None
         sup.start()
-        st = _supervise(store, sup, Screen(), stop, tend, causes)
+        st = _supervise(store, sup, Screen(), stop, tend, causes, stream)
+        stream_summary = None if stream is None else stream.summary()
         rate = Rate.between(before, st, time.monotonic() - active_t0)
         verified = _verify(store, run_dir) if job.verify and not stop.count else None
     rc = _exit_code(st, stop, verified)
     elapsed = time.monotonic() - t0
-    return NodeOutcome(rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes)
+    return NodeOutcome(
+        rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes, stream_summary
+    )
 
 
 def report_node(job: NodeJob, o: NodeOutcome) -> None:
@@ -297,6 +308,7 @@ def report_node(job: NodeJob, o: NodeOutcome) -> None:
             "outputs": str(o.run_dir),
             "redis_url_file": None if o.url_file is None else str(o.url_file),
             "interrupted": bool(o.interrupts), "active_s": round(o.rate.seconds, 3),
+            "stream": o.stream_summary,
             "status": {**o.status.to_dict(), **o.rate.to_dict()},
             "verified": None if v is None else {
                 "checked": v.checked, "ok": v.ok, "problems": v.problems
@@ -306,6 +318,8 @@ def report_node(job: NodeJob, o: NodeOutcome) -> None:
         return
     for line in _summary_lines(job, o, auth):
         echo(line)
+    if o.stream_summary is not None:
+        echo(o.stream_summary)
     echo(f"outputs  {o.run_dir}")
     echo("next")  # with OUT/.hsq/redis-url they start OUT's Redis for as long as they run
     echo(f"  hsq verify --run {job.run}{auth} --deep")

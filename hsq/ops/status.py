@@ -99,6 +99,7 @@ _CAUSE_WORDS = {
     "dump_dir_changed": "dump dir replaced",
     "hook_inactive": "server's dump hook not live",
     "worker_internal_error": "worker bug (stopping)",
+    "spool_full": "spool full (waiting for the consumers to commit)",
 }
 
 

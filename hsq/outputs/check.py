@@ -10,7 +10,15 @@ from pathlib import Path
 from hsq import jsonsafe, quant
 from hsq.dump.format import fingerprint
 from hsq.errors import OutputError
-from hsq.outputs.format import IDS_TENSOR, OUTPUT_HEADER, REQUIRED_TENSORS
+from hsq.outputs.format import (
+    IDS_TENSOR,
+    OUTPUT_HEADER,
+    REQUIRED_TENSORS,
+    OutputSample,
+    open_beneath,
+    open_output_fd,
+    output_relpath,
+)
 from hsq.outputs.manifest import ManifestEntry
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 from hsq.stfile.arrays import BITS_ONLY, open_tensors
@@ -37,6 +45,45 @@ def checksum_matches(path: Path, recorded: str) -> bool:
     except FormatError:
         return False
     return file_checksum(path, algo) == recorded
+
+
+def read_checked(
+    run_dir: Path, sample_id: str, entry: ManifestEntry, *, raw: bool = False
+) -> OutputSample:
+    """A done sample's file read as its manifest entry says it is: opened under `run_dir`
+    following no link, its size and checksum as recorded, then open_output's structure
+    checks, its sample id and token count. OutputError (in words) if any fails."""
+    shard, name = output_relpath(sample_id).split("/")
+    path = run_dir / shard / name
+    try:
+        fd = open_beneath(run_dir, shard, name, os.O_RDONLY)
+    except OSError as exc:
+        raise OutputError(f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry.bytes:
+            raise OutputError(f"{path}: {size} bytes, the manifest records {entry.bytes}")
+        try:
+            digest = Digest(checksum_algo(entry.checksum))
+        except FormatError as exc:
+            raise OutputError(f"{path}: {exc}") from exc
+        offset = 0
+        while chunk := os.pread(fd, 16 * 2**20, offset):
+            digest.update(chunk)
+            offset += len(chunk)
+        if digest.text != entry.checksum:
+            raise OutputError(f"{path}: checksum {digest.text}, the manifest records "
+                              f"{entry.checksum}")  # fmt: skip
+        fd2 = os.dup(fd)
+    finally:
+        os.close(fd)
+    out = open_output_fd(fd2, path, raw)
+    if out.sample_id != sample_id:
+        raise OutputError(f"{path} holds {out.sample_id!r}, not {sample_id!r}")
+    if out.num_tokens != entry.num_tokens:
+        raise OutputError(f"{path}: {out.num_tokens} tokens, the manifest records "
+                          f"{entry.num_tokens}")  # fmt: skip
+    return out
 
 
 def check_output(

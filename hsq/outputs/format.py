@@ -15,9 +15,11 @@ is decoded here (with hsq.quant) and nowhere else. Writing: hsq.outputs.transcod
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,12 +116,72 @@ def open_output(path: Path, *, raw: bool = False) -> OutputSample:
     are dequantized to bf16 (a copy); `raw=True` hands back the stored fp8 values and
     their scales instead.
     """
-    import torch
-
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise OutputError(f"cannot open {path}: {exc.strerror}") from exc
+    return open_output_fd(fd, path, raw)
+
+
+def open_output_under(run_dir: Path, sample_id: str, *, raw: bool = False) -> OutputSample:
+    """open_output of a sample's file under `run_dir`, following no link on the way: the
+    shard directory and the file are opened relative to `run_dir` with O_NOFOLLOW, so a
+    path an untrusted stream names cannot lead outside the run's output directory."""
+    relpath = output_relpath(sample_id)
+    shard, name = relpath.split("/")
+    path = run_dir / relpath
+    try:
+        fd = open_beneath(run_dir, shard, name, os.O_RDONLY)
+    except OSError as exc:
+        raise OutputError(f"cannot open {path}: {exc.strerror}") from exc
+    return open_output_fd(fd, path, raw)
+
+
+def remove_output(run_dir: Path, sample_id: str) -> bool:
+    """Remove a sample's file under `run_dir` without following a link (the shard
+    directory is opened with O_NOFOLLOW; unlink never follows the last component). False
+    if there was none."""
+    shard, name = output_relpath(sample_id).split("/")
+    try:
+        dfd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    try:
+        sfd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dfd)
+    try:
+        os.unlink(name, dir_fd=sfd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(sfd)
+
+
+def open_beneath(run_dir: Path, shard: str, name: str, flags: int) -> int:
+    """A descriptor of run_dir/shard/name, no link followed past run_dir; a regular file."""
+    dfd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sfd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=sfd)
+    finally:
+        os.close(sfd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
+def open_output_fd(fd: int, path: Path, raw: bool) -> OutputSample:
+    """open_output's work on an open descriptor (closed here)."""
+    import torch
+
     try:
         header = read_fd_header(fd)
         mm = map_file(fd) if header.file_size else None

@@ -52,6 +52,9 @@ RUN_SETTINGS = (
     "max_tokens",
     "store_dtype",
     "prenorm",
+    "spool_budget",
+    "consumers",
+    "keep_after_commit",
 )
 """RunConfig fields a command that enqueues takes as options (the rest: arguments, or
 recorded later)."""

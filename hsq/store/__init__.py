@@ -18,6 +18,7 @@ By aggregate, each in its module, sharing one Fence (fence.py) per store:
     ledger.py      Ledger: done (through a DoneCodec), dead letter, crash counts
     workers.py     WorkerRegistry: registration and heartbeats
     lifecycle.py   Lifecycle: the enqueue lock, begin/end enqueue, lost samples, purge
+    spool.py       Spool: a streamed run's byte reservations, consumer groups, commits
     facade.py      Store: all of them in one object
     roles.py       what each consumer needs (WorkerStore, Claimer, DoneMarker, BatchMarker,
                    StatsKeeper)
@@ -38,6 +39,7 @@ from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
 from hsq.store.roles import BatchMarker, Claimer, DoneMarker, StatsKeeper, WorkerStore
+from hsq.store.spool import Delivery, GroupInfo, Spool
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
@@ -49,9 +51,11 @@ __all__ = [
     "Client",
     "ConfigIndex",
     "Counters",
+    "Delivery",
     "DoneCodec",
     "DoneMarker",
     "Fence",
+    "GroupInfo",
     "JobQueue",
     "Ledger",
     "Lifecycle",
@@ -60,6 +64,7 @@ __all__ = [
     "RunListing",
     "RunStats",
     "SampleRef",
+    "Spool",
     "Stats",
     "StatsKeeper",
     "Store",

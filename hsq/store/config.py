@@ -26,6 +26,7 @@ from hsq.store.connection import (
 )
 from hsq.store.fence import Fence
 from hsq.store.jobs import AnyRef
+from hsq.store.spool import create_groups
 
 
 @translate_public
@@ -63,7 +64,9 @@ class ConfigIndex:
         fresh = replace(cfg, generation=secrets.token_hex(8))
         flat = [x for kv in fresh.to_redis().items() for x in kv]
         created = bool(self._create(keys=[self.keys.config, self.keys.stats], args=flat))
-        return self.require_config(), created
+        recorded = self.require_config()
+        create_groups(self.client, self.keys.ready, recorded.groups)  # a streamed run's
+        return recorded, created
 
     def pin_model(self, model_id: str, layer_ids: list[int]) -> tuple[str, list[int]]:
         """Record the model and layers of the first valid dump (atomic HSETNX); return the

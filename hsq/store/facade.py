@@ -20,6 +20,7 @@ from hsq.store.fence import Fence
 from hsq.store.ledger import DoneCodec, Ledger
 from hsq.store.lifecycle import Lifecycle
 from hsq.store.queue import JobQueue
+from hsq.store.spool import Spool
 from hsq.store.workers import WorkerRegistry
 
 E = TypeVar("E")
@@ -37,6 +38,7 @@ class Store(Generic[E]):
         self.queue = JobQueue(self.fence, self.workers)
         self.ledger: Ledger[E] = Ledger(self.fence, codec)
         self.lifecycle = Lifecycle(self.fence, self.queue, self.workers)
+        self.spool = Spool(self.fence)
         config_index = self.config_index  # the run's config and the dataset index
         self.load_config = config_index.load_config
         self.require_config = config_index.require_config
@@ -82,6 +84,8 @@ class Store(Generic[E]):
         self.dead_entries = ledger.dead_entries
         self.delete_fields = ledger.delete_fields
         self.record_crash = ledger.record_crash
+        self.reserve_spool = self.spool.reserve  # a streamed run's byte budget (spool.py)
+        self.spool_settled = self.spool.settled
         workers = self.workers  # registration, heartbeats
         self.register = workers.register
         self.heartbeat = workers.heartbeat

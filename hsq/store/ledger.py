@@ -92,9 +92,8 @@ class Ledger(Generic[E]):
     def _mark(self, entries: Sequence[tuple[str, str, E]], worker_id: str | None) -> list[int]:
         out: list[int] = []
         k = self.keys
-        keys = [k.done, k.stats, k.dead, k.dead_reasons]
-        if worker_id is not None:
-            keys.append(k.wip(worker_id))
+        wip = "" if worker_id is None else k.wip(worker_id)
+        keys = [k.done, k.stats, k.dead, k.dead_reasons, wip, k.ready, k.spool]
         for i in range(0, len(entries), MAX_MARK_BATCH):
             args: list[Any] = []
             for sid, job, e in entries[i : i + MAX_MARK_BATCH]:
@@ -145,10 +144,12 @@ class Ledger(Generic[E]):
     def to_dead(
         self, sample_id: str, reason: str, message: str, attempts: int, worker: str | None
     ) -> None:
-        # A sample already done is not dead-lettered: done and dead stay disjoint.
+        # A sample already done is not dead-lettered: done and dead stay disjoint. A dead
+        # sample's spool reservation is released in the same step (it will have no file).
+        k = self.keys
         self.fence.call(
             self._to_dead,
-            [self.keys.dead, self.keys.dead_reasons, self.keys.done],
+            [k.dead, k.dead_reasons, k.done, k.spool, k.stats],
             [sample_id, json.dumps(dead_entry(reason, message, attempts, worker)), reason],
         )
 

@@ -17,7 +17,8 @@ The stats hash is the same typed record as the real store's (RunStats): the tota
 lost samples as written, the done samples' tokens and bytes as marked (`totals` gives an
 entry's, as the real store's codec does), the queue counters counted from the queues.
 
-Not modelled: heartbeats expiring (reap finds no dead worker), the dataset index.
+Not modelled: heartbeats expiring (reap finds no dead worker), the dataset index, a streamed
+run's consumers (the stream is a list of ids).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class MemoryRun(Generic[E]):
     stats: RunStats = field(default_factory=RunStats)
     """The fields written (totals, lost) or moved by marks (tokens, bytes); the queue
     counters are counted when read."""
+    spool: dict[str, int] = field(default_factory=dict)
+    """A streamed run's reservations (the real store's spool hash)."""
+    published: list[str] = field(default_factory=list)
+    """A streamed run's stream: a sample id per done mark."""
     changed: threading.Condition = field(default_factory=threading.Condition)
     """Held while reading or writing any of the above; notified when a job is queued or the
     run is purged."""
@@ -66,6 +71,8 @@ class MemoryRun(Generic[E]):
         self.cfg = None
         for part in (self.main, self.retry, self.wip, self.done, self.dead, self.crashes):
             part.clear()
+        self.spool.clear()
+        self.published.clear()
         self.workers.clear()
         self.stats = RunStats()
 
@@ -266,6 +273,8 @@ class MemoryStore(Generic[E]):
                     self.state.done[sid] = entry
                     self.state.dead.pop(sid, None)  # done and dead stay disjoint
                     self._move_totals(entry, 1)
+                    if self.state.cfg is not None and self.state.cfg.streamed:
+                        self.state.published.append(sid)  # published iff done
                 out.append(newly)
             return out
 
@@ -307,6 +316,28 @@ class MemoryStore(Generic[E]):
             self._fence()
             if sample_id not in self.state.done:
                 self.state.dead[sample_id] = dead_entry(reason, message, attempts, worker)
+                self.state.spool.pop(sample_id, None)  # a dead sample has no file
+
+    def spool_settled(self) -> bool:
+        with self._lock:
+            return not self.state.spool
+
+    def reserve_spool(self, sample_id: str, nbytes: int | None) -> bool:
+        """As the real store's: against the config's budget, once per sample; a sample
+        always fits an empty spool. (The fake does not set a done sample's reservation
+        to its file's size: it knows no entry's bytes.)"""
+        with self._lock:
+            self._fence()
+            cfg = self.state.cfg
+            budget = cfg.spool_budget if cfg is not None else None
+            if not budget or sample_id in self.state.spool:
+                return True
+            n = budget if nbytes is None else nbytes
+            total = sum(self.state.spool.values())
+            if total > 0 and total + n > budget:
+                return False
+            self.state.spool[sample_id] = n
+            return True
 
     def record_crash(self, sample_id: str) -> int:
         with self._lock:

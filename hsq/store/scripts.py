@@ -44,26 +44,30 @@ end
 """
 
 # Marks a batch of samples done, each exactly once, and keeps the run's totals in step with
-# the done hash. KEYS: config, done, stats, dead, dead reasons[, a worker's wip list]; ARGV:
-# generation, then (sample id, manifest JSON, tokens, bytes, job id) per sample. With the
-# wip list, a sample whose job ('' : none) is no longer in it is not marked (2): a worker
-# whose jobs a reaper took never marks again (issue 33 D4). A newly done sample leaves the dead
-# letter (done and dead stay disjoint, so status adds them up without reading either).
-# Replies 1/0/2 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
+# the done hash. KEYS: config, done, stats, dead, dead reasons, a worker's wip list ('':
+# none), the run's stream, its spool hash; ARGV: generation, then (sample id, manifest
+# JSON, tokens, bytes, job id) per sample. With the wip list, a sample whose job ('' : none)
+# is no longer in it is not marked (2): a worker whose jobs a reaper took never marks again.
+# A newly done sample leaves the dead letter (done and dead stay disjoint, so status adds
+# them up without reading either). In a streamed run (the config's spool_budget > 0) each
+# newly done sample is published in the same step (XADD: id, stored entry) and its spool
+# reservation becomes the file's real size: published iff done, exactly once per mark.
+# Replies 1/0/2 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch
+# (a streamed run: plus an HGET, HSET and XADD a newly done sample).
 MARK_DONE_MANY = (
     _FENCE
     + _REASON
     + """
 local held = {}
 local function holds(job)
-  if #KEYS < 6 or job == '' then return true end
+  if KEYS[6] == '' or job == '' then return true end
   if held[job] == nil then held[job] = redis.call('LPOS', KEYS[6], job) ~= false end
   return held[job]
 end
 local ids = {}
 for i = 2, #ARGV, 5 do ids[#ids + 1] = ARGV[i] end
 local have = redis.call('HMGET', KEYS[2], unpack(ids))
-local out, put, new, seen = {}, {}, {}, {}
+local out, put, new, seen, sizes, stored = {}, {}, {}, {}, {}, {}
 local tokens, nbytes = 0, 0
 for j, sid in ipairs(ids) do
   local i = 2 + (j - 1) * 5
@@ -77,6 +81,8 @@ for j, sid in ipairs(ids) do
     put[#put + 1] = sid
     put[#put + 1] = ARGV[i + 1]
     new[#new + 1] = sid
+    sizes[sid] = tonumber(ARGV[i + 3])
+    stored[sid] = ARGV[i + 1]
     tokens = tokens + tonumber(ARGV[i + 2])
     nbytes = nbytes + tonumber(ARGV[i + 3])
   end
@@ -94,24 +100,156 @@ if #new > 0 then
       end
     end
   end
+  if (tonumber(redis.call('HGET', KEYS[1], 'spool_budget') or '0') or 0) > 0 then
+    local delta = 0
+    for _, sid in ipairs(new) do
+      local old = tonumber(redis.call('HGET', KEYS[8], sid) or '0') or 0
+      redis.call('HSET', KEYS[8], sid, sizes[sid])
+      delta = delta + sizes[sid] - old
+      redis.call('XADD', KEYS[7], '*', 'id', sid, 'm', stored[sid])
+    end
+    redis.call('HINCRBY', KEYS[3], 'spool_bytes', delta)
+  end
 end
 return out
 """
 )
 
-# Puts a dead-letter entry and counts its reason. KEYS: config, dead, reasons, done; ARGV:
-# generation, key, entry JSON, reason. A sample already done is not dead-lettered (0).
-TO_DEAD = (
-    _FENCE
-    + _REASON
+# Lua: releases a sample's spool reservation (KEYS[SPOOL] the spool hash, KEYS[STATS] the
+# stats hash with the total): the bytes reserved, 0 if none was.
+_RELEASE = """
+local function release(sid)
+  local r = redis.call('HGET', KEYS[SPOOL], sid)
+  if not r then return 0 end
+  redis.call('HDEL', KEYS[SPOOL], sid)
+  redis.call('HINCRBY', KEYS[STATS], 'spool_bytes', -tonumber(r))
+  return tonumber(r)
+end
+"""
+
+
+def _with_release(script: str, spool: int, stats: int) -> str:
+    return _RELEASE.replace("SPOOL", str(spool)).replace("STATS", str(stats)) + script
+
+
+# Puts a dead-letter entry and counts its reason. KEYS: config, dead, reasons, done, spool,
+# stats; ARGV: generation, key, entry JSON, reason. A sample already done is not
+# dead-lettered (0). A dead sample's spool reservation is released: it will have no file.
+TO_DEAD = _FENCE + _with_release(
+    _REASON
     + """
 if redis.call('HMGET', KEYS[4], ARGV[2])[1] then return 0 end
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 if old then unreason(KEYS[3], old) end
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+release(ARGV[2])
+return 1
+""",
+    5,
+    6,
+)
+
+# Reserves a sample's output bytes in the spool before it is dispatched, atomically against
+# the budget. KEYS: config, spool, stats; ARGV: generation, sample id, bytes (-1: not known
+# yet, the whole budget). 1: reserved (or already: a re-dispatch counts once; or no
+# stream), 0: the spool is full. A sample always fits an empty spool (enqueue refuses a
+# budget below the largest sample where it can know it).
+RESERVE = (
+    _FENCE
+    + """
+local budget = tonumber(redis.call('HGET', KEYS[1], 'spool_budget') or '0') or 0
+if budget <= 0 then return 1 end
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 1 end
+local total = tonumber(redis.call('HGET', KEYS[3], 'spool_bytes') or '0') or 0
+local n = tonumber(ARGV[3])
+if n < 0 then n = budget end
+if total > 0 and total + n > budget then return 0 end
+redis.call('HSET', KEYS[2], ARGV[2], n)
+redis.call('HINCRBY', KEYS[3], 'spool_bytes', n)
 return 1
 """
+)
+
+# Lua: the sample id of a stream entry (nil if the entry is gone).
+_ENTRY_SID = """
+local function entry_field(id, name)
+  local e = redis.call('XRANGE', KEYS[2], id, id)
+  if #e == 0 then return nil end
+  local f = e[1][2]
+  for i = 1, #f, 2 do if f[i] == name then return f[i + 1] end end
+  return nil
+end
+"""
+
+# Commits a consumer's pending entries up to an id (what a trainer's checkpoint covers):
+# XACK in the group and, the first time, a count of groups per entry; once every group
+# committed an entry its sample goes to the removal set (or, keep_after_commit, its
+# reservation is released and the file stays). Idempotent: XACK of an acked entry is 0.
+# KEYS: config, stream, acks, spool-gc, spool, stats; ARGV: generation, group, consumer,
+# last id, number of groups, keep (0/1), count. Replies {entries acked now, entries seen}.
+COMMIT = _FENCE + _with_release(
+    _ENTRY_SID
+    + """
+local pend = redis.call('XPENDING', KEYS[2], ARGV[2], '-', ARGV[4], tonumber(ARGV[7]), ARGV[3])
+local n = 0
+for _, p in ipairs(pend) do
+  local id = p[1]
+  if redis.call('XACK', KEYS[2], ARGV[2], id) == 1 then
+    n = n + 1
+    if redis.call('HINCRBY', KEYS[3], id, 1) >= tonumber(ARGV[5]) then
+      redis.call('HDEL', KEYS[3], id)
+      local sid = entry_field(id, 'id')
+      if sid then
+        if ARGV[6] == '1' then release(sid) else redis.call('SADD', KEYS[4], sid) end
+      end
+    end
+  end
+end
+return {n, #pend}
+""",
+    5,
+    6,
+)
+
+# A removed output's last step: out of the removal set, reservation released, recorded as
+# consumed. KEYS: config, spool-gc, spool, stats, consumed; ARGV: generation, sample id.
+# 0 if another remover did it first.
+RELEASE_REMOVED = _FENCE + _with_release(
+    """
+if redis.call('SREM', KEYS[2], ARGV[2]) == 0 then return 0 end
+release(ARGV[2])
+redis.call('SADD', KEYS[5], ARGV[2])
+return 1
+""",
+    3,
+    4,
+)
+
+# A stream entry whose file failed its checks on read: if the entry is still the sample's
+# done mark (the stored entry it carries), un-mark it (totals too), dead-letter it with the
+# reason and release its reservation (its file is removed next, then it is requeued); in
+# any case ack it in this group and forget its commit count. KEYS: config, stream, done,
+# stats, dead, reasons, acks, spool; ARGV: generation, group, entry id, sample id, stored
+# entry, tokens, bytes, dead entry JSON, reason. 1: rejected, 0: the entry was stale.
+REJECT = _FENCE + _with_release(
+    _REASON
+    + """
+redis.call('XACK', KEYS[2], ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[7], ARGV[3])
+if redis.call('HGET', KEYS[3], ARGV[4]) ~= ARGV[5] then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[4])
+redis.call('HINCRBY', KEYS[4], 'tokens', -tonumber(ARGV[6]))
+redis.call('HINCRBY', KEYS[4], 'bytes', -tonumber(ARGV[7]))
+local old = redis.call('HGET', KEYS[5], ARGV[4])
+if old then unreason(KEYS[6], old) end
+redis.call('HSET', KEYS[5], ARGV[4], ARGV[8])
+redis.call('HINCRBY', KEYS[6], ARGV[9], 1)
+release(ARGV[4])
+return 1
+""",
+    8,
+    4,
 )
 
 # Takes entries out of the dead letter, keeping the reason counts. KEYS: dead, reasons.

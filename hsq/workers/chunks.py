@@ -62,6 +62,13 @@ class ChunkBook:
                 return WorkItem(ref, chunk.job.attempt, chunk.job.job_id)
         return None
 
+    def put_back(self, item: WorkItem) -> None:
+        """Undo next_item: the sample was not sent (a full spool); it goes first again."""
+        chunk = self.chunks.get(item.job_id)
+        if chunk is not None:
+            chunk.open.discard(item.sample_id)
+            chunk.todo.appendleft(item.ref)
+
     def peek_tokens(self) -> int | None:
         for chunk in self.chunks.values():
             if chunk.todo and not chunk.hand_back:

@@ -87,6 +87,9 @@ class Pause(enum.Enum):
     """The dump dir was removed or replaced: take it again, then go on."""
     HOOK_INACTIVE = "hook_inactive"
     """Requests get no dump at all and none ever came: the worker stops (exit 2)."""
+    SPOOL_FULL = "spool_full"
+    """A streamed run's spool holds its byte budget: no sample is sent until consumers
+    commit (hsq/workers/spool.py; never handed back, never the sample's fault)."""
     INTERNAL_ERROR = "worker_internal_error"
     """A bug in the worker outside any one sample (the dump matcher raised): it stops
     (exit 1) once its work is handed back."""

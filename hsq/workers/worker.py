@@ -63,6 +63,7 @@ from hsq.workers.send.client import ServerClient, make_client
 from hsq.workers.send.dispatch import Dispatcher
 from hsq.workers.send.extract import SendStage
 from hsq.workers.settings import WorkerSettings
+from hsq.workers.spool import SpoolGate
 from hsq.workers.startup import HeldDumpDir, Started, startup
 from hsq.workers.state import StateCell, WorkerState
 
@@ -133,6 +134,7 @@ class Worker:
             self.notices,
             lambda: self.tally.counts["done"],
         )
+        self.spool = SpoolGate(self.store, self.pauses)
         self.outcomes = Outcomes(
             self.store,
             self.claims,
@@ -254,14 +256,21 @@ class Worker:
             else:  # an empty queue: with work in flight, look again in a while
                 self._claim_after = time.monotonic() + self.settings.tuning.claim_timeout_s
         if nxt is not None and self.inflight.allows(nxt):
+            if (held := self.spool.held_for()) > 0:  # a full spool: ask again in a while
+                self._wait_event(held)
+                return False
             item = self.book.next_item()
             assert item is not None
+            if not self._admit(item):
+                return False
             self._dispatch(item)
             return False
         if nxt is None and self._idle():
             self.state.set(WorkerState.IDLE)
             if self.settings.burst:
-                if self.store.nothing_outstanding():
+                # A streamed run: stay (and keep the server) until every output is committed,
+                # so a file that fails its checks when read is extracted again.
+                if self.store.nothing_outstanding() and self.store.spool_settled():
                     return True
                 # Another worker still holds jobs (that may come back): wait here.
                 self._claim(block=True)
@@ -287,6 +296,18 @@ class Worker:
             self.outcomes.finish(job)
         self.state.set(WorkerState.WORKING)
         return True
+
+    def _admit(self, item: WorkItem) -> bool:
+        """A streamed run's byte reservation (hsq/workers/spool.py); not sent: it goes back
+        first in its chunk."""
+        try:
+            admitted = self.spool.admit(item, self.view)
+        except BaseException:
+            self.book.put_back(item)
+            raise
+        if not admitted:
+            self.book.put_back(item)
+        return admitted
 
     def _dispatch(self, item: WorkItem) -> None:
         self.inflight.dispatched(item)
@@ -384,6 +405,7 @@ class Worker:
             "dumps_discarded": sum(discarded.values()),
             "dumps_discarded_by_why": discarded,
             "heartbeat_interval_s": self.settings.tuning.heartbeat_interval_s,
+            "spool_paused_s": round(self.spool.paused_total(), 1),
             **self.pauses.cause(),
             **self.tally.counts,
             **self.audit.counts,

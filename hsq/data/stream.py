@@ -1,0 +1,358 @@
+"""Train while extracting: a torch IterableDataset over a streamed run's consumer group.
+
+    ds = StreamingHiddenStateDataset("kimi-v1", redis_url_file=".../.hsq/redis-url")
+    ds.load_state_dict(saved_state)            # optional, after a restart, before iterating
+    for item in StreamingDataLoader(ds, batch_size=None, num_workers=4): ...
+    state = ds.state_dict()                    # JSON: save it inside the checkpoint
+    ds.commit(state)                           # once that checkpoint is durable
+
+Items are HiddenStateDataset's (hsq.data.item_of), read by hsq.outputs.check.read_checked:
+opened under the run's output directory following no link, size, checksum, sample id,
+token count and structure as the manifest entry records them.
+
+Exactly once relative to the restored checkpoint. Each reading process is one Redis
+consumer of the group, named by (rank, DataLoader worker); XREADGROUP hands each entry to
+one consumer, in id order, and keeps it pending until committed. The state is the last
+entry id each consumer handed to the trainer. `commit(state)` acks every pending entry up
+to those ids (idempotent); `load_state_dict(state)` commits the same, and each consumer
+then first re-reads its own pending entries after its id, in order (the ones the lost
+process delivered after the checkpoint), then new ones. So a kill -9 anywhere replays
+exactly what the restored checkpoint had not seen.
+
+What the trainer received: with num_workers=0 the dataset's own iterator hands each item
+to the trainer and records it. With DataLoader worker processes items are made and
+prefetched in other processes, so only StreamingDataLoader (a DataLoader subclass) is
+accepted: its collate marks each item with its consumer and entry id, and its iterator
+records them in the main process as it yields each batch (a plain DataLoader with
+workers is refused in words: it would count prefetched items as trained).
+
+A file that fails its checks is rejected: its done mark is taken back, it goes to the
+dead letter with the reason (released from the spool), its file is removed and it is
+queued again (retry queue, leaving the dead letter); its new extraction is published as a
+new entry and delivered later. An entry whose sample was re-done since (its stored entry
+is no longer the done mark) is stale: acked, skipped, never trained.
+
+Iteration ends when the run's extraction is finished (every sample done or dead) and the
+group has nothing more for this consumer. Ranks end independently (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from hsq.errors import ConfigError, OutputError, StoreUnavailableError
+from hsq.outputs.check import read_checked
+from hsq.outputs.format import remove_output
+from hsq.outputs.manifest import MANIFEST_CODEC
+from hsq.runconfig import DEFAULT_GROUP, RunConfig
+from hsq.runstore import RunStore, remove_committed
+from hsq.store import Delivery, connect
+from hsq.store.ledger import dead_entry
+
+from . import item_of
+
+log = structlog.get_logger("hsq.data.stream")
+
+STATE_VERSION = 1
+POSITION = "_hsq_stream_position"
+"""The key StreamingDataLoader's workers put on each item (taken off before it is yielded)."""
+REJECT_REASON = "output_corrupt"
+READ_BATCH = 2
+"""Entries one XREADGROUP takes: few, so that one consumer (a DataLoader worker, a rank)
+does not hold entries another one could be handing to the trainer."""
+MAX_BACKOFF_S = 5.0
+
+
+def _retrying(what: str, fn: Callable[[], Any]) -> Any:
+    """Redis unreachable is transient: try again (backing off), never fail the trainer."""
+    delay = 0.1
+    while True:
+        try:
+            return fn()
+        except StoreUnavailableError as exc:
+            log.warning("stream_redis_unavailable", doing=what, error=str(exc), retry_in_s=delay)
+            time.sleep(delay)
+            delay = min(MAX_BACKOFF_S, delay * 2)
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
+    def __init__(
+        self,
+        run: str,
+        *,
+        redis_url: str | None = None,
+        redis_url_file: str | Path | None = None,
+        group: str = DEFAULT_GROUP,
+        rank: int | None = None,
+        world_size: int | None = None,
+        max_length: int | None = None,
+        raw_fp8: bool = False,
+        poll_s: float = 1.0,
+    ) -> None:
+        if (redis_url is None) == (redis_url_file is None):
+            raise ConfigError("give one of redis_url= and redis_url_file=")
+        if redis_url_file is not None:
+            redis_url = Path(redis_url_file).read_text().strip()
+        assert redis_url is not None
+        if rank is None or world_size is None:
+            dist = torch.distributed
+            on = dist.is_available() and dist.is_initialized()
+            rank = rank if rank is not None else dist.get_rank() if on else 0
+            world_size = world_size if world_size is not None else (
+                dist.get_world_size() if on else 1
+            )  # fmt: skip
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not within world_size {world_size}")
+        self.run = run
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.max_length = max_length
+        self.raw_fp8 = raw_fp8
+        self.poll_s = poll_s
+        self._url = redis_url
+        self._positions: dict[str, str] = {}
+        """consumer -> the last entry id handed to the trainer (what state_dict says)."""
+        self._marking = False
+        """Set by StreamingDataLoader: items carry their position to the main process."""
+        self._store: RunStore | None = None
+        self._cfg: RunConfig | None = None
+        cfg = self._config()
+        if group not in cfg.groups:
+            raise ConfigError(
+                f"run {run!r} has no consumer group {group!r} (its groups: "
+                f"{', '.join(cfg.groups) or 'none: it was not enqueued with --spool-budget'})"
+            )
+        _retrying("create groups", lambda: self.store.spool.ensure_groups(cfg.groups))
+
+    # ------------------------------------------------------------------ Redis, per process
+    @property
+    def store(self) -> RunStore:
+        if self._store is None:
+            self._store = RunStore(connect(self._url), self.run)
+        return self._store
+
+    def _config(self) -> RunConfig:
+        if self._cfg is None:
+            self._cfg = _retrying("read the run's config", self.store.require_config)
+        return self._cfg
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store"] = None  # each process opens its own connection
+        return state
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self._config().out) / self.run
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """What the trainer has received: JSON, to save inside its checkpoint."""
+        return {
+            "version": STATE_VERSION,
+            "run": self.run,
+            "group": self.group,
+            "positions": dict(sorted(self._positions.items())),
+        }
+
+    def _check_state(self, state: dict[str, Any]) -> dict[str, str]:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError("not a StreamingHiddenStateDataset state (state_dict())")
+        if state.get("run") != self.run or state.get("group") != self.group:
+            raise ConfigError(
+                f"the state is of run {state.get('run')!r} group {state.get('group')!r}, "
+                f"this dataset reads run {self.run!r} group {self.group!r}"
+            )
+        pos = state.get("positions")
+        if not isinstance(pos, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in pos.items()
+        ):
+            raise ConfigError("the state's positions are unreadable")
+        for v in pos.values():
+            try:
+                _entry_key(v)
+            except ValueError:
+                raise ConfigError(f"the state's position {v[:40]!r} is no entry id") from None
+        return dict(pos)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint's state before iterating: what it covers is committed
+        (again: idempotent) and never delivered again; the rest is delivered again."""
+        positions = self._check_state(state)
+        self.commit(state)
+        self._positions = positions
+
+    def commit(self, state: dict[str, Any]) -> None:
+        """The checkpoint holding `state` is durable: its samples are consumed. Acks them
+        in the group; a file every group committed is removed (idempotent, any time)."""
+        positions = self._check_state(state)
+        cfg = self._config()
+        spool = self.store.spool
+        for consumer, last in positions.items():
+            args = (self.group, consumer, last, len(cfg.groups), cfg.keep_after_commit)
+            _retrying("commit", functools.partial(spool.commit, *args))
+        _retrying("remove committed files", lambda: remove_committed(self.store, self.run_dir))
+
+    def record(self, consumer: str, entry_id: str) -> None:
+        """An item of `consumer`'s `entry_id` was handed to the trainer."""
+        old = self._positions.get(consumer)
+        if old is None or _entry_key(entry_id) > _entry_key(old):
+            self._positions[consumer] = entry_id
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        if info is not None and not self._marking:
+            raise ConfigError(
+                "a StreamingHiddenStateDataset in DataLoader worker processes needs "
+                "hsq.data.StreamingDataLoader (a plain DataLoader would count prefetched "
+                "items as trained)"
+            )
+        wid = 0 if info is None else info.id
+        consumer = f"rank{self.rank}-worker{wid}"
+        after = self._positions.get(consumer, "0")
+        for d in self._deliveries(consumer, after):
+            item = self._item(d)
+            if item is None:
+                continue
+            if self._marking:
+                item[POSITION] = (consumer, d.entry_id)
+            else:
+                self.record(consumer, d.entry_id)
+            yield item
+
+    def _deliveries(self, consumer: str, after: str) -> Iterator[Delivery]:
+        spool, group = self.store.spool, self.group
+        while True:  # first this consumer's own pending entries after `after`, in order
+            got = _retrying(
+                "read", functools.partial(spool.read, group, consumer, READ_BATCH, None, after)
+            )
+            if not got:
+                break
+            yield from got
+            after = got[-1].entry_id
+        block_ms = max(1, int(self.poll_s * 1000))
+        while True:
+            finished = _retrying("look at the run", spool.extraction_finished)
+            wait = None if finished else block_ms
+            got = _retrying(
+                "read", functools.partial(spool.read, group, consumer, READ_BATCH, wait, None)
+            )
+            if got:
+                yield from got
+            elif finished:
+                log.info("stream_ended", run=self.run, group=group, consumer=consumer)
+                return
+
+    def _item(self, d: Delivery) -> dict[str, Any] | None:
+        """The delivery's item, or None: stale (skipped) or rejected (requeued)."""
+        spool = self.store.spool
+        now = _retrying("read the done mark", lambda: spool.stored_done(d.sample_id))
+        if now != d.stored:
+            _retrying("skip", lambda: spool.skip(self.group, d.entry_id))
+            log.info("stream_stale_entry", sample=d.sample_id, entry=d.entry_id)
+            return None
+        entry = MANIFEST_CODEC.decode(d.sample_id, d.stored)
+        try:
+            if entry is None:
+                raise OutputError(f"sample {d.sample_id}: its done entry does not parse")
+            out = read_checked(self.run_dir, d.sample_id, entry, raw=self.raw_fp8)
+        except OutputError as exc:
+            self._reject(d, entry, str(exc))
+            return None
+        return item_of(d.sample_id, out, self.max_length)
+
+    def _reject(self, d: Delivery, entry: Any, why: str) -> None:
+        store = self.store
+        totals = MANIFEST_CODEC.totals(entry) if entry is not None else (0, 0)
+        dead = json.dumps(dead_entry(REJECT_REASON, why, 0, f"consumer:{self.group}"))
+        log.error("stream_output_rejected", sample=d.sample_id, reason=REJECT_REASON, error=why)
+        if not _retrying(
+            "reject", lambda: store.spool.reject(self.group, d, totals, dead, REJECT_REASON)
+        ):
+            return  # stale meanwhile: re-done by someone else
+        remove_output(self.run_dir, d.sample_id)
+        requeue_rejected(store, d.sample_id)
+
+
+def requeue_rejected(store: RunStore, sample_id: str) -> bool:
+    """Queue a rejected sample again (retry queue), leaving the dead letter in the same
+    transaction; False if it is no longer there (another consumer or `hsq run` did it)."""
+    index = _retrying("read the index", lambda: store.get_index([sample_id]))
+    _, done, dead = _retrying("look the sample up", lambda: store.presence([sample_id]))
+    if sample_id not in index or done[0] or not dead[0]:
+        return False
+    ref = (sample_id, index[sample_id])
+    _retrying(
+        "requeue",
+        lambda: store.enqueue([[ref]], retry=True, reason=REJECT_REASON, clear_failures=True),
+    )
+    log.info("stream_output_requeued", sample=sample_id)
+    return True
+
+
+_HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
+"""torch >= 2.6: DataLoader(in_order=False) yields whichever worker's batch is ready."""
+
+
+class _Marked:
+    """A batch with the stream positions of its items (crosses the worker pipe)."""
+
+    def __init__(self, value: Any, positions: list[tuple[str, str]]) -> None:
+        self.value = value
+        self.positions = positions
+
+
+class _MarkingCollate:
+    def __init__(self, inner: Callable[[Any], Any]) -> None:
+        self.inner = inner
+
+    def __call__(self, data: Any) -> _Marked:
+        items = data if isinstance(data, list) else [data]
+        positions = [(str(c), str(e)) for item in items if POSITION in item
+                     for c, e in [item.pop(POSITION)]]  # fmt: skip
+        return _Marked(self.inner(data), positions)
+
+
+class StreamingDataLoader(DataLoader[Any]):
+    """A DataLoader that tells its StreamingHiddenStateDataset which items the trainer
+    received: each batch's positions are recorded in the main process as it is yielded,
+    never when a worker prefetched it."""
+
+    def __init__(self, dataset: StreamingHiddenStateDataset, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(dataset, StreamingHiddenStateDataset):
+            raise TypeError("StreamingDataLoader reads a StreamingHiddenStateDataset")
+        from torch.utils.data._utils.collate import default_collate, default_convert
+
+        batched = kwargs.get("batch_size", 1) is not None
+        inner = kwargs.pop("collate_fn", None) or (default_collate if batched else default_convert)
+        if kwargs.get("num_workers", 0) > 0 and _HAS_IN_ORDER:
+            # Not round-robin over the workers: one waiting for an entry (the spool full
+            # until the trainer commits) would hold back the items the others have.
+            kwargs.setdefault("in_order", False)
+        dataset._marking = True
+        kwargs["collate_fn"] = _MarkingCollate(inner)
+        super().__init__(dataset, *args, **kwargs)
+        self.stream = dataset
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        for marked in super().__iter__():
+            for consumer, entry_id in marked.positions:
+                self.stream.record(consumer, entry_id)
+            yield marked.value

@@ -1,0 +1,89 @@
+"""`hsq run` with a stream (--spool-budget): the removal pass for files every consumer
+group committed (a consumer killed between its commit and the removal leaves them to
+whoever comes next: this loop, or the consumer's next commit), and the stream's lines in
+the live view and the summary: spool bytes against the budget, delivered / committed /
+pending per group, and the producer's paused share (the workers' seconds held back by a
+full spool over their time).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hsq.errors import HsqError
+from hsq.runconfig import RunConfig
+from hsq.runstore import RunStore, remove_committed
+
+EVERY_S = 10.0
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+class StreamView:
+    def __init__(self, store: RunStore, cfg: RunConfig, run_dir: Path) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.t0 = time.monotonic()
+        self._last = -EVERY_S
+        self.removed = 0
+
+    def tick(self) -> str | None:
+        """Remove what every group committed; the stream's line every EVERY_S (None
+        between, or while Redis cannot be read: the next tick tries again)."""
+        try:
+            self.removed += remove_committed(self.store, self.run_dir)
+        except HsqError:
+            return None
+        now = time.monotonic()
+        if now - self._last < EVERY_S:
+            return None
+        self._last = now
+        try:
+            return self.line()
+        except HsqError:
+            return None
+
+    def paused_share(self) -> float:
+        """The workers' seconds held back by a full spool over their time alive."""
+        held = alive = 0.0
+        for info in self.store.workers_info().values():
+            try:
+                held += float(info.get("spool_paused_s", 0) or 0)
+            except ValueError:
+                continue
+            alive += time.monotonic() - self.t0
+        return held / alive if alive > 0 else 0.0
+
+    def line(self) -> str:
+        spool = self.store.spool
+        groups = "  ".join(
+            f"{g.name}: delivered {g.delivered} committed {g.committed} pending {g.pending}"
+            for g in spool.groups()
+        )
+        used, budget = size_text(spool.spool_bytes()), size_text(self.cfg.spool_budget or 0)
+        return (
+            f"stream   spool {used}/{budget}"
+            f"  published {spool.published()}  {groups}  producer paused "
+            f"{100 * self.paused_share():.0f}%"
+        )
+
+    def summary(self) -> str:
+        spool = self.store.spool
+        groups = spool.groups()
+        published = spool.published()
+        every = all(g.committed >= published and g.pending == 0 for g in groups)
+        names = ", ".join(g.name for g in groups)
+        if every and spool.settled():
+            return (
+                f"stream   every sample committed by every group ({names}): {published} "
+                f"published, {'kept' if self.cfg.keep_after_commit else 'files removed'}"
+            )
+        return f"stream   not all committed: {self.line().removeprefix('stream   ')}"

@@ -1,0 +1,79 @@
+"""Admission by a streamed run's byte budget: before a sample is sent, its output's bytes
+are reserved in the spool (hsq/store/spool.py, atomically against the budget). While the
+spool is full the worker sends nothing more and shows why (cause `spool_full`: `hsq
+status`, the live view, the metrics); it asks again every RETRY_S, so it goes on as soon
+as commits free space. A run without a stream costs nothing here (no Redis call).
+
+The reservation is the sample's tokens times the run's exact bytes per token (store dtype,
+layers, pre-norm state) plus a header allowance; before the first dump pinned the layers
+and hidden size it is the whole budget (the sample goes alone). The done mark sets it to
+the file's real size in the same step, so what the spool counts is what is on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import structlog
+
+from hsq.outputs.manifest import ManifestEntry
+from hsq.store import WorkerStore
+from hsq.workers.chunks import WorkItem
+from hsq.workers.pauses import Pauses
+from hsq.workers.policy import Pause
+from hsq.workers.runview import RunView
+
+log = structlog.get_logger("hsq.worker")
+
+RETRY_S = 0.25
+
+
+class SpoolGate:
+    def __init__(self, store: WorkerStore[ManifestEntry], pauses: Pauses) -> None:
+        self.store = store
+        self.pauses = pauses
+        self.paused_s = 0.0
+        """Seconds this worker was held back by a full spool (metrics)."""
+        self._full_since: float | None = None
+        self._retry_at = 0.0
+
+    @property
+    def full(self) -> bool:
+        return self._full_since is not None
+
+    def held_for(self) -> float:
+        """Seconds before the next reservation is tried (0: now)."""
+        return max(0.0, self._retry_at - time.monotonic()) if self.full else 0.0
+
+    def admit(self, item: WorkItem, view: RunView) -> bool:
+        """Reserve the sample's bytes; False: the spool is full, send nothing now."""
+        cfg = view.cfg
+        if not cfg.streamed:
+            return True
+        pinned = dataclasses.replace(
+            cfg, layer_ids=view.pins.get("layer_ids"), hidden_size=view.pins.get("hidden_size")
+        )
+        nbytes = pinned.spool_estimate(item.tokens)
+        now = time.monotonic()
+        if self.store.reserve_spool(item.sample_id, nbytes):
+            if self._full_since is not None:
+                self.paused_s += now - self._full_since
+                log.info("spool_has_room", paused_s=round(now - self._full_since, 3))
+                self._full_since = None
+            return True
+        if self._full_since is None:
+            self._full_since = now
+            log.info("spool_full", budget=cfg.spool_budget, sample=item.sample_id)
+        self.pauses.note(
+            Pause.SPOOL_FULL,
+            f"the spool holds its budget of {cfg.spool_budget} bytes: waiting for the "
+            "consumers to commit",
+        )
+        self._retry_at = now + RETRY_S
+        return False
+
+    def paused_total(self) -> float:
+        """Seconds held back so far, the current stretch included."""
+        now = time.monotonic()
+        return self.paused_s + (now - self._full_since if self._full_since is not None else 0)
