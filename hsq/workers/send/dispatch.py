@@ -119,7 +119,7 @@ class Dispatcher:
                 raise InternalError(self.failed)
             if self.broken is not None:
                 raise DumpDirError(self.broken)
-            self._matcher.add(rid, num_tokens, time.monotonic())
+            self._matcher.add(rid, num_tokens)
             self._tickets[rid] = ticket
             self._cond.notify_all()
         return ticket
