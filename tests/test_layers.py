@@ -364,3 +364,42 @@ def test_the_hook_settings_and_the_dump_format_load_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Each circle of first-party imports (lazy ones included), as one chain that closes."""
+    graph = first_party_imports(root)
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for nxt in sorted(graph.get(module, set()) - {module}):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    """A circle makes import order matter (a name half-defined when the other side runs)
+    and hides which module is the lower one; a module that both sides need goes below."""
+    assert import_circles(ROOT) == []
+
+
+def test_the_circle_check_sees_a_lazy_import_back(tmp_path: Path) -> None:
+    (tmp_path / "hsq/dataset").mkdir(parents=True)
+    (tmp_path / "hsq/dataset/jsonl.py").write_text(
+        "def f() -> None:\n    import hsq.dataset.fast\n"
+    )
+    (tmp_path / "hsq/dataset/fast.py").write_text("from hsq.dataset.jsonl import f\n")
+    assert len(import_circles(tmp_path)) == 1

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from hsq.dataset.jsonl import read_sample, scan_dataset
+from hsq.dataset.jsonl import scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.dump.format import DONE_FILE, META_FILE, DumpMeta, ModelIdentity
 from hsq.dump.read import read_meta
 from hsq.errors import CorruptDumpError

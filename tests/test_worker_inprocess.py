@@ -21,7 +21,8 @@ import pytest
 import structlog
 import torch
 
-from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.dump.find import scan_by_rid
 from hsq.dump.format import TENSOR_FILE, DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.ready import ReadyMarker, write_ready

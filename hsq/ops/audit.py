@@ -26,7 +26,8 @@ from pathlib import Path
 import structlog
 
 from hsq.closeness.rule import States, Verdict, compare, compare_states, confirm, dump_states
-from hsq.dataset.jsonl import IndexEntry, Sample, read_sample
+from hsq.dataset.jsonl import IndexEntry, Sample
+from hsq.dataset.read import read_sample
 from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
 from hsq.dump.read import read_dump
 from hsq.errors import (

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.errors import ConfigError, DatasetError
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import (

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from hsq.dataset.jsonl import read_sample
+from hsq.dataset.read import read_sample
 from hsq.dump.find import remove_dump
 from hsq.dump.read import check_meta
 from hsq.errors import CachedTokensError, WrongLengthError
