@@ -2,7 +2,7 @@
 
 SGLang itself never runs here. The tests drive the same objects the glue drives (plan,
 capture, the writer thread) with synthetic batches, and every dump they expect is read
-back through hsq.protocol.read_dump and compared with the synthetic states.
+back through hsq.dump.read.read_dump and compared with the synthetic states.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from hsq.dump.find import scan
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Dump, Expected, read_dump, read_meta
 from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready, write_ready
+from hsq.engines.common import DumpContext, model_identity
 from hsq.engines.sglang import plugin
 from hsq.engines.sglang.compat import PINNED_VERSIONS
 from hsq.engines.sglang.config import HookConfig
 from hsq.engines.sglang.dump_hook import DumpHook, batch_input_ids
-from hsq.engines.sglang.dump_writer import DumpContext, DumpSink, HostCopier
-from hsq.engines.sglang.identity import model_identity
+from hsq.engines.sglang.dump_writer import DumpSink, HostCopier
 from hsq.engines.sglang.launch_args import (
     check_launch_args,
     check_server_info,
@@ -149,7 +149,7 @@ class Server:
                 rid=rid,
                 input_fingerprint=fingerprint(s.ids),
                 num_tokens=len(s.ids),
-                layer_ids=self.hook.ctx.layer_ids,
+                layer_ids=list(self.hook.ctx.layer_ids),
                 hidden_size=H,
                 dtype="bfloat16",
                 model_id=self.hook.ctx.model.model_id,

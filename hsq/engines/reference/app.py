@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 import signal
 import time
 from dataclasses import asdict
@@ -221,18 +220,7 @@ def dump_bytes_per_token(
 def ready_marker(engine: Engine) -> ReadyMarker:
     import hsq
 
-    m = engine.model
-    return ReadyMarker(
-        layer_ids=tuple(m.layer_ids),
-        model=m.identity,
-        server="hsq-reference",
-        server_version=hsq.__version__,
-        hook_version=hsq.__version__,
-        pid=os.getpid(),
-        created_unix=time.time(),
-        encoding=engine.encoding,
-        prenorm=m.prenorm,
-    )
+    return engine.ctx.ready_marker("hsq-reference", hsq.__version__)
 
 
 ADMIN_PREFIX = "/admin/"

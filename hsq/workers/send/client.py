@@ -111,6 +111,7 @@ class ServerClient:
             return False
         return status == 200
 
+
 # ---------------------------------------------------------------------------- vLLM
 # One prefill is a ``/v1/completions`` request: the prompt as token ids, ``max_tokens: 1``
 # (vLLM requires at least one sampled token: prefill plus one decode step, whose state is
