@@ -175,7 +175,7 @@ class DumpMeta(Versioned):
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict (its deep copy was 2/3 of the 88 us this
-        # cost the worker a sample: issue 35); the same text, as json.dumps writes a list
+        # cost the worker a sample); the same text, as json.dumps writes a list
         # and a tuple alike and nothing here is changed.
         data: dict[str, Any] = {f: getattr(self, f) for f in _META_FIELDS}
         data["model"] = {f: getattr(self.model, f) for f in _MODEL_FIELDS}

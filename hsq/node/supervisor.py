@@ -126,7 +126,8 @@ class Supervisor:
                 port=pair.port,
                 args=[*args, *self.server_args],  # given flags last: click keeps the last
                 parent_death_signal=signal.SIGTERM,
-                admin=False,  # a run's server takes no fault rules from anyone (issue 33 D10)
+                # No fault rules from anyone: another user's would change the run's states.
+                admin=False,
             )
         else:
             argv = hsq_command(

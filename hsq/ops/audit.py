@@ -187,8 +187,8 @@ def run_audit(
 
 
 def _require_reachable(server: str, timeout_s: float) -> None:
-    """ConfigError (exit 2) at once when nothing answers at `server` (issue 33 D12: the
-    audit waited 30 minutes for a closed port); any HTTP answer will do here."""
+    """ConfigError (exit 2) at once when nothing answers at `server` (a closed port
+    once kept the audit waiting 30 minutes for a readiness marker); any HTTP answer will do here."""
     import httpx
 
     try:

@@ -19,7 +19,7 @@ Rows hsq cannot use raise `DatasetError` with a stable reason (no_assistant, unk
 empty_content, bad_content, too_deep, control_tokens, template_error, too_long, ...) and go
 to the dead letter; they are not silently repaired.
 
-Memory per row is bounded (issue 23 item 14): only as much of the rendered text is
+Memory per row is bounded: only as much of the rendered text is
 tokenized as the row's token limit needs (--max-length, else MAX_ROW_TOKENS), so a 50 MB row
 costs about what its first max-length tokens cost, not ~700 bytes per byte of text.
 

@@ -197,7 +197,7 @@ def _plan_recovery(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            # The run's layout (pre-norm or not) and format: a run keeps one (D8).
+            # The run's layout (pre-norm or not) and format: a run keeps one.
             manifest, why = adopt_output(
                 out_root, sample, cfg.run, cfg.store_dtype, prenorm=cfg.prenorm
             )
@@ -221,7 +221,7 @@ def _plan_recovery(
     states: tuple[str, int] | None = None
     for sid, manifest, ident, st in found:
         if ident == identity and dtype is not None and st is not None and st[0] != dtype:
-            # The worker's dtype pin forbids a mixed run (D9): enqueued, not marked done.
+            # The worker's dtype pin forbids a mixed run: enqueued, not marked done.
             report.rejected_files[sid] = f"states stored as {st[0]}, the run's are {dtype}"
         elif ident == identity:
             adopt.append((sid, manifest))

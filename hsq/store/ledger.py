@@ -85,7 +85,8 @@ class Ledger(Generic[E]):
     ) -> list[bool | None]:
         """mark_done_many for a worker, per (sample id, job id, entry): only samples whose
         job is still in this worker's wip list are marked, in the same script call; None
-        for the others (a reaper gave their job to another worker: issue 33 D4)."""
+        for the others (a reaper gave their job to another worker, which may
+        have written the sample again)."""
         res = self._mark(entries, worker_id)
         return [None if x == 2 else x == 1 for x in res]
 

@@ -47,7 +47,7 @@ end
 # the done hash. KEYS: config, done, stats, dead, dead reasons[, a worker's wip list]; ARGV:
 # generation, then (sample id, manifest JSON, tokens, bytes, job id) per sample. With the
 # wip list, a sample whose job ('' : none) is no longer in it is not marked (2): a worker
-# whose jobs a reaper took never marks again (issue 33 D4). A newly done sample leaves the dead
+# whose jobs a reaper took never marks again. A newly done sample leaves the dead
 # letter (done and dead stay disjoint, so status adds them up without reading either).
 # Replies 1/0/2 per sample. Commands: HGET, HMGET, HSET, 2 HINCRBY, HLEN whatever the batch.
 MARK_DONE_MANY = (

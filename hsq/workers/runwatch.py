@@ -106,7 +106,7 @@ def config_tampered(old: RunConfig, new: RunConfig) -> str | None:
     """Why `new` cannot be the same run as `old`: its output dir, dataset or creation time
     changed but its generation did not. Only a re-created run (a new generation: purge and
     enqueue) may change them; anything else is someone rewriting the config under running
-    workers (issue 23 item 19: a worker then wrote to the writer's path)."""
+    workers (a worker then wrote to the rewriter's path)."""
     if old.generation is None or new.generation != old.generation:
         return None  # a re-created run; None: no generation to judge by (never from RunStore)
     changed = [

@@ -95,7 +95,7 @@ def require_dump_dir(
     marker there). A worker started beside its server waits for it, creating nothing; once
     the server answers and the dir is still missing, --dump-dir is mistyped: exit 2.
     Creating a missing one turned a typo into a directory, a lock and a staging dir left
-    behind by a worker that then exited 2 (issue 29 item 9)."""
+    behind by a worker that then exited 2."""
     deadline = clock() + timeout_s
     logged = False
     while check_dump_dir(path, force):

@@ -8,8 +8,8 @@
     POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
 /admin/* is off (403) unless the server was started with --admin, and then answers only
-loopback peers, or, with --admin-token-file, only requests carrying that token (issue 33
-D10: a fault rule from another user made a run's states another sample's). Request bodies
+loopback peers, or, with --admin-token-file, only requests carrying that token (a fault
+rule from another local user made a run's states another sample's). Request bodies
 are bounded by what --max-tokens allows (body_limit), not by the generic 64 MiB.
 
 The HTTP side is hsq.engines.http_api's (routing, body limits, error replies): one
@@ -231,7 +231,8 @@ BODY_BASE_BYTES = 64 * 1024
 
 
 def body_limit(max_tokens: int) -> int:
-    """The largest request body a server of --max-tokens can need (D16: 64 MiB before)."""
+    """The largest request body a server of --max-tokens can need, not 64 MiB for
+    every server."""
     return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_tokens
 
 

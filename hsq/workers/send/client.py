@@ -34,7 +34,8 @@ __all__ = [
 # A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
 MAX_ANSWER_BYTES = 1 << 20
 # The request body is encoded by msgspec: json.dumps of 300 token ids costs ~80 us of the
-# worker's interpreter, msgspec ~2.5 us (issue 35).
+# worker's interpreter, msgspec ~2.5 us, and
+# one interpreter is the worker's ceiling on short samples.
 _encode = msgspec.json.Encoder().encode
 
 
