@@ -1,4 +1,4 @@
-"""`hsq audit` and `hsq worker --audit-fraction` (issue 23 item 20), with real reference
+"""`hsq audit` and `hsq worker --audit-fraction`, with real reference
 servers: one batching with the `mix` fault (a dump gets another request's states of the
 same length: every metadata check passes, verify --deep too), one batching cleanly.
 
@@ -290,7 +290,7 @@ def test_the_audit_checks_each_dump_as_the_worker_does(
 def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_message(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 33 D12: against a closed port the audit waited for a hook marker for 30
+    """Against a closed port the audit waited for a hook marker for 30
     minutes (`waiting_for_hook`, timeout_s 1800). Now: exit 2 naming the server, and
     nothing of the run changes. (The subprocess limit is only a guard: the audit's own
     bound is its --request-timeout.)"""

@@ -46,8 +46,8 @@ def test_compose_is_readable_by_compose_1_29_and_safe_by_default() -> None:
         image = svc.get("image", "")
         assert not image.endswith(":latest") or "build" in svc, f"{name}: unpinned {image}"
         assert "ports" not in svc, f"{name}: ports belong in docker-compose.override.yml"
-    # Redis requires its password, read from the environment into a config file (issue 23
-    # item 18: never on a command line).
+    # Redis requires its password, read from the environment into a config file (never
+    # on a command line, where every local user reads it).
     redis_cmd = " ".join(services["redis"]["command"])
     assert "requirepass" in redis_cmd and "$$REDIS_PASSWORD" in redis_cmd
     assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
@@ -211,7 +211,7 @@ def test_the_secret_check_allows_the_environment_and_files(line: str) -> None:
     assert password_on_command_line(line) == [], line
 
 
-# --- images install the built wheel (issue 25) ----------------------------------------------
+# --- images install the built wheel ----------------------------------------------
 
 WHEEL = "dist/hidden_state_queue-0.2.0-py3-none-any.whl"  # a name `make dist` could write
 

@@ -194,7 +194,7 @@ def _rewrite_scale(
         (lambda s: s.__setitem__(0, -s[0]), "negative"),
         (lambda s: s.__setitem__(0, 0.0), "zero scale"),
         (lambda s: s.__setitem__(3, 1.0), "448"),  # token 1 is all zero: its scales are 0
-        # issue 33 D3: finite, but 448 * 1e38 is not: the file read back +Inf
+        # Finite, but 448 * 1e38 is not: the file read back +Inf
         (lambda s: s.__setitem__(0, 1e38), "scale * 448 overflows"),
     ],
 )

@@ -1,4 +1,4 @@
-"""Issue 23, items 7-12: the worker against a hostile or broken dump dir, with real parts:
+"""The worker against a hostile or broken dump dir, with real parts:
 a real redis-server, real `hsq worker` processes and real signals, the reference server or
 a misbehaving server over real HTTP (tests/hostile.py), real FIFOs, links, immutable files,
 a second local user. Unit-level checks of the same rules are in tests/test_worker_unit.py."""

@@ -266,7 +266,7 @@ def file_formats_reached(root: Path, start: str) -> dict[str, list[str]]:
 
 
 def test_the_redis_gateway_imports_no_file_format() -> None:
-    """Issue 32: the store imported hsq.outputs for the manifest codec (store -> outputs ->
+    """The store imported hsq.outputs for the manifest codec (store -> outputs ->
     protocol -> stfile). The codec lives beside the output format now; the gateway stores
     done entries through it (hsq.store.DoneCodec) and reaches no file format, directly or
     through another module."""
@@ -285,7 +285,7 @@ def test_the_file_format_check_follows_imports_through_other_modules(tmp_path: P
 
 
 def test_no_file_in_the_repository_is_a_link() -> None:
-    """Issue 32: links break a zip download, a core.symlinks=false clone and path-based tools."""
+    """Links break a zip download, a core.symlinks=false clone and path-based tools."""
     import subprocess
 
     listed = subprocess.run(

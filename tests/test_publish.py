@@ -1,4 +1,4 @@
-"""Publishing an output file without replacing another writer's (issue 33 D4), on a real
+"""Publishing an output file without replacing another writer's, on a real
 filesystem: two writers of one sample interleaved deterministically at every step of
 hsq.outputs.publish (its pause port; no sleeps, no timing). Whatever the order, and
 whatever was at the name before (nothing, a valid file, an invalid one), each writer's
@@ -267,7 +267,7 @@ def test_the_file_at_a_taken_name_is_judged_from_one_read_of_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Publisher._valid parses the header once for its three checks (judge_output, the
-    model identity, the states' dtype and size), not once each (issue 35 item 5)."""
+    model identity, the states' dtype and size), not once each."""
     from hsq.stfile.header import read_header
 
     a, c = output_bytes(tmp_path, 1), output_bytes(tmp_path, 3)

@@ -51,7 +51,7 @@ def test_a_joining_node_shares_the_work_and_its_ctrl_c_hands_back(tmp_path: Path
         "slow:seconds=3",
         "--admin",
     )  # fmt: skip (admin: the test
-    # clears A's fault below; a run's servers take none unless asked, issue 33 D10)
+    # clears A's fault below; a run's servers take none unless asked)
     st = run_store(out_a, "data")
     b = Node(tmp_path, "b", "--join", "--run", "data", "--out", str(out_b),
              "--redis-url-file", str(out_a / ".hsq" / "redis-url"), "--node-name", "joiner",

@@ -1,4 +1,4 @@
-"""Issue 26: counters instead of recounts, batched done marks, the fast dataset scan, the
+"""Counters instead of recounts, batched done marks, the fast dataset scan, the
 parallel verify, and the scale benchmark's smoke run. Real redis-server throughout."""
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
 def test_a_worker_whose_job_was_reaped_marks_none_of_its_samples(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 33 D4: the done marks are fenced by ownership, in the marking script itself."""
+    """The done marks are fenced by ownership, in the marking script itself."""
     st = new_run(redis_url, "held", tmp_path, 8)
     st.register("wa", {"state": "x"})
     job = st.claim("wa", 1)

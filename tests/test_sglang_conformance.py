@@ -145,7 +145,7 @@ def _call_args(read: SourceReader, sym: Symbol, callee: str) -> list[list[str]]:
 
 
 def test_kimi_calls_the_language_model_with_input_ids_none(source: SourceReader) -> None:
-    """Issue 18's root cause, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
+    """Why Kimi-K2.5 dumps once failed, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
     model with input_ids=None -> DeepseekV2 passes that None and the ForwardBatch to the
     logits processor in positions 0 and 3, where plugin.around_logits reads them."""
     kimi = Symbol("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration.forward")

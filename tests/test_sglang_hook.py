@@ -606,7 +606,7 @@ def rids_dumped(dump_dir: Path) -> Counter[str]:
 
 
 def test_k_concurrent_requests_in_one_batch_give_one_dump_per_rid(server: Server) -> None:
-    """Issue 12: K requests in flight land in one prefill batch; each gets its own dump."""
+    """K requests in flight land in one prefill batch; each gets its own dump."""
     reqs = [server.add(f"hsq-k{i}", n) for i, n in enumerate([1, 7, 64, 3, 128, 2, 31, 16])]
     assert server.forward([(r, 0, len(r.origin_input_ids)) for r in reqs])
     dumps = server.dumps()  # each read back and compared with its own states
@@ -1079,7 +1079,7 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
 def test_launch_sglang_refuses_before_starting_anything(
     tmp_path: Path, extra: list[str], says: str
 ) -> None:
-    """Issue 21: what the launcher can judge from its command line and a local config.json
+    """What the launcher can judge from its command line and a local config.json
     is refused before SGLang starts (a live start costs minutes). SGLang is not installed
     here, so a launcher that tried to start it would fail differently, later."""
     model = tmp_path / "llama"

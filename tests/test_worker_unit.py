@@ -178,7 +178,7 @@ def test_a_short_dump_alone_is_delivered_after_the_grace(dump_dir: Path, staging
 def test_late_dump_after_a_timeout_is_discarded_and_fails_nothing_else(
     dump_dir: Path, staging: Path
 ) -> None:
-    """Issue 15, D8: one late dump sent 6 of the next 8 samples to the dead letter."""
+    """One late dump sent 6 of the next 8 samples to the dead letter."""
     m = matcher(dump_dir, staging, timeout=1.0)
     m.add("old", len(IDS))
     m.answered("old", now=0.0)
@@ -309,7 +309,7 @@ def test_generate_answers_map_to_typed_errors() -> None:
 
 
 def test_a_sticky_shared_dump_dir_is_refused_and_left_alone(tmp_path: Path) -> None:
-    """Issue 15, D7: the worker chmodded /dev/shm to 0700 and emptied it."""
+    """The worker chmodded /dev/shm to 0700 and emptied it."""
     shared = tmp_path / "shm"
     shared.mkdir()
     os.chmod(shared, 0o1777)
@@ -344,14 +344,14 @@ def test_a_short_dump_seen_late_still_waits_for_its_other_part(
 
 
 def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
-    """Issue 15 minor item: the metrics endpoint was 0.0.0.0 by default."""
+    """The metrics endpoint was 0.0.0.0 by default."""
     from hsq.workers.settings import WorkerSettings
 
     s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
     assert s.metrics_host == "127.0.0.1"
 
 
-# ---------------------------------------------------------------------------- issue 23, 7-12
+# ---------------------------------------------------------------------------- hostile dump dir
 
 
 def test_only_regular_files_are_opened_in_a_dump_dir(tmp_path: Path) -> None:
@@ -645,7 +645,7 @@ def test_dispatcher_threads_never_wait_on_a_fifo(dump_dir: Path) -> None:
 def test_a_matcher_bug_hands_waiting_requests_back_it_never_charges_them(
     dump_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32: an exception from the matcher was logged and polling went on, so every
+    """An exception from the matcher was logged and polling went on, so every
     request in flight timed out as no_dump and ended in the dead letter: a bug in the worker
     charged to the samples. Now a waiting request fails with an error the policy hands back
     (the worker stops once its work is back), and no new request is taken."""
