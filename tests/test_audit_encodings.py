@@ -31,8 +31,8 @@ from hsq.closeness.rule import (
 )
 from hsq.states import AUX_TENSOR, BF16, FP8, LAST_TENSOR, PLAIN, PRENORM_TENSOR
 from tests.helpers import enqueue, log_events, start_worker, store
+from tests.support.audits import K, N, audit, dataset, extract_batched, mismatches, mixed_samples
 from tests.support.procs import ReferenceServer
-from tests.test_audit import K, N, audit, dataset, extract_batched, mismatches, mixed_samples
 
 Factory = Callable[..., ReferenceServer]
 pytestmark = pytest.mark.timeout(600)  # real servers, a worker and several audits per test

@@ -26,7 +26,8 @@ from hsq.outputs.format import output_relpath
 from hsq.outputs.publish import Publisher
 from hsq.outputs.transcode import write_output
 from hsq.stfile.engine import WriteEngine
-from tests.test_fp8 import IDENT, LAYERS, H, states
+from tests.support.fakedump import IDENT, LAYERS
+from tests.support.fakeoutput import H, states
 
 N = 9
 SAMPLE = Sample("s1", list(range(100, 100 + N)), None)

@@ -9,35 +9,14 @@ where `make setup` fetches it.
 from __future__ import annotations
 
 import ast
-import os
-import zipfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from hsq.engines.sglang import compat, srccheck
 from hsq.engines.sglang.compat import PINNED_VERSIONS, Symbol
 from hsq.engines.sglang.srccheck import SourceReader, SourceTree
-
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache" / "sglang"
-
-
-def wheel_reader(version: str) -> Iterator[SourceReader]:
-    wheels = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if not wheels:
-        why = f"no sglang {version} wheel in {CACHE}: run scripts/fetch_sglang_sources.sh"
-        if os.environ.get("CI"):
-            pytest.fail(why + " (CI must have it: `make setup` fetches it)")
-        pytest.skip(why)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        names = set(zf.namelist())
-
-        def read(path: str) -> str | None:
-            return zf.read(path).decode() if path in names else None
-
-        yield read
+from tests.support.sglangsrc import wheel_reader
 
 
 @pytest.fixture(params=PINNED_VERSIONS)

@@ -32,7 +32,7 @@ from hsq.workers.send.dispatch import Dispatcher
 from hsq.workers.send.ridmatch import RidMatcher
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, check_dump_dir, take_dump_dir
-from tests.test_protocol import IDS, make
+from tests.support.fakedump import IDS, make
 
 # ---------------------------------------------------------------------------- policy
 
