@@ -403,3 +403,17 @@ def test_the_circle_check_sees_a_lazy_import_back(tmp_path: Path) -> None:
     )
     (tmp_path / "hsq/dataset/fast.py").write_text("from hsq.dataset.jsonl import f\n")
     assert len(import_circles(tmp_path)) == 1
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test files share lives in tests/support (or tests/helpers.py): a test
+    module imported by another runs its fixtures and module state twice and hides which
+    file a helper belongs to."""
+    found = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        module = module_name(path, ROOT)
+        tree = ast.parse(path.read_text(), str(path))
+        for line, target in imported(tree, module, path.name == "__init__.py"):
+            if target.startswith("tests.test_"):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {target}")
+    assert found == []
