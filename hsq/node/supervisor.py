@@ -126,8 +126,6 @@ class Supervisor:
                 port=pair.port,
                 args=[*args, *self.server_args],  # given flags last: click keeps the last
                 parent_death_signal=signal.SIGTERM,
-                # No fault rules from anyone: another user's would change the run's states.
-                admin=False,
             )
         else:
             argv = hsq_command(

@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from hsq import jsonsafe
 from hsq.store import scripts
 from hsq.store.connection import text, translate_public
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 
 E = TypeVar("E")
 MAX_MARK_BATCH = 500
@@ -49,11 +49,9 @@ class DoneCodec(Protocol[E]):
 
 
 @translate_public
-class Ledger(Generic[E]):
+class Ledger(Aggregate, Generic[E]):
     def __init__(self, fence: Fence, codec: DoneCodec[E]) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.keys = fence.keys
+        super().__init__(fence)
         self.codec = codec
         reg = self.client.register_script
         self._mark_done_many = reg(scripts.MARK_DONE_MANY)
