@@ -177,7 +177,7 @@ def test_a_second_concurrent_enqueue_is_refused_with_exit_2(tmp_path: Path, redi
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 5, seed=1)
     holder = store(redis_url, "busy")
-    with holder.enqueue_lock("test-holder"):
+    with holder.lifecycle.enqueue_lock("test-holder"):
         second = hsq(
             "enqueue", str(ds), "--run", "busy", "--out", str(tmp_path / "b"),
             "--redis", redis_url, "--no-progress",

@@ -123,4 +123,4 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     cfg = store.require_config()
     # One transaction per batch queues the samples and takes them out of the dead letter.
     store.enqueue(chunked(todo, cfg.chunk_size), clear_failures=True)
-    store.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))
+    store.lifecycle.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))

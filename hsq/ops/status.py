@@ -248,7 +248,7 @@ def recount(store: RunStore) -> int:
     store.recount_queues()
     index, outstanding, done, dead, _ = partition(store)
     missing = len(index - done - dead - set(outstanding))
-    store.set_lost(missing)
+    store.lifecycle.set_lost(missing)
     return missing
 
 
@@ -274,7 +274,7 @@ def run_status(
     missing = min(max(st.get("lost", 0), 0), remaining)
     retry = min(max(st.get("retry_samples", 0), 0), remaining - missing)
     queued = min(max(st.get("main_samples", 0), 0), remaining - missing - retry)
-    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
     tokens_total, tokens_done = st.get("total_tokens", 0), st.get("tokens", 0)

@@ -66,7 +66,7 @@ def enqueue_run(
     `defaulted`: names of cfg's settings the user left at their defaults (FOLLOW_RUN)."""
     cfg.validate()
     try:
-        with store.enqueue_lock(lock_holder()):
+        with store.lifecycle.enqueue_lock(lock_holder()):
             return _enqueue_streaming(
                 store, cfg, strict=strict, progress=progress, rejected=rejected, defaulted=defaulted
             )
@@ -171,7 +171,7 @@ def _enqueue_streaming(
     store.set_totals(samples=report.valid, tokens=tokens, invalid_lines=len(bad))
     dead_letter_bad(store, bad)
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
-    store.end_enqueue()
+    store.lifecycle.end_enqueue()
     return report
 
 
@@ -189,7 +189,7 @@ def _start(store: RunStore, cfg: RunConfig, existing: RunConfig | None) -> dict[
     the counters cannot say which indexed samples are queued (None when they can)."""
     if existing is None:
         store.create_config(cfg)
-    interrupted = store.begin_enqueue()
+    interrupted = store.lifecycle.begin_enqueue()
     if existing is None:
         return None
     c = store.counts()

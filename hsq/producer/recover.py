@@ -95,7 +95,7 @@ def recover_run(store: RunStore, req: RecoverRequest, *, progress: bool = True) 
     """Rebuild a run's Redis state from its output directory (module docstring)."""
     cfg = recover_config(store.load_config(), req)
     cfg.validate()
-    with store.enqueue_lock(lock_holder()):
+    with store.lifecycle.enqueue_lock(lock_holder()):
         return _recover_locked(store, cfg, progress=progress, hint=req.hint)
 
 
@@ -119,7 +119,7 @@ def _recover_locked(
         cfg = replace(cfg, model_id=plan.identity[0], layer_ids=plan.identity[1])
     if existing is None:
         existing, _ = store.create_config(cfg)
-    store.begin_enqueue()
+    store.lifecycle.begin_enqueue()
     store.put_index(valid)
     store.set_totals(
         samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
@@ -128,7 +128,7 @@ def _recover_locked(
     report.pruned = prune(store, {sid for sid, _ in valid}, {key for key, _, _ in bad})
     _apply_recovery(store, plan, report)
     _enqueue_rest(store, valid, report, cfg.chunk_size)
-    store.end_enqueue()
+    store.lifecycle.end_enqueue()
     log_report(cfg.run, report)
     return report
 

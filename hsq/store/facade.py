@@ -86,13 +86,3 @@ class Store(Generic[E]):
         self.register = workers.register
         self.heartbeat = workers.heartbeat
         self.unregister = workers.unregister
-        self.worker_ids = workers.worker_ids
-        self.worker_info = workers.worker_info
-        self.workers_info = workers.workers_info
-        lifecycle = self.lifecycle  # the enqueue lock, lost samples, purge
-        self.enqueue_lock = lifecycle.enqueue_lock
-        self.begin_enqueue = lifecycle.begin_enqueue
-        self.end_enqueue = lifecycle.end_enqueue
-        self.set_lost = lifecycle.set_lost
-        self.forget_lost = lifecycle.forget_lost
-        self.purge = lifecycle.purge
