@@ -45,7 +45,7 @@ def new_run(redis_url: str, run: str, tmp_path: Path, n: int, chunk: int = 4) ->
     st = store(redis_url, run)
     st.create_config(RunConfig(run=run, dataset=str(tmp_path / "d.jsonl"), out=str(tmp_path)))
     refs = [(f"s{i:04d}", E) for i in range(n)]
-    st.put_index(refs)
+    st.config_index.put_index(refs)
     st.set_totals(samples=n, tokens=3 * n, invalid_lines=0)
     st.enqueue(chunked(refs, chunk))
     return st
@@ -150,7 +150,7 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
     assert st.mark_done_many([*batch, batch[0]]) == [True] * 5 + [False]
     assert st.mark_done_many(batch[:2]) == [False, False]
     assert st.stats()["tokens"] == 15 and st.stats()["bytes"] == 500
-    assert st.count(st.keys.dead) == 0 and st.dead_reasons() == {}  # done leaves the dead
+    assert st.count(st.keys.dead) == 0 and st.ledger.dead_reasons() == {}  # done leaves the dead
     st.to_dead("s0002", "x", "y", 1, "w")
     assert st.count(st.keys.dead) == 0  # a done sample is not dead-lettered
     assert hsq("purge", "--run", "many", "--yes", "--redis", redis_url).returncode == 0
@@ -484,10 +484,10 @@ def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
     )
     assert st.get_manifest("s0001") == odd  # not the usual shape: kept as JSON
     assert dict(st.iter_manifest())["s0000"] == st.get_manifest("s0000")
-    assert json.loads(st.done_entries(["s0000"])[0] or b"")["path"] == e.path
+    assert json.loads(st.ledger.done_entries(["s0000"])[0] or b"")["path"] == e.path
     st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
     assert st.get_manifest("s0002") is None
-    assert dict(st.iter_done())["s0002"] == b"m1|x|y"
+    assert dict(st.ledger.iter_done())["s0002"] == b"m1|x|y"
 
 
 def test_verify_reads_the_stored_form_with_the_verdicts_of_its_json(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
         "give_back": lambda: worker.give_back("w1", job),
         "retry": lambda: worker.enqueue([[("b", ENTRY)]], retry=True, attempt=1),
         "dead": lambda: worker.to_dead("b", "x", "y", 1, "w1"),
-        "pin": lambda: worker.pin_model("m@1", [1, 2]),
+        "pin": lambda: worker.config_index.pin_model("m@1", [1, 2]),
         "heartbeat": lambda: worker.heartbeat("w1", {"state": "busy"}),
         "crash": lambda: worker.record_crash("b"),
     }

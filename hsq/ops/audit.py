@@ -111,7 +111,7 @@ def run_audit(
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
     report = AuditReport(seed=secrets.randbits(32) if seed is None else seed)
-    done = dict(store.iter_done())
+    done = dict(store.ledger.iter_done())
     report.done = len(done)
     rng = random.Random(report.seed)
     chosen = rng.sample(sorted(done), min(len(done), math.ceil(fraction * len(done))))
@@ -142,7 +142,7 @@ def run_audit(
             check_server_kind(marker, server_kind, who="audit")
         clear_dump_dir(dump_dir)
         target = _Target(client, dump_dir, dump_timeout_s, RunView.of(cfg, store.run))
-        index = store.get_index(chosen)
+        index = store.config_index.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:
             on_progress(1)

@@ -160,9 +160,9 @@ def _enqueue_streaming(
             # An interrupted enqueue leaves indexed samples in no queue: `begin_enqueue`'s
             # flag makes the next one look at every job.
             if b.packed_index is not None and existing is None:
-                store.put_index_packed(b.packed_index)
+                store.config_index.put_index_packed(b.packed_index)
             else:
-                store.put_index(changed)
+                store.config_index.put_index(changed)
     _enqueue_chunks(store, cfg, pending, report)
     add_rejected(report, bad, rejected)
     report.valid = len(seen)  # only valid lines' ids are recorded
@@ -214,7 +214,7 @@ def _decide(
     if not existed:
         return list(valid), valid
     ids = [sid for sid, _ in valid]
-    index, done, dead = store.presence(ids)
+    index, done, dead = store.config_index.presence(ids)
     todo: list[AnyRef] = []
     changed = [ref for ref, v in zip(valid, index, strict=True) if v != ref[1]]
     for ref, entry, is_done, is_dead in zip(valid, index, done, dead, strict=True):

@@ -120,7 +120,7 @@ def _recover_locked(
     if existing is None:
         existing, _ = store.create_config(cfg)
     store.lifecycle.begin_enqueue()
-    store.put_index(valid)
+    store.config_index.put_index(valid)
     store.set_totals(
         samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
     )
@@ -242,7 +242,7 @@ def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) 
     if plan.identity is None:
         return
     model, layers = plan.identity
-    recorded = store.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
+    recorded = store.config_index.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
     if recorded != (model, layers):
         raise ConfigError(f"the run pinned {recorded} meanwhile; nothing was marked done")
     if plan.states is not None:  # as a worker pins it, so its later dumps must agree

@@ -41,12 +41,7 @@ class Store(Generic[E]):
         self.load_config = config_index.load_config
         self.require_config = config_index.require_config
         self.create_config = config_index.create_config
-        self.pin_model = config_index.pin_model
         self.pin_dump_identity = config_index.pin_dump_identity
-        self.put_index = config_index.put_index
-        self.put_index_packed = config_index.put_index_packed
-        self.get_index = config_index.get_index
-        self.presence = config_index.presence
         self.iter_hash_keys = config_index.iter_hash_keys
         self.count = config_index.count
         counters = self.counters  # the O(1) counters
@@ -75,10 +70,7 @@ class Store(Generic[E]):
         self.undo_done = ledger.undo_done
         self.get_manifest = ledger.get_manifest
         self.iter_manifest = ledger.iter_manifest
-        self.iter_done = ledger.iter_done
-        self.done_entries = ledger.done_entries
         self.to_dead = ledger.to_dead
-        self.dead_reasons = ledger.dead_reasons
         self.dead_entries = ledger.dead_entries
         self.delete_fields = ledger.delete_fields
         self.record_crash = ledger.record_crash
