@@ -1,8 +1,10 @@
-"""RunStore's shape: one object composed of the aggregates, for callers that use several
-(the CLI's commands, the producer, tests). A caller that needs one role takes that role's
-protocol (hsq/store/roles.py) instead.
+"""RunStore's shape: one object composed of the aggregates (`config_index`, `counters`,
+`queue`, `ledger`, `workers`, `lifecycle`). A caller reaches an aggregate's method through
+the aggregate (`store.lifecycle.purge()`), except for the methods rebound below: those the
+worker's roles name (hsq/store/roles.py, which the in-memory MemoryStore satisfies too),
+and a few every reader uses (counts, listings of a hash, the manifest pages).
 
-The object holds no logic: each of its methods is its aggregate's own (bound), so a
+The object holds no logic: each rebound method is its aggregate's own (bound), so a
 method has one home and one signature, and a reader goes straight to it.
 
 Generic in the done entry's type: hsq.runstore.RunStore binds it to the manifest entry
