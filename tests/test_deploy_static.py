@@ -126,7 +126,7 @@ def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     assert 'HSQ_REDIS_URL=$HSQ_REDIS_URL "$HSQ_VENV/bin/hsq" exporter --metrics-host' in head
 
 
-# --------------------------------------------------------------------------- secrets (item 18)
+# --------------------------------------------------------------------------- secrets
 # Every local user reads any process's command line (`ps`, /proc/PID/cmdline), so a recipe,
 # compose file or documented example that puts a password in one gives it away.
 RECIPES = [

@@ -352,7 +352,7 @@ class ChatTokenizer:
         """(ids, offsets, chars): the tokens of text[:chars], which either is the whole text
         or has more than `limit` tokens whose first `limit` are those of the whole text.
 
-        Bounded memory (item 14): the head grows geometrically from a few characters per
+        Bounded memory: the head grows geometrically from a few characters per
         token, so a huge row costs a few times its `limit` tokens, never its whole text.
         A head is trusted once a head half as long again starts with the same `limit`
         tokens (a cut changes only the tokens of its last few characters)."""

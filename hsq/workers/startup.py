@@ -74,8 +74,8 @@ def check_dump_dir(path: Path, force: bool) -> bool:
 
 def fresh_staging(dump_dir: Path) -> Path:
     """An empty <dump_dir>/.hsq-staging. Whatever holds the name is removed without being
-    followed: a link or a file there made mkdir fail with "[Errno 17] File exists" (issue
-    23 item 15), and a link must never lead the worker's writes elsewhere."""
+    followed: a link or a file there made mkdir fail with "[Errno 17] File exists", and a
+    link must never lead the worker's writes elsewhere."""
     staging = dump_dir / STAGING
     remove_entry(staging)
     staging.mkdir(mode=0o700)

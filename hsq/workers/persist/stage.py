@@ -214,7 +214,7 @@ class PersistStage:
                 raise _DoneElsewhere(sid)
 
         if item.confirm_single is not None:
-            item.confirm_single()  # a second dump for the rid fails the attempt (item 12)
+            item.confirm_single()  # a second dump for the rid fails the attempt
         t1 = time.perf_counter()
         self.metrics.observe("validate", t1 - t0)
         rel = output_relpath(sid)
