@@ -1,4 +1,4 @@
-"""The base install's roles, run for real by an interpreter that has no torch (issue 29 item 6).
+"""The base install's roles, run for real by an interpreter that has no torch.
 
 `base_roles` is one scenario for any such interpreter: tests/test_slim.py gives it a venv
 whose path holds only what hidden-state-queue's base requirements need (links into this

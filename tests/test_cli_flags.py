@@ -1,4 +1,4 @@
-"""Every option of `hsq` reads its environment variable the same way (issue 32): the shared
+"""Every option of `hsq` reads its environment variable the same way: the shared
 flags (--run, --redis, --redis-url-file, the TLS files, --out) read the same variables in
 every command, and `acl --run`, `purge --run` and `demo`'s Redis, which did not, do now.
 

@@ -1,4 +1,4 @@
-"""The command line's small edges (issue 29 item 12): hsq's log options after the command
+"""The command line's small edges: hsq's log options after the command
 too, a bogus level refused there as well, `purge -y`, --help that reads short (the Redis
 and log options under their own headings, still accepted), no issue numbers in --help.
 

@@ -1,4 +1,4 @@
-"""The `hsq` command's own start stays cheap (issues 29 and 35): `hsq --version`, `hsq
+"""The `hsq` command's own start stays cheap: `hsq --version`, `hsq
 --help` and every command's --help import none of the heavy libraries (the group loads a
 command's module only when that command is asked for, structlog only when a command runs),
 and the group's lazy table (hsq/cli/main.py COMMANDS) says what the commands say.

@@ -278,7 +278,8 @@ def test_a_host_losing_its_link_mid_run(tmp_path: Path, netns: Netns) -> None:
         netns.link("B", up=True)
 
         def b_is_back() -> bool:
-            return any(w.startswith("hostB.") and st.worker_info(w) for w in st.worker_ids())
+            ids = st.workers.worker_ids()
+            return any(w.startswith("hostB.") and st.workers.worker_info(w) for w in ids)
 
         wait_until(b_is_back, 120)
         more = tmp_path / "more.jsonl"

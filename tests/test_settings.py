@@ -141,7 +141,7 @@ def test_bad_worker_settings_are_refused_by_name() -> None:
 
 
 def test_a_heartbeat_interval_the_store_ttl_cannot_keep_up_with_is_refused() -> None:
-    """Issue 32: heartbeats 12 s apart passed validation while a heartbeat expires after
+    """Heartbeats 12 s apart passed validation while a heartbeat expires after
     HEARTBEAT_TTL_S (10 s): a reaper would take a live worker's jobs back every cycle."""
     slow = WorkerTuning(heartbeat_interval_s=12)
     with pytest.raises(ConfigError, match="--heartbeat-interval must be at most 5 s"):

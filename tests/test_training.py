@@ -420,7 +420,7 @@ def ckpts(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_reexport_after_the_run_was_redone_rewrites_every_stale_file(walk: dict[str, Any]) -> None:
-    """Issue 23 item 1: "already valid" is "this run's current output", not "loads"."""
+    """Already valid means "this run's current output", not "loads"."""
     dest = walk["base"] / "redo-dest"
     hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
     doubled = derived_run(
@@ -463,7 +463,7 @@ def test_reexport_replaces_a_nan_file_and_a_symlink_to_a_foreign_file(
 
 
 def test_export_refuses_corrupt_outputs_and_fails_them(walk: dict[str, Any]) -> None:
-    """Issue 23 item 2: an output `verify --deep` calls corrupt is never exported."""
+    """An output `verify --deep` calls corrupt is never exported."""
     victims = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[:2]
 
     def poison(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -294,8 +294,9 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
 def requeue_rejected(store: RunStore, sample_id: str) -> bool:
     """Queue a rejected sample again (retry queue), leaving the dead letter in the same
     transaction; False if it is no longer there (another consumer or `hsq run` did it)."""
-    index = _retrying("read the index", lambda: store.get_index([sample_id]))
-    _, done, dead = _retrying("look the sample up", lambda: store.presence([sample_id]))
+    ci = store.config_index
+    index = _retrying("read the index", lambda: ci.get_index([sample_id]))
+    _, done, dead = _retrying("look the sample up", lambda: ci.presence([sample_id]))
     if sample_id not in index or done[0] or not dead[0]:
         return False
     ref = (sample_id, index[sample_id])

@@ -175,33 +175,11 @@ class DumpServer(ManagedProcess):
 
 
 class ReferenceServer(DumpServer):
-    """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
-    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
+    """`hsq serve-reference` as a child process on a free port, bound to loopback. Its
+    /admin/* endpoints stay off unless `args` holds --admin: a run's server takes fault
+    rules from no one (another user's would change the run's states)."""
 
     module = ("hsq", "serve-reference")
-
-    def __init__(
-        self,
-        dump_dir: Path,
-        log_path: Path,
-        *,
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        parent_death_signal: int | None = None,
-        admin: bool = True,
-        spawner: Spawner | None = None,
-    ) -> None:
-        extra = ["--admin"] if admin and "--admin" not in args else []
-        super().__init__(
-            dump_dir,
-            log_path,
-            port=port,
-            args=[*extra, *args],
-            env=env,
-            parent_death_signal=parent_death_signal,
-            spawner=spawner,
-        )
 
 
 class RedisServer(ManagedProcess):

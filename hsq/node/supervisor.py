@@ -135,7 +135,6 @@ class Supervisor:
                 port=pair.port,
                 args=[*args, *self.server_args],  # given flags last: click keeps the last
                 parent_death_signal=signal.SIGTERM,
-                admin=False,  # a run's server takes no fault rules from anyone (issue 33 D10)
             )
         else:
             launcher = launcher_args(self.plan, pair.dump_dir, pair.port)

@@ -249,7 +249,7 @@ def recount(store: RunStore) -> int:
     store.recount_queues()
     index, outstanding, done, dead, _ = partition(store)
     missing = len(index - done - dead - set(outstanding))
-    store.set_lost(missing)
+    store.lifecycle.set_lost(missing)
     return missing
 
 
@@ -275,7 +275,7 @@ def run_status(
     missing = min(max(st.lost, 0), remaining)
     retry = min(max(st.retry_samples, 0), remaining - missing)
     queued = min(max(st.main_samples, 0), remaining - missing - retry)
-    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
     tokens_total, tokens_done = st.total_tokens, st.tokens

@@ -19,7 +19,7 @@ Rows hsq cannot use raise `DatasetError` with a stable reason (no_assistant, unk
 empty_content, bad_content, too_deep, control_tokens, template_error, too_long, ...) and go
 to the dead letter; they are not silently repaired.
 
-Memory per row is bounded (issue 23 item 14): only as much of the rendered text is
+Memory per row is bounded: only as much of the rendered text is
 tokenized as the row's token limit needs (--max-length, else MAX_ROW_TOKENS), so a 50 MB row
 costs about what its first max-length tokens cost, not ~700 bytes per byte of text.
 
@@ -352,7 +352,7 @@ class ChatTokenizer:
         """(ids, offsets, chars): the tokens of text[:chars], which either is the whole text
         or has more than `limit` tokens whose first `limit` are those of the whole text.
 
-        Bounded memory (item 14): the head grows geometrically from a few characters per
+        Bounded memory: the head grows geometrically from a few characters per
         token, so a huge row costs a few times its `limit` tokens, never its whole text.
         A head is trusted once a head half as long again starts with the same `limit`
         tokens (a cut changes only the tokens of its last few characters)."""

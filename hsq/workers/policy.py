@@ -57,7 +57,6 @@ DATASET_TRANSIENT = {"dataset_unreadable"}
 
 
 class Outcome(enum.Enum):
-    DONE = "done"
     RETRY = "retry"
     DEAD = "dead"
     HAND_BACK = "hand_back"

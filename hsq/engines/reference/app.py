@@ -8,8 +8,8 @@
     POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
 /admin/* is off (403) unless the server was started with --admin, and then answers only
-loopback peers, or, with --admin-token-file, only requests carrying that token (issue 33
-D10: a fault rule from another user made a run's states another sample's). Request bodies
+loopback peers, or, with --admin-token-file, only requests carrying that token (a fault
+rule from another local user made a run's states another sample's). Request bodies
 are bounded by what --max-tokens allows (body_limit), not by the generic 64 MiB.
 
 The HTTP side is hsq.engines.http_api's (routing, body limits, error replies): one
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 import signal
 import time
 from dataclasses import asdict
@@ -221,18 +220,7 @@ def dump_bytes_per_token(
 def ready_marker(engine: Engine) -> ReadyMarker:
     import hsq
 
-    m = engine.model
-    return ReadyMarker(
-        layer_ids=tuple(m.layer_ids),
-        model=m.identity,
-        server="hsq-reference",
-        server_version=hsq.__version__,
-        hook_version=hsq.__version__,
-        pid=os.getpid(),
-        created_unix=time.time(),
-        encoding=engine.encoding,
-        prenorm=m.prenorm,
-    )
+    return engine.ctx.ready_marker("hsq-reference", hsq.__version__)
 
 
 ADMIN_PREFIX = "/admin/"
@@ -243,7 +231,8 @@ BODY_BASE_BYTES = 64 * 1024
 
 
 def body_limit(max_tokens: int) -> int:
-    """The largest request body a server of --max-tokens can need (D16: 64 MiB before)."""
+    """The largest request body a server of --max-tokens can need, not 64 MiB for
+    every server."""
     return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_tokens
 
 

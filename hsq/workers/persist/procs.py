@@ -1,9 +1,10 @@
 """Persist processes: the per-sample CPU work of the persist stage (validate, read, finite
 check, checksum, quantize, write, fsync) in N child processes of the worker, so a worker is
-not bound by one interpreter's GIL (issue 35; BENCHMARKS.md has the measurement).
+not bound by one interpreter's GIL (BENCHMARKS.md has the measurement).
 
 What stays in the worker's main process, single-owner: the dispatcher and rid matching, the
-pins, the done look and lease check before a rename (the D4 fence), and every Redis write.
+pins, the done look and lease check before a rename (the fence that keeps a woken worker
+from replacing a sample another worker redid), and every Redis write.
 A child writes its sample's temp file and fsyncs it, then asks its parent whether it may
 rename (`before_rename`); only on "go" does the file take its name, and only after the
 child answered the result does the parent hand the sample to the committer. So a child
@@ -267,7 +268,7 @@ class _Serve:
             finally:
                 # The staged dump is used up whatever happened (a retry asks the server
                 # again). Removed here, before the answer: freeing ~9 MB of tmpfs pages cost
-                # the worker's own process ~1.9 ms of CPU a short sample (issue 35); the
+                # the worker's own process ~1.9 ms of CPU a short sample; the
                 # worker's removal after the answer is then a no-op.
                 shutil.rmtree(job.staged, ignore_errors=True)
         except _Refused:
