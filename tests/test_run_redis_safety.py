@@ -25,33 +25,13 @@ from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect
 from tests.helpers import hsq, wait_until
 from tests.run_helpers import NO_REDIS, Node, no_node_left
+from tests.support.listener import LISTENER, NOBODY
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="SO_PEERCRED, runuser"),
     pytest.mark.timeout(600),
     pytest.mark.usefixtures(no_node_left.__name__),
 ]
-NOBODY = 65534
-LISTENER = r"""
-import socket, sys
-kind, where = sys.argv[1], sys.argv[2]
-if kind == "tcp":
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", int(where)))
-else:
-    s = socket.socket(socket.AF_UNIX); s.bind(where)
-s.listen(16)
-print("listening", flush=True)
-while True:
-    c, _ = s.accept()
-    c.settimeout(2)
-    try:
-        data = c.recv(65536)
-    except OSError:
-        data = b""
-    print("got", data.hex(), flush=True)
-    c.close()
-"""
 
 
 def _needs_root() -> None:

@@ -1,7 +1,7 @@
 """What every engine (the reference server, the SGLang hook, the vLLM connector) shares:
 the model identity a dump carries, the context every dump of one server shares, the
-numbered write of one request's dump, the readiness marker, the dump dir a launcher
-prepares, and the flags both launchers take.
+numbered write of one request's dump, and the readiness marker (the launchers' shared
+flags and steps are hsq/engines/launch.py: `hsq launch-* --help` loads no dump format).
 
 No torch here, and nothing that imports it: SGLang's launcher and `hsq launch-sglang`
 load the engines' settings before torch is loaded (tests/test_layers.py probes it).
@@ -24,14 +24,11 @@ import hsq
 from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
 from hsq.dump.ready import READY_FILE, ReadyMarker, write_ready
 from hsq.dump.write import first_free_index, write_dump
-from hsq.settings import setting
-from hsq.states import ENCODINGS, PLAIN
+from hsq.states import PLAIN
 
 if TYPE_CHECKING:
     import torch
 
-MAX_CONFIG_BYTES = 4 * 2**20
-"""A checkpoint's config.json read by a launcher: far larger is not a config."""
 MAX_INDEX_TRIES = 1000
 """req_<N> indices a write tries before it gives up: another writer or an old run's dump
 may hold the next ones."""
@@ -189,41 +186,3 @@ class DumpFiles:
 def forget_marker(dump_dir: Path) -> None:
     """A marker an earlier server left must not vouch for this one while it loads."""
     (dump_dir / READY_FILE).unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------ launchers
-
-
-@dataclass(frozen=True)
-class LaunchCommon:
-    """The flags `hsq launch-sglang` and `hsq launch-vllm` both take."""
-
-    host: str = setting("127.0.0.1", help="address to listen on")
-    tp: int = setting(1, help="tensor parallel size (GPUs of one server)")
-    dump_encoding: str = setting(
-        PLAIN,
-        choices=ENCODINGS,
-        help="fp8-e4m3: the server quantizes the states as fp8 outputs store them (for runs "
-        "enqueued with --store-dtype fp8-e4m3)",
-    )
-    prenorm: bool = setting(False, help="also dump the final norm's input (runs with --prenorm)")
-    print_only: bool = setting(False, help="print the command, start nothing")
-
-
-def read_local_config(model_path: str) -> dict[str, Any] | None:
-    """A local checkpoint's config.json; None for a hub id or an unreadable file (the
-    server checks again once it has loaded the model)."""
-    try:
-        with open(Path(model_path) / "config.json", "rb") as f:
-            config = json.loads(f.read(MAX_CONFIG_BYTES))
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def prepare_dump_dir(dump_dir: Path) -> None:
-    """The dump dir a launched server writes into: private to the one worker that owns it,
-    and without an earlier server's marker."""
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    dump_dir.chmod(0o700)
-    forget_marker(dump_dir)

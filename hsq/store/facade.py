@@ -54,6 +54,9 @@ class Store(Generic[E]):
         self.counts = counters.counts
         self.snapshot = counters.snapshot
         self.recount_queues = counters.recount_queues
+        # the lost samples are the stats record's too (roles.StatsKeeper)
+        self.set_lost = self.lifecycle.set_lost
+        self.forget_lost = self.lifecycle.forget_lost
         queue = self.queue  # the queues and the wip lists
         self.enqueue = queue.enqueue
         self.claim = queue.claim

@@ -1,5 +1,5 @@
 """What `hsq launch-sglang` and `hsq launch-vllm` share on the command line (the flags
-both launchers take are hsq.engines.common.LaunchCommon)."""
+both launchers take are hsq.engines.launch.LaunchCommon)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import click
 from hsq.cli.command import hsq_command
 from hsq.cli.commands.launch import PASS_ON
 from hsq.cli.options import settings_options, take
-from hsq.engines.common import LaunchCommon
+from hsq.engines.launch import LaunchCommon
 from hsq.settings import int_tuple_or_none, setting
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready
-from hsq.engines.common import LaunchCommon, prepare_dump_dir, read_local_config
+from hsq.engines.launch import LaunchCommon, prepare_dump_dir, read_local_config
 from hsq.engines.sglang import compat
 from hsq.engines.sglang.launch_args import (
     check_model_config,

@@ -9,7 +9,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hsq.engines.common import LaunchCommon, prepare_dump_dir
+from hsq.engines.launch import LaunchCommon, prepare_dump_dir
 from hsq.engines.vllm.launch_args import (
     config_problems,
     default_layer_ids,

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hsq.engines.common import read_local_config as read_config_json
+from hsq.engines.launch import read_local_config as read_config_json
 from hsq.engines.vllm.config import ConnectorConfig
 from hsq.engines.vllm.layers import layer_problems, vllm_aux_ids
 from hsq.engines.vllm.refusals import ACCEPTED_CACHE_DTYPES
