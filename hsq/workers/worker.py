@@ -147,8 +147,10 @@ class Worker:
         )
 
     def request_stop(self, *_args: object) -> None:
-        if not self._stop.is_set():
-            log.info("stop_requested", worker=self.id)
+        """Stop at the next turn (SIGTERM, SIGINT, a changed run). It only sets the flag:
+        as a signal handler it must not log, since a log write can fail (a pipe whose
+        reader died) or block on the log's lock, which the interrupted main thread may hold;
+        the main loop logs the stop (`stop_requested`) once it sees the flag."""
         self._stop.set()
 
     # ------------------------------------------------------------------ main loop
@@ -192,6 +194,8 @@ class Worker:
                     log.error("store_error", error=str(exc))
                     self._stop.wait(1.0)
         finally:
+            if self._stop.is_set():
+                log.info("stop_requested", worker=self.id)
             self.state.set(WorkerState.STOPPING)
             self._settle(stopping=True)
             self._stop.set()
