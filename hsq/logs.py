@@ -17,7 +17,10 @@ from typing import Any, TextIO, cast
 
 
 def configure(level: str = "INFO", fmt: str = "json") -> None:
-    """Structured, unbuffered logs on stderr: one JSON object (or key=value line) per event."""
+    """Structured, unbuffered logs on stderr: one JSON object (or key=value line) per event.
+    `fmt` auto: key=value lines for a person at a terminal, JSON for anything else."""
+    if fmt == "auto":
+        fmt = "console" if _isatty(sys.stderr) else "json"
     _load_structlog()
     import structlog
 
@@ -41,6 +44,13 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, LossyWriter(sys.stderr))),
         cache_logger_on_first_use=True,
     )
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
 
 
 class LossyWriter:

@@ -222,8 +222,8 @@ def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
     if rate.seconds > 0 or rate.starting_s > 0:
         lines.append(
             f"rate     {rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s "
-            f"({rate.samples} samples, {rate.tokens:,} tokens in {duration(rate.seconds)} "
-            f"of extraction; servers starting before it: {duration(rate.starting_s)})"
+            f"({rate.samples} samples, {rate.tokens:,} tokens in {seconds(rate.seconds)} "
+            f"of extraction; servers starting before it: {seconds(rate.starting_s)})"
         )
     if o.all_failed:
         lines.append(
@@ -256,6 +256,11 @@ def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
                if verified.problems else "")
         )  # fmt: skip
     return lines
+
+
+def seconds(s: float) -> str:
+    """A span of the summary: tenths under a minute (a small run's extraction)."""
+    return f"{s:.1f}s" if s < 60 else duration(s)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hsq import logs
 from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
-from hsq.errors import ConfigError, DatasetError
+from hsq.errors import ConfigError, DatasetError, EmptyDatasetError
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import (
     Identity,
@@ -111,7 +111,7 @@ def _recover_locked(
     valid, bad = _scan(Path(cfg.dataset), cfg.max_tokens, report, progress)
     report.valid = len(valid)
     if not valid:
-        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+        raise EmptyDatasetError()
     # Read-only until the identity is decided: a refusal changes nothing.
     plan = _plan_recovery(store, existing or cfg, valid, report, progress, hint)
     if existing is None and plan.identity is not None:

@@ -155,14 +155,22 @@ class Worker:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
-        # A server without an active dump hook would time every sample out: refuse at once.
-        marker = require_hook(
-            self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
-        )
-        if marker is not None:
-            check_engine(marker, self.settings.api.engine)
-        self.dispatcher.start()
+        # The record first: `hsq status` and `hsq run`'s view say `starting` (server
+        # starting since T) while the server loads, not nothing.
+        self.pauses.note_server_silent()
         self.heartbeat.start()
+        try:
+            # A server without an active dump hook would time every sample out: refuse now.
+            marker = require_hook(
+                self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
+            )
+            if marker is not None:
+                check_engine(marker, self.settings.api.engine)
+        except BaseException:
+            self._stop.set()
+            self.heartbeat.end()  # no record of a worker that never started
+            raise
+        self.dispatcher.start()
         log.info(
             "worker_started",
             worker=self.id,
