@@ -385,16 +385,23 @@ Transform = Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def derived_run(
-    walk: dict[str, Any], run: str, transform: Transform, store_dtype: str = "bf16"
+    walk: dict[str, Any],
+    run: str,
+    transform: Transform,
+    store_dtype: str = "bf16",
+    *,
+    prenorm: bool = False,
 ) -> Path:
-    """`run`: walk's samples, each output rewritten through `transform`; returns OUT."""
+    """`run`: walk's samples, each output rewritten through `transform`; returns OUT.
+    `prenorm`: the run is enqueued with --prenorm (its outputs get the pre-norm state)."""
     from safetensors.torch import save_file
 
     from hsq.outputs.check import file_checksum
 
     out: Path = walk["base"] / f"out-{run}"
     hsq("enqueue", str(walk["tokens"]), "--run", run, "--out", str(out), "--redis", walk["url"],
-        "--store-dtype", store_dtype, "--no-progress", check=True)  # fmt: skip
+        "--store-dtype", store_dtype, "--no-progress", *(["--prenorm"] if prenorm else []),
+        check=True)  # fmt: skip
     st = store(walk["url"], run)
     for sid, entry in store(walk["url"], RUN).iter_manifest():
         assert entry is not None
@@ -562,12 +569,14 @@ def speculators(run: str, url: str, dest: Path) -> list[str]:
 def test_speculators_export_refuses_a_run_without_the_prenorm_state(walk: dict[str, Any]) -> None:
     res = hsq(*speculators(RUN, walk["url"], walk["base"] / "spec-refused"))
     assert res.returncode == 2 and "no pre-norm final state" in res.stderr
-    assert "hsq enqueue --prenorm" in res.stderr and "serve-reference --prenorm" in res.stderr
+    assert "hsq run DATASET --out OUT --prenorm" in res.stderr
+    # Refused from the run's record, before any progress bar or file.
+    assert "exporting" not in res.stderr and not (walk["base"] / "spec-refused").exists()
 
 
 @needs_speculators
 def test_speculators_own_loader_reads_the_export(walk: dict[str, Any]) -> None:
-    out = derived_run(walk, "walk-prenorm", with_prenorm)
+    out = derived_run(walk, "walk-prenorm", with_prenorm, prenorm=True)
     dest = walk["base"] / "spec"
     res = hsq(*speculators("walk-prenorm", walk["url"], dest), "--out", str(out), "--no-progress")
     assert res.returncode == 0 and "written   11 files" in res.stdout, res.stderr
@@ -603,7 +612,7 @@ def test_a_failed_sample_leaves_no_gap_between_rows_and_files(walk: dict[str, An
             t["last_hidden_state_prenorm"][0, 0] = float("inf")
         return t
 
-    out = derived_run(walk, "walk-gap", poison)
+    out = derived_run(walk, "walk-gap", poison, prenorm=True)
     dest = walk["base"] / "spec-gap"
     res = hsq(*speculators("walk-gap", walk["url"], dest), "--out", str(out), "--no-progress")
     assert res.returncode == 1 and "last_hidden_state_prenorm holds NaN or Inf" in res.stderr
@@ -635,7 +644,7 @@ def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, A
             out[name], out[scale_name(name)] = quant.quantize(t[name], groups)
         return out
 
-    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3")
+    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3", prenorm=True)
     spec, sf = walk["base"] / "spec-fp8", walk["base"] / "sf-fp8"
     res = hsq(*speculators("walk-fp8", walk["url"], spec), "--out", str(out), "--no-progress")
     assert res.returncode == 0, res.stderr

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.errors import DatasetError
+from hsq.errors import DatasetError, EmptyDatasetError
 from hsq.producer.chat import looks_like_chat
 from hsq.producer.fastscan import scan_batches
 from hsq.producer.report import (
@@ -206,7 +206,7 @@ def _enqueue_streaming(
     add_rejected(report, bad, rejected)
     report.valid = len(seen)  # only valid lines' ids are recorded
     if not started:
-        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+        raise EmptyDatasetError()
     store.set_totals(samples=report.valid, tokens=tokens, invalid_lines=len(bad))
     dead_letter_bad(store, bad)
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)

@@ -17,7 +17,7 @@ from pathlib import Path
 from hsq import logs
 from hsq.dataset.jsonl import IndexEntry, scan_dataset
 from hsq.dataset.read import read_sample
-from hsq.errors import ConfigError, DatasetError
+from hsq.errors import ConfigError, DatasetError, EmptyDatasetError
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import (
     Identity,
@@ -112,7 +112,7 @@ def _recover_locked(
     valid, bad = _scan(Path(cfg.dataset), cfg.max_tokens, report, progress)
     report.valid = len(valid)
     if not valid:
-        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+        raise EmptyDatasetError()
     # Read-only until the identity is decided: a refusal changes nothing.
     plan = _plan_recovery(store, existing or cfg, valid, report, progress, hint)
     if existing is None and plan.identity is not None:

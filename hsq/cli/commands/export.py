@@ -108,6 +108,10 @@ def export(**values: Any) -> None:
         return
     if f.dest is None:
         raise ConfigError(f"--format {f.format} needs --to DIR")
+    if f.format == "speculators":  # before any progress: the run's record says it all
+        from hsq.ops.export.speculators import require_prenorm_run
+
+        require_prenorm_run(cfg.prenorm, st.run)
     if (f.target_model or f.target_dir or f.draft_vocab_size) and f.format != "specforge":
         raise ConfigError("--target-model, --target-dir and --draft-vocab-size are for specforge")
     if f.target_dir is not None and f.target_model is None:

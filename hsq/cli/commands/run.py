@@ -119,6 +119,8 @@ def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple
     if not args:
         raise click.UsageError("give DATASET (or --join --run RUN to join a run)")
     dataset = Path(args[0])
+    if not dataset.exists():
+        raise click.UsageError(f"DATASET {args[0]!r}: no such file")
     if not dataset.is_file():
         raise click.UsageError(f"DATASET {args[0]!r} is not a file")
     return dataset, args[1:]
@@ -154,7 +156,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         REFERENCE,
         persist_procs_each,
         plan_node,
-        server_args_for,
         sglang_importable,
         visible_gpus,
     )
@@ -166,7 +167,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     tuning.validate()
     data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
-    server_args = tuple(server_args_for(str(data.settings.get("store_dtype", "")), server_args))
     name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
         raise click.UsageError("--join needs --run")

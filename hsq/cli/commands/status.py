@@ -88,7 +88,9 @@ def status(**values: Any) -> None:
             )
         else:
             out = "\n".join(
-                "\n".join(status_text(r) + (dead_text(ds) if flags.failed else []))
+                "\n".join(
+                    status_text(r, listed=flags.failed) + (dead_text(ds) if flags.failed else [])
+                )
                 for r, ds in zip(reports, dead, strict=True)
             )
             out = out or "no runs"

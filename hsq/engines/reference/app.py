@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import signal
 import time
 from dataclasses import asdict
@@ -271,10 +272,30 @@ def admin_guard(settings: ReferenceSettings) -> Authorize:
     return authorize
 
 
+HOLD_START_ENV = "HSQ_TEST_HOLD_START_UNTIL"
+"""A test hook, off unless set: the server holds its start (in its `loading` phase, not
+listening, no ready marker) until the file this names exists, as a large model's load or
+SGLang's compile holds a real one for minutes (tests/test_run_starting.py)."""
+
+
+def hold_start_for_tests() -> None:
+    path = os.environ.get(HOLD_START_ENV)
+    if not path:
+        return
+    log.warning("start_held_by_test_hook", until=path)
+    while not os.path.exists(path):
+        time.sleep(0.1)
+
+
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
     guard = admin_guard(settings)  # before the model loads: a bad token file fails fast
+    # The phases by name: `hsq run` shows a starting server's last one (loading, warming up).
+    log.info("loading_model", model=settings.model, device=settings.device)
+    hold_start_for_tests()
     engine = build_engine(settings)
+    if settings.warmup_shapes or settings.warmup:
+        log.info("warming_up", requests=settings.warmup, shapes=settings.warmup_shapes)
     if settings.warmup_shapes:
         engine.warmup_shapes()
     engine.warmup(settings.warmup)

@@ -183,7 +183,9 @@ class PersistProcs:
     """N persist processes; each call takes a free one (a persist thread drives it)."""
 
     def __init__(self, n: int, *, direct_io: bool, torch_threads: int = 1) -> None:
-        argv = [sys.executable, "-m", "hsq.workers.persist.procs"]
+        # -P: the current directory (a clone named hsq/ beside where `hsq run` started)
+        # cannot shadow the installed package (hsq.node.procs.python_module says more).
+        argv = [sys.executable, "-P", "-m", "hsq.workers.persist.procs"]
         argv += ["--direct-io", "1" if direct_io else "0", "--torch-threads", str(torch_threads)]
         self.children = [_Child(argv) for _ in range(max(1, n))]
         self._free: queue.Queue[_Child] = queue.Queue()
