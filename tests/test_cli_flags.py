@@ -151,7 +151,7 @@ def test_the_renamed_flags_keep_their_old_names_out_of_help() -> None:
     }
     assert found == DEPRECATED
     for (command, old), new in DEPRECATED.items():
-        out = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200).output
+        out = CliRunner().invoke(cli.cli, [command, "--help-all"], terminal_width=200).output
         assert new in out and "HSQ_ENGINE" in out and "HSQ_SERVER_KIND" not in out
         assert not re.search(rf"{old}(?![\w-])", out), (command, old)  # not --servers
 
