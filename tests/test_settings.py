@@ -172,7 +172,7 @@ def parse_reference(args: list[str], env: dict[str, str] | None = None) -> Refer
 
 
 def test_reference_help_keeps_every_flag() -> None:
-    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help"], terminal_width=200)
+    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help-all"], terminal_width=200)
     assert res.exit_code == 0, res.output
     for flag in REFERENCE_FLAGS:
         assert flag in res.output, flag

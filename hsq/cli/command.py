@@ -116,7 +116,7 @@ class HsqArgument(click.Argument):
         self.rows = rows
 
     def help_rows(self, ctx: click.Context) -> list[tuple[str, str]]:
-        return list(self.rows) or [(self.make_metavar(ctx), self.help)]
+        return list(self.rows) or [(self.make_metavar(ctx), self.help or "")]
 
 
 def hsq_argument(name: str, *, help: str, **attrs: Any) -> Callable[[F], F]:
@@ -228,8 +228,9 @@ def _write_names(formatter: click.HelpFormatter, folded: dict[str, list[click.Pa
 
 
 def _flag(p: click.Parameter) -> str:
-    """The name a folded section lists an option by: its long flag."""
-    return max(p.opts, key=len)
+    """The name a folded section lists an option by: its long flag, both halves of an on/off
+    one (`--fsync/--no-fsync`: a recipe's `--no-fsync` is found in --help too)."""
+    return "/".join([max(p.opts, key=len), *p.secondary_opts])
 
 
 def _records(
