@@ -190,7 +190,7 @@ def base_roles(slim: Slim, start_server: Callable[[Path], ReferenceServer]) -> d
 
     port = free_port()
     exporter = ManagedProcess(
-        slim.argv("exporter", "--port", str(port)), slim.work / "exp.log", env=slim.env
+        slim.argv("exporter", "--metrics-port", str(port)), slim.work / "exp.log", env=slim.env
     )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/metrics", exporter, timeout=60)

@@ -132,7 +132,7 @@ def test_compose_references_exist_and_agree_with_the_code() -> None:
     exporter_cmd = services["exporter"]["command"]
     exporter_targets = json.loads((PROM / "targets/exporter/compose.json").read_text())
     assert (
-        f"exporter:{exporter_cmd[exporter_cmd.index('--port') + 1]}"
+        f"exporter:{exporter_cmd[exporter_cmd.index('--metrics-port') + 1]}"
         in exporter_targets[0]["targets"]
     )
     grafana_vols = " ".join(services["grafana"]["volumes"])

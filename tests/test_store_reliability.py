@@ -266,7 +266,8 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
 
     port = free_port()
     proc = ManagedProcess(
-        hsq_command("exporter", "--redis", redis_url, "--port", str(port)), tmp_path / "e.log"
+        hsq_command("exporter", "--redis", redis_url, "--metrics-port", str(port)),
+        tmp_path / "e.log",
     )
     try:
 

@@ -129,7 +129,7 @@ def walk(
     finally:
         w.stop()
     export = base / "specforge"
-    first = hsq(*specforge(RUN, url, export), "--jobs", "2", "--no-progress", check=True)
+    first = hsq(*specforge(RUN, url, export), "--write-threads", "2", "--no-progress", check=True)
     yield {
         "base": base,
         "url": url,
@@ -191,7 +191,7 @@ def test_export_again_writes_nothing(walk: dict[str, Any]) -> None:
 @needs_specforge
 def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> None:
     dest = walk["base"] / "killed"
-    argv = hsq_command(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
+    argv = hsq_command(*specforge(RUN, walk["url"], dest), "--write-threads", "1", "--no-progress")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(lambda: proc.poll() is not None or any(dest.rglob("*")), timeout=60, interval=0.01)
     proc.send_signal(signal.SIGKILL)
@@ -219,7 +219,7 @@ def test_export_to_a_full_disk_says_so_in_one_line_and_resumes(walk: dict[str, A
     if subprocess.run(mount, capture_output=True).returncode != 0:
         pytest.skip("cannot mount tmpfs here")
     try:
-        full = hsq(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
+        full = hsq(*specforge(RUN, walk["url"], dest), "--write-threads", "1", "--no-progress")
         assert full.returncode == 1, full.stdout + full.stderr
         assert "Traceback" not in full.stderr and len(full.stderr.strip().splitlines()) == 1
         assert "disk full" in full.stderr and "run the same command again" in full.stderr

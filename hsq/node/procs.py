@@ -323,7 +323,7 @@ def worker_process(
 
 def exporter_process(redis_url: str, port: int, log_path: Path) -> ManagedProcess:
     return ManagedProcess(
-        hsq_command("exporter", "--port", str(port), "--host", "127.0.0.1"),
+        hsq_command("exporter", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"),
         log_path,
         env={"HSQ_REDIS_URL": redis_url},
     )

@@ -60,19 +60,30 @@ ZWSP = "\u200b"
 _PROBE_USER, _PROBE_ASSISTANT = "hsq-probe-user-7f3a", "hsq-probe-assistant-9c1e"
 
 
+CHAT_SECTION = "Chat rows"
+"""The --help heading of how chat rows become tokens (`hsq tokenize`, `--tokenizer`)."""
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """How rows become tokens; each field a flag of `hsq tokenize` (hsq.settings)."""
 
-    max_length: int | None = setting(None, help="cut longer rows (recorded)")
+    max_length: int | None = setting(None, section=CHAT_SECTION, help="cut longer rows (recorded)")
     truncate: bool = setting(
-        True, help="cut rows longer than --max-length (--no-truncate: dead-letter them instead)"
+        True,
+        section=CHAT_SECTION,
+        help="cut rows longer than --max-length (--no-truncate: dead-letter them instead)",
     )
-    last_turn_only: bool = setting(False, help="loss on the last assistant turn only")
-    system_prompt: str | None = setting(None, help="system message for rows that have none")
+    last_turn_only: bool = setting(
+        False, section=CHAT_SECTION, help="loss on the last assistant turn only"
+    )
+    system_prompt: str | None = setting(
+        None, section=CHAT_SECTION, help="system message for rows that have none"
+    )
     control_tokens: str = setting(
         "allow",
         choices=CONTROL_TOKEN_MODES,
+        section=CHAT_SECTION,
         help="the tokenizer's special tokens and the template's markers inside content (a user "
         "message faking an assistant turn): allow (as SpecForge: rendered as control tokens, "
         "the faked turn is trained on), escape (tokenized as text) or reject the row",

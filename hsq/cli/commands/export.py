@@ -34,7 +34,10 @@ class ExportFlags:
     dest: Path | None = setting(
         None, flag="--to", path="dir", help="destination directory (specforge, speculators)"
     )
-    jobs: int = setting(4, help="files written at once")
+    # Threads, as verify's --read-threads: `--jobs` is processes in verify and tokenize.
+    write_threads: int = setting(
+        4, minimum=1, deprecated=("--jobs",), help="threads writing files, at once"
+    )
     partial: bool = setting(False, help="export a run that is not complete yet")
     expect_layers: tuple[int, ...] | None = setting(
         None,
@@ -84,7 +87,7 @@ def export(**values: Any) -> None:
 
     \b
     Example:
-      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8 \\
+      hsq export --run q3 --format specforge --to /shared/specforge/q3 --write-threads 8 \\
           --target-model /models/qwen3-8b --target-dir /shared/specforge/q3-target
       specforge train --config cfg.yaml   # docs/training.md
     """
@@ -127,7 +130,7 @@ def export(**values: Any) -> None:
         req = ExportRequest(
             root,
             f.dest,
-            jobs=f.jobs,
+            jobs=f.write_threads,
             partial=f.partial,
             expect_layers=list(f.expect_layers) if f.expect_layers else None,
             prune=f.prune,
