@@ -24,7 +24,7 @@ class VllmClient(ServerClient):
         super().__init__(base_url, **kwargs)
         self.model = model
 
-    def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
+    def prefill(self, input_ids: list[int], rid: str, *, fresh: bool = False) -> PrefillAnswer:
         body: dict[str, Any] = {
             "prompt": input_ids,
             "max_tokens": 1,
@@ -34,7 +34,7 @@ class VllmClient(ServerClient):
         }
         if self.model is not None:
             body["model"] = self.model
-        answer = self._post_json("/v1/completions", body)
+        answer = self._post_json("/v1/completions", body, fresh=fresh)
         return parse_completion(answer)
 
 
