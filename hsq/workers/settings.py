@@ -40,7 +40,11 @@ class WorkerSettings:
     dump_timeout_s: float = setting(
         60.0, help="seconds to wait for a dump's `done` after the server answered"
     )
-    request_timeout_s: float = setting(600.0, help="seconds one /generate request may take")
+    request_timeout_s: float = setting(
+        600.0,
+        help="seconds one /generate request may take, all of it (connect, send, the whole "
+        "answer); a server that trickles its answer cannot stretch it",
+    )
     claim_timeout_s: float = setting(
         1.0, help="seconds one claim waits for a job before the worker looks around"
     )
