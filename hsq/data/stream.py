@@ -68,7 +68,6 @@ from hsq.outputs.format import remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.runconfig import DEFAULT_GROUP, RunConfig
 from hsq.runstore import (
-    REJECT_REASON,
     REJECTED_BY,
     RunStore,
     finish_rejects,
@@ -78,6 +77,7 @@ from hsq.runstore import (
 )
 from hsq.store import Delivery, connect
 from hsq.store.ledger import dead_entry
+from hsq.store.spool import REJECT_REASON
 
 from . import item_of
 

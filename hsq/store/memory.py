@@ -342,6 +342,13 @@ class MemoryStore(Generic[E]):
             self.state.spool[sample_id] = n
             return True
 
+    def release_spool(self, sample_id: str) -> int:
+        with self._lock:
+            self._fence()
+            if sample_id in self.state.done:
+                return 0
+            return self.state.spool.pop(sample_id, 0)
+
     def record_crash(self, sample_id: str) -> int:
         with self._lock:
             self._fence()

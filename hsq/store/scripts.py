@@ -173,6 +173,20 @@ return 1
 """
 )
 
+# A sample sent to the retry queue leaves the worker without a file: its reservation is
+# released (a reservation of the whole budget, made before the size was known, would
+# otherwise hold the spool full while the sample waits in the retry queue). A done
+# sample's reservation is its file's and stays. KEYS: config, spool, stats, done; ARGV:
+# generation, sample id. The bytes released.
+RELEASE_UNDONE = _FENCE + _with_release(
+    """
+if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then return 0 end
+return release(ARGV[2])
+""",
+    2,
+    3,
+)
+
 # A streamed run's new byte budget. KEYS: config; ARGV: generation, bytes. Refused (0) for
 # a run without a stream: a budget cannot turn an offline run into a streamed one.
 SET_BUDGET = (

@@ -87,6 +87,7 @@ class Spool:
         self._removed = reg(scripts.RELEASE_REMOVED)
         self._reject = reg(scripts.REJECT)
         self._set_budget = reg(scripts.SET_BUDGET)
+        self._release_undone = reg(scripts.RELEASE_UNDONE)
 
     # ------------------------------------------------------------------ producers
     def ensure_groups(self, groups: list[str]) -> None:
@@ -103,6 +104,12 @@ class Spool:
         if got < 0:
             raise SampleOverBudget(-got - 1, n)
         return bool(got)
+
+    def release(self, sample_id: str) -> int:
+        """A sample leaves the worker without a file (sent to the retry queue): its
+        reservation is released unless it is done. The bytes released."""
+        k = self.keys
+        return self.fence.count(self._release_undone, [k.spool, k.stats, k.done], [sample_id])
 
     def set_budget(self, budget: int) -> None:
         """A new byte budget for a streamed run (raised so a sample larger than the old one
@@ -215,7 +222,7 @@ class Spool:
         for k, v in self.client.hgetall(self.keys.consumer_stats).items():
             group = text(k).rpartition("/")[0]
             try:
-                rec = jsonsafe.loads(v) if len(v) < 4096 else None
+                rec: Any = jsonsafe.loads(v) if len(v) < 4096 else {}
                 wait, elapsed = float(rec["wait_s"]), float(rec["elapsed_s"])
             except (ValueError, TypeError, KeyError):
                 continue  # Redis is untrusted: an unreadable record is skipped
