@@ -1,5 +1,6 @@
-"""Loaded by every Python process whose path holds this folder (scripts/test_census.py puts
-it on PYTHONPATH for one instrumented run): at exit, each appends one JSON line to the file
+"""The census's sitecustomize: scripts/test_census.py copies this file as sitecustomize.py
+into a temporary folder that it puts first on PYTHONPATH for one instrumented run, so every
+Python process of the run loads it. At exit, each appends one JSON line to the file
 HSQ_CENSUS names: its argv, its CPU (getrusage of itself), whether it is a fork (of the
 test zygote, of pytest, ...) rather than a fresh exec, and the modules that say what it
 was. Processes killed by a signal never reach exit and are missed: totals are lower bounds.
