@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import structlog
+from click.testing import CliRunner
 
+from hsq.cli import main as cli
 from hsq.producer.synthetic import write_synthetic
 from tests.helpers import hsq, hsq_process
 from tests.support import inproc
@@ -52,6 +54,22 @@ def test_a_call_leaves_no_logging_behind(tmp_path: Path, redis_url: str) -> None
     lines = [json.loads(x) for x in loud.stderr.splitlines() if x.startswith("{")]
     assert any(x.get("event") == "enqueued" and x.get("run") == "b" for x in lines), loud.stderr
     assert structlog.get_config() == before
+
+
+def test_a_call_is_not_bound_by_a_logger_cached_before_it(tmp_path: Path, redis_url: str) -> None:
+    """A command run through CliRunner directly (as tests/test_cli_help.py does) leaves its
+    modules' loggers cached, at its level, on its stream; a call after it still logs."""
+    ds = tmp_path / "data.jsonl"
+    write_synthetic(ds, 3, seed=2, min_len=4, max_len=8)
+    base = ["enqueue", str(ds), "--out", str(tmp_path / "out"), "--redis", redis_url]
+    quiet = [*base, "--run", "a", "--log-level", "warning", "--no-progress"]
+    try:
+        assert CliRunner().invoke(cli.cli, quiet).exit_code == 0
+        loud = hsq(*base, "--run", "b", "--no-progress")
+    finally:
+        structlog.reset_defaults()
+    assert loud.returncode == 0, loud.stderr
+    assert '"event": "enqueued"' in loud.stderr, loud.stderr
 
 
 def test_a_call_gets_the_environment_given_and_leaves_the_tests_alone() -> None:

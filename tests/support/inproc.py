@@ -127,6 +127,7 @@ def _restored(env: Mapping[str, str] | None) -> Iterator[None]:
     saved_logs = _structlog_config()
     saved_size = shutil.get_terminal_size
     shutil.get_terminal_size = _pipe_terminal_size
+    _drop_cached_loggers()
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
@@ -169,8 +170,17 @@ def _restore_structlog(saved: dict[str, Any] | None) -> None:
         structlog.reset_defaults()
     else:
         structlog.configure(**saved)
-    # A lazy proxy (structlog.get_logger() at a module's top) that cached its logger keeps
-    # that logger in its own `bind`: deleting it makes the next use build one anew.
+    _drop_cached_loggers()
+
+
+def _drop_cached_loggers() -> None:
+    """A lazy proxy (structlog.get_logger() at a module's top) that cached its logger keeps
+    that logger, with the stream and level of its day, in its own `bind`: deleting it makes
+    the next use build one anew from the configuration of the moment. Before a call too:
+    a test that ran a command through CliRunner itself may have left one cached."""
+    structlog = sys.modules.get("structlog")
+    if structlog is None:
+        return
     proxy = structlog._config.BoundLoggerLazyProxy
     for name, module in list(sys.modules.items()):
         if not name.startswith("hsq") or module is None:
