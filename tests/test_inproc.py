@@ -18,6 +18,7 @@ from tests.helpers import hsq, hsq_process
 from tests.support import inproc
 
 
+@pytest.mark.realproc  # under `make test-fresh`, against a fresh exec rather than a fork
 @pytest.mark.parametrize(
     "args",
     [
