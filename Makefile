@@ -36,7 +36,7 @@ test-slow:
 	$(PY) -m pytest -m "package or trainer" $(PYTEST_ARGS)
 
 demo:
-	$(VENV)/bin/hsq --log-format console demo
+	$(VENV)/bin/hsq demo
 
 # Benchmarks run as modules from the repository root, so `bench.*` imports resolve in a
 # fresh clone (bench/ is not installed). BENCHMARKS.md has the figures and GPU commands.

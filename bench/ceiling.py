@@ -26,7 +26,7 @@ the null server, `--dump-encoding fp8-e4m3`, copied by the worker).
     python -m bench.ceiling --out-root /root --dump-root /dev/shm  # H200: see BENCHMARKS.md
 
 Prints a table and one JSON line per run; `--json-out` writes them with the targets
-(issue 35: >= 400 samples/s short and >= 0.9 of the disk's best on long, bf16).
+(the targets: >= 400 samples/s short and >= 0.9 of the disk's best on long, bf16).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def print_table(
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 35's worker-ceiling targets, per shape and --persist-procs, beside the figures."""
+    """The worker-ceiling targets, per shape and --persist-procs, beside the figures."""
     out: list[dict[str, Any]] = []
 
     def find(shape: str, wl: str, dtype: str, procs: int) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""What the `hsq` command costs to start (issues 29 and 35 item 5): CPU (user+sys, from
+"""What the `hsq` command costs to start: CPU (user+sys, from
 wait4) and wall of short commands, each run several times, medians reported.
 
 The test suite starts `hsq` as a subprocess hundreds of times (workers, enqueue, status,

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from hsq.dump.find import clear_dump_dir
+from hsq.engines.common import DumpContext
 from hsq.engines.reference.app import dump_bytes_per_token
 from hsq.engines.reference.dumper import DumpWriter, HostBatch, WriterStats, _Job
 from hsq.engines.reference.engine import Engine
@@ -54,7 +55,6 @@ from hsq.engines.reference.faults import FaultPlan
 from hsq.engines.reference.model import HiddenStateModel, bucket_length, load_model
 from hsq.engines.sglang.config import HookConfig
 from hsq.engines.sglang.dump_hook import DumpHook
-from hsq.engines.sglang.dump_writer import DumpContext
 from hsq.engines.sglang.plan import BatchPlan, RidFilter, build_plan
 from hsq.logs import configure
 from hsq.states import FP8, PLAIN

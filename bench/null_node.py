@@ -1,5 +1,5 @@
 """A node's worth of workers on one host: N null-model servers and N `hsq worker`s writing
-one run to one output disk (issue 35 item 4), bf16 and server-made fp8 side by side.
+one run to one output disk, bf16 and server-made fp8 side by side.
 
 The servers' model costs nothing (tests.support.nullserver), so what limits the aggregate is
 the workers' CPU and the output disk: it reports the aggregate GB/s and tokens/s against

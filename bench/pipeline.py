@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 
 from bench.disk import probe
-from hsq.dataset.jsonl import read_sample, scan_dataset
+from hsq.dataset.jsonl import scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.dump.find import clear_dump_dir, scan, wait_for_dump
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump

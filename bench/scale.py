@@ -16,14 +16,14 @@ times include Python's start):
              samples/s per saturated Redis core)
 
     .venv/bin/python -m bench.scale                        # the full run (~1 h, ~8 GB disk)
-    .venv/bin/python -m bench.scale --preset 10m --dataset /tmp/10m.jsonl  # issue 35's sizes
+    .venv/bin/python -m bench.scale --preset 10m --dataset /tmp/10m.jsonl  # the target sizes
     .venv/bin/python -m bench.scale --preset ci            # `make bench`: minutes
     .venv/bin/python -m bench.scale --samples 20000 --verify-files 2000 \\
         --recover-files 100 --cap-samples 5000             # a smoke run, seconds
 
 Each timed command runs --repeat times (default 2: the machine may be shared) and reports
 every run's wall time and CPU time (user + sys of the command and the processes it
-started), and Redis's own CPU time beside it. The end prints the targets of issue 35 (10M-
+started), and Redis's own CPU time beside it. The end prints the targets (10M-
 line enqueue <= 60 s, verify of 1M outputs <= 60 s, status <= 1 s) beside the figures; at
 a smaller size the time is also projected linearly to the target's size. Prints one JSON
 object per step and a summary JSON at the end. Everything is written under --work (a fresh
@@ -355,7 +355,7 @@ def main() -> None:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Issue 35's sizes: a 10M-line enqueue and a verify of 1M outputs (~1 h, ~8 GB disk).
+    # The target sizes: a 10M-line enqueue and a verify of 1M outputs (~1 h, ~8 GB disk).
     "10m": {"samples": 10_000_000, "chunk": 64, "verify_files": 1_000_000, "recover_files": 500,
             "steps": "gen,enqueue,reenqueue,status,verify"},
     # `make bench`: the same steps at a size a CI machine affords in minutes.

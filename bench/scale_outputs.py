@@ -100,10 +100,10 @@ def make_outputs(work: Path, run: str, n: int, url: str) -> tuple[Path, Path]:
             batch.append((sid, ManifestEntry(rel, 4, len(data), "crc32:0", "bench", 0.0, 0)))
             if len(batch) >= 500:
                 mark(store, batch)
-                store.put_index(index)
+                store.config_index.put_index(index)
                 batch, index = [], []
     mark(store, batch)
-    store.put_index(index)
+    store.config_index.put_index(index)
     store.set_totals(samples=n, tokens=4 * n, invalid_lines=0)
     return ds, out
 

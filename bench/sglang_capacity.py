@@ -1,8 +1,8 @@
 """SGLang's prefill capacity on a GPU, without the hook, with it, and hsq end to end.
 
 The 8B shape (Llama-3-8B's config, --load-format dummy: no weights to write or send),
-short (64-512 tokens) and long (1024-4096) prompts, each row lasting about 30 s or more (issue
-35: shorter rows read to +-5 %); SGLang alone at each K given (two by default, to show where
+short (64-512 tokens) and long (1024-4096) prompts, each row lasting about 30 s or more
+(shorter rows read to +-5 %); SGLang alone at each K given (two by default, to show where
 it saturates), the hook and hsq end to end at the K where SGLang alone was fastest; optionally
 hsq's reference server on the same workloads. Runs on the GPU machine through
 scripts/sglang_live.sh (BENCHMARKS.md section 8):

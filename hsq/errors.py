@@ -65,6 +65,16 @@ class DatasetError(HsqError):
         return (type(self), (str(self),), {"reason": self.reason})
 
 
+class EmptyDatasetError(DatasetError, ConfigError):
+    """DATASET holds no valid sample: a usage error (exit 2), as a missing file is."""
+
+    def __init__(self, message: str = "the dataset holds no valid sample") -> None:
+        super().__init__(message, "empty_dataset")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self),))
+
+
 class StoreError(HsqError):
     """Redis is unreachable (or answers errors); not the sample's fault."""
 

@@ -3,7 +3,7 @@ bodies), parsed so that no input can crash the reader.
 
 The C parser recurses once per nesting level: `[[[[...]]]]` a thousand levels deep raises
 RecursionError, which no `except ValueError` catches, so one such line stopped `hsq enqueue`
-with a traceback and `hsq tokenize` wrote nothing (issue 23 item 13). `loads` turns it into a
+with a traceback and `hsq tokenize` wrote nothing. `loads` turns it into a
 ValueError (what every caller already handles as malformed JSON). `too_deep` bounds what a
 parsed value may hold before code that recurses over it (a Jinja template, json.dumps) sees it.
 """

@@ -51,7 +51,7 @@ Per run R (a name matching RUN_NAME_RE):
                                         hsq adds the run's two queues where its user may write
                                         it (an admin or the shared user), never a run's user
 
-No key is shared between runs' users (issue 33 D6): a run's user can neither remove nor
+No key is shared between runs' users: a run's user can neither remove nor
 forge another run's entry in a listing, since the listing is each run's own config key.
 `hsq:runs`, the set of run names hsq 0.2.0 kept, is no longer read or written.
 
@@ -64,8 +64,8 @@ name may not end in `-retry`, which would make its main queue another run's retr
 the job patterns have no `*`: one exact-length pattern per width of the sample count
 (`rq:job:hsq-R-` + 16 hex + `-n` + 1..9 digits). A key matching one is `hsq-R-T-nN` with T
 and N of fixed form, and since N is the id's whole trailing run of digits and T the 16
-characters before `-n`, the name left in front is R itself (issue 33 D5: with `-n*` run
-`qa` matched the jobs of run `qa-0123456789abcdef-nightly`). `RunKeys.acl_user` turns
+characters before `-n`, the name left in front is R itself (with `-n*`, run `qa`
+matched the jobs of run `qa-0123456789abcdef-nightly`). `RunKeys.acl_user` turns
 them into a Redis ACL user that can do run R's work and cannot read, write or list another
 run's keys (docs/operations.md).
 """

@@ -9,13 +9,18 @@ renderer, JSON or console, ever calls rich.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from typing import Any, TextIO, cast
 
 
 def configure(level: str = "INFO", fmt: str = "json") -> None:
-    """Structured, unbuffered logs on stderr: one JSON object (or key=value line) per event."""
+    """Structured, unbuffered logs on stderr: one JSON object (or key=value line) per event.
+    `fmt` auto: key=value lines for a person at a terminal, JSON for anything else."""
+    if fmt == "auto":
+        fmt = "console" if _isatty(sys.stderr) else "json"
     _load_structlog()
     import structlog
 
@@ -41,10 +46,22 @@ def configure(level: str = "INFO", fmt: str = "json") -> None:
     )
 
 
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):
+        return False
+
+
 class LossyWriter:
     """A log stream whose failed write loses the line, never the process: `hsq run`'s
     workers log to files on the output disk, and a full disk (ENOSPC) must pause them
-    ("output disk full"), not kill them with an exception out of a log call."""
+    ("output disk full"), not kill them with an exception out of a log call.
+
+    A pipe whose reader is gone (`hsq worker ... 2>&1 | tee w.log`, then tee dies with the
+    terminal's Ctrl-C) never comes back: the stream's descriptor is pointed at /dev/null
+    (`mute_broken_pipe`), so no later write (this one's, a library's, the interpreter's
+    last flush at exit) fails and turns a clean stop into exit 1."""
 
     def __init__(self, stream: TextIO) -> None:
         self.stream = stream
@@ -53,15 +70,41 @@ class LossyWriter:
     def write(self, text: str) -> int:
         try:
             return self.stream.write(text)
+        except BrokenPipeError:
+            self._lose(broken=True)
+            return 0
         except OSError:
-            self.lost += 1
+            self._lose()
             return 0
 
     def flush(self) -> None:
         try:
             self.stream.flush()
+        except BrokenPipeError:
+            self._lose(broken=True)
         except OSError:
             self.lost += 1
+
+    def _lose(self, *, broken: bool = False) -> None:
+        self.lost += 1
+        if broken:
+            mute_broken_pipe(self.stream)
+
+
+def mute_broken_pipe(stream: TextIO) -> None:
+    """Point `stream`'s descriptor at /dev/null (its reader is gone for good), then flush
+    what its buffer kept from the failed write, to nowhere."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError):  # not a real file, or closed
+        return
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+    with contextlib.suppress(OSError, ValueError):
+        stream.flush()
 
 
 def _load_structlog() -> None:

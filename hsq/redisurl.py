@@ -106,7 +106,7 @@ def read_url_file(path: Path) -> str:
     with mode 0400): its first non-blank line. Errors never quote the file's content.
 
     A file that its group or other users may read or write is refused, as ssh refuses such
-    a private key (issue 33 D15): the URL carries the Redis password, and a warning scrolls
+    a private key: the URL carries the Redis password, and a warning scrolls
     by in a job's log while every local user keeps reading the password."""
     try:
         with open(path, "rb") as f:

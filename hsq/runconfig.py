@@ -58,6 +58,10 @@ def parse_groups(text: str) -> list[str] | None:
     return names or None
 
 
+RUN_SECTION = "Run settings"
+"""The --help heading of the settings a run records that a first run leaves alone."""
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Fields with setting() are given to `hsq enqueue` / `hsq recover` (hsq.cli.options)."""
@@ -68,10 +72,13 @@ class RunConfig:
     out: str
     """Absolute output root; files go to <out>/<run>/."""
     max_attempts: int = setting(
-        DEFAULT_MAX_ATTEMPTS, help="tries of a sample before it goes to the dead letter"
+        DEFAULT_MAX_ATTEMPTS,
+        section=RUN_SECTION,
+        help="tries of a sample before it goes to the dead letter",
     )
     chunk_size: int = setting(
         DEFAULT_CHUNK_SIZE,
+        section=RUN_SECTION,
         help="samples per queue job (queue cost is paid per job); default: 16, more for a "
         "dataset of more than ~260k lines (up to 1024)",
     )
@@ -79,12 +86,18 @@ class RunConfig:
         None,
         flag="--layers",
         parse=int_list_or_none,
+        metavar="IDS",
+        section=RUN_SECTION,
         help="expected effective aux layer ids; default: pinned by the first valid dump",
     )
     model_id: str | None = setting(
-        None, help="expected model id (name@digest); default: pinned by the first valid dump"
+        None,
+        section=RUN_SECTION,
+        help="expected model id (name@digest); default: pinned by the first valid dump",
     )
-    max_tokens: int | None = setting(None, help="reject longer samples up front")
+    max_tokens: int | None = setting(
+        None, section=RUN_SECTION, help="reject longer samples up front"
+    )
     dump_dtype: str | None = None
     """Expected dtype of the dumped states; None: pinned by the first valid dump."""
     hidden_size: int | None = None
@@ -93,9 +106,10 @@ class RunConfig:
     store_dtype: str = setting(
         BF16,
         choices=STORE_DTYPES,
-        default_text="bf16, or what the run already has",
-        help="how outputs store hidden states (fp8-e4m3: per-token scaled, about half the "
-        "bytes); a run keeps one",
+        default_text="bf16, or the run's",
+        section=RUN_SECTION,
+        help="how outputs store the states (fp8-e4m3: per-token scaled, half the bytes); a "
+        "run keeps one",
     )
     """bf16 or fp8-e4m3 (hsq/quant.py). Runs recorded before the field existed read as
     bf16, which is what they stored."""
@@ -103,28 +117,29 @@ class RunConfig:
     """Set by the store when the run is created; a purge and re-create changes it."""
     prenorm: bool = setting(
         False,
-        help="also store the final layer's state before the model's final norm "
-        "(last_hidden_state_prenorm, what vLLM speculators trains on); every server must "
-        "capture it (serve-reference --prenorm, SGLang SGLANG_HS_PRENORM=1); a run keeps one",
+        help="also store the pre-norm final state (vLLM speculators trains on it); a run keeps one",
     )
     """Runs recorded before the field existed read as False, which is what they stored."""
 
     spool_budget: int | None = setting(
         None,
         parse=parse_size,
-        help="stream the run: bytes of finished, not yet committed outputs on disk at most "
-        "(K/M/G/T suffixes); workers stop claiming while it is full, and each output is "
-        "removed once every consumer group committed it (hsq.data.StreamingHiddenStateDataset)",
+        metavar="SIZE",
+        help="stream: outputs stay on disk until each consumer group commits them; at most "
+        "this much (K/M/G/T)",
     )
     """None or 0: no stream, an offline run (every output stays)."""
     consumers: list[str] | None = setting(
         None,
         parse=parse_groups,
         default_text="train",
+        section=RUN_SECTION,
         help="a streamed run's consumer groups (comma-separated): each gets every sample once",
     )
     keep_after_commit: bool = setting(
-        False, help="a streamed run keeps each output after every group committed it"
+        False,
+        section=RUN_SECTION,
+        help="a streamed run keeps each output after every group committed it",
     )
 
     @property

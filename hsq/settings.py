@@ -58,6 +58,12 @@ class SettingDoc:
     deprecated_env: tuple[str, ...] = ()
     """Older environment variables, read when none of `env_names` is set (not listed by
     --help); likewise announced when used."""
+    section: str | None = None
+    """The heading --help lists the option under, folded into one line of names unless the
+    command shows that section in full or --help-all is asked for (None: the command's own
+    options, always described): tuning a first run does not need stays out of the way."""
+    metavar: str | None = None
+    """What --help shows for the value (None: from the type, e.g. DIR, N)."""
 
 
 def int_tuple(text: str) -> tuple[int, ...]:
@@ -85,13 +91,15 @@ def setting(
     flag_only: bool = False,
     deprecated: tuple[str, ...] = (),
     deprecated_env: tuple[str, ...] = (),
+    section: str | None = None,
+    metavar: str | None = None,
 ) -> Any:
     """A dataclass field carrying its CLI description (no default: a required setting)."""
     if path not in (None, "file", "dir"):
         raise ValueError(f"path must be 'file', 'dir' or None, not {path!r}")
     doc = SettingDoc(
         help, flag, env, hidden, parse, default_text, choices, aliases, path, exists, minimum,
-        flag_only, deprecated, deprecated_env,
+        flag_only, deprecated, deprecated_env, section, metavar,
     )  # fmt: skip
     return dataclasses.field(default=default, metadata={"setting": doc})
 

@@ -29,7 +29,7 @@ from hsq.dump.find import scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, read_dump
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
-from hsq.workers.send.vllm_client import VllmClient
+from hsq.workers.send.client import VllmClient
 
 OUT = Path(os.environ.get("RESULTS", "live-results"))
 

@@ -22,6 +22,7 @@ from hsq.dump.read import Expected
 from hsq.node.procs import RedisServer
 from hsq.node.spawn import FRESH, Spawner
 from hsq.stfile.engine import WriteEngine
+from tests.support.netns import netns  # noqa: F401  (the fixture, for the tests of hosts)
 from tests.support.procs import ReferenceServer
 from tests.support.spawner import SPAWNER_ENV, ZygoteSpawner, install
 

@@ -1,5 +1,5 @@
 """A misbehaving inference server for tests: real HTTP (a thread of the test process), real
-dumps written with hsq.protocol.write_dump into a real dump dir, and a per-request hook that
+dumps written with hsq.dump.write.write_dump into a real dump dir, and a per-request hook that
 damages them the way a broken or hostile server would (a FIFO as the tensor file, two full
 dumps for one rid). A real `hsq worker` process talks to it like to any server."""
 

@@ -1,4 +1,4 @@
-"""The base install's roles, run for real by an interpreter that has no torch (issue 29 item 6).
+"""The base install's roles, run for real by an interpreter that has no torch.
 
 `base_roles` is one scenario for any such interpreter: tests/test_slim.py gives it a venv
 whose path holds only what hidden-state-queue's base requirements need (links into this
@@ -190,7 +190,7 @@ def base_roles(slim: Slim, start_server: Callable[[Path], ReferenceServer]) -> d
 
     port = free_port()
     exporter = ManagedProcess(
-        slim.argv("exporter", "--port", str(port)), slim.work / "exp.log", env=slim.env
+        slim.argv("exporter", "--metrics-port", str(port)), slim.work / "exp.log", env=slim.env
     )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/metrics", exporter, timeout=60)

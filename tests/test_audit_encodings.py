@@ -1,10 +1,10 @@
-"""The audit on every encoding and every stored tensor (issue 33, D1 and D17), with real
+"""The audit on every encoding and every stored tensor, with real
 reference servers making fp8-e4m3 dumps (`--dump-encoding fp8-e4m3`), real redis-server
 and real `hsq worker` / `hsq audit` processes.
 
-D1: the audit compared a server-made fp8 dump's raw float8 values (without their scales)
+Before: the audit compared a server-made fp8 dump's raw float8 values (without their scales)
 with the stored states: every good sample of an fp8 run was "mismatched", and the worker's
---audit-fraction and `hsq audit --requeue` deleted the good files. D17: the audit never
+--audit-fraction and `hsq audit --requeue` deleted the good files; and the audit never
 compared `last_hidden_state_prenorm`, so a server swapping only that tensor passed.
 The pure rules (tolerance, untrusted comparisons, confirmation) are at the end."""
 
@@ -31,8 +31,8 @@ from hsq.closeness.rule import (
 )
 from hsq.states import AUX_TENSOR, BF16, FP8, LAST_TENSOR, PLAIN, PRENORM_TENSOR
 from tests.helpers import enqueue, log_events, start_worker, store
+from tests.support.audits import K, N, audit, dataset, extract_batched, mismatches, mixed_samples
 from tests.support.procs import ReferenceServer
-from tests.test_audit import K, N, audit, dataset, extract_batched, mismatches, mixed_samples
 
 Factory = Callable[..., ReferenceServer]
 pytestmark = pytest.mark.timeout(600)  # real servers, a worker and several audits per test
@@ -66,7 +66,7 @@ def checksums(root: Path) -> dict[str, str]:
 def test_an_fp8_run_from_a_correct_fp8_server_passes_every_audit_and_keeps_its_files(
     tmp_path: Path, fp8_clean: ReferenceServer, plain_clean: ReferenceServer, redis_url: str
 ) -> None:
-    """D1. Before the fix: the worker dead-lettered all N as audit_mismatch and deleted
+    """Before the fix: the worker dead-lettered all N as audit_mismatch and deleted
     their files; `hsq audit --requeue` called all N mismatched and requeued them."""
     run = "f8ok"
     out = tmp_path / "out"
@@ -96,7 +96,7 @@ def test_the_audit_compares_the_prenorm_state_and_finds_a_server_swapping_only_i
     plain_clean: ReferenceServer,
     redis_url: str,
 ) -> None:
-    """D17, with the widest bounds (fp8 stored; audited by an fp8 and a plain server).
+    """With the widest bounds (fp8 stored; audited by an fp8 and a plain server).
     Before the fix: `hsq audit` called every sample a match."""
     run = "mpre"
     out = tmp_path / "out"

@@ -23,14 +23,15 @@ from hsq.dump.read import Expected, read_dump  # noqa: E402
 from hsq.outputs import open_output  # noqa: E402
 from tests.conftest import generate  # noqa: E402
 from tests.helpers import enqueue  # noqa: E402
-from tests.support.procs import ReferenceServer  # noqa: E402
-from tests.test_audit import (  # noqa: E402
-    clean,  # noqa: F401 (a fixture)
+from tests.support import audits  # noqa: E402
+from tests.support.audits import (  # noqa: E402
     dataset,
     extract_batched,
     mixed_samples,
-    mixing,  # noqa: F401 (a fixture)
 )
+from tests.support.procs import ReferenceServer  # noqa: E402
+
+clean, mixing = audits.clean, audits.mixing  # the servers' fixtures, for pytest to find here
 
 DS = "DeepseekV3ForCausalLM"
 
@@ -109,8 +110,8 @@ def _alone(server: ReferenceServer, ids: list[int]) -> Any:
 
 def test_the_reference_servers_mix_fault_is_caught_with_the_moe_allowance(
     tmp_path: Path,
-    mixing: ReferenceServer,  # noqa: F811
-    clean: ReferenceServer,  # noqa: F811
+    mixing: ReferenceServer,
+    clean: ReferenceServer,
     redis_url: str,
 ) -> None:
     """A run extracted through the mixing server, audited alone on the clean one with the

@@ -1,4 +1,4 @@
-"""Bad input is one dead-lettered row with a reason, at a bounded cost (issue 23 items 13-16):
+"""Bad input is one dead-lettered row with a reason, at a bounded cost:
 deeply nested JSON, a huge chat row, colliding ids, non-string content, a symlinked staging
 dir, and user text that impersonates the assistant. Real `hsq` processes, a real
 redis-server and a real reference server where the defect involves them."""
@@ -311,7 +311,7 @@ def test_tokenize_control_tokens_flag(tok_dir: Path, tmp_path: Path) -> None:
 def test_the_duplicate_message_names_both_spellings_on_every_scan_path(
     tmp_path: Path, lines: list[str]
 ) -> None:
-    """Issue 33 D14: the producer's fast scan said "duplicate id '1' (first on line 1)";
+    """The producer's fast scan said "duplicate id '1' (first on line 1)";
     now both scans give scan_dataset's message, naming both spellings."""
     from hsq.producer.fastscan import scan_batches
 

@@ -1,5 +1,5 @@
 """The null-model server, the worker's copy path against it, and a woken worker that must
-not replace a file another worker redid (issue 22; issue 23, items 5 and 6). Real
+not replace a file another worker redid. Real
 processes: redis-server, null servers, `hsq worker`."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_verify_reads_crc32_manifests_of_older_files(tmp_path: Path) -> None:
 def test_a_woken_worker_does_not_replace_a_file_redone_by_another(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 23, item 5. Worker A holds a sample whose dump it has and whose answer is
+    """Worker A holds a sample whose dump it has and whose answer is
     late; A is SIGSTOPped past its heartbeat; worker B (another server, other values, the
     same model) redoes the sample and marks it done. A is continued: it must not rename
     its file over B's, so the file on disk is still the one B's manifest entry names."""
@@ -151,7 +151,7 @@ def test_a_woken_worker_does_not_replace_a_file_redone_by_another(
 
 
 def test_make_bench_runs_from_a_plain_checkout() -> None:
-    """Issue 22 item 6: `bench/pipeline.py` imported `bench.disk` and failed with
+    """`bench/pipeline.py` imported `bench.disk` and failed with
     ModuleNotFoundError outside the source tree's sys.path; `make bench` runs the benchmarks
     as modules from the repository root, and bench-smoke (CI) runs them at tiny sizes."""
     make = (ROOT / "Makefile").read_text()

@@ -1,4 +1,4 @@
-"""Every option of `hsq` reads its environment variable the same way (issue 32): the shared
+"""Every option of `hsq` reads its environment variable the same way: the shared
 flags (--run, --redis, --redis-url-file, the TLS files, --out) read the same variables in
 every command, and `acl --run`, `purge --run` and `demo`'s Redis, which did not, do now.
 
@@ -49,6 +49,11 @@ DEPRECATED = {
     ("run", "--server"): "--engine",  # a kind here, a URL in `hsq worker`
     ("worker", "--server-kind"): "--engine",
     ("audit", "--server-kind"): "--engine",
+    # One name per concept: the exporter's port and address are metrics ones, as a worker's
+    # (`--port`/`--host` are where a server serves requests).
+    ("exporter", "--port"): "--metrics-port",
+    ("exporter", "--host"): "--metrics-host",
+    ("export", "--jobs"): "--write-threads",  # threads; `--jobs` is processes elsewhere
 }
 
 
@@ -151,8 +156,9 @@ def test_the_renamed_flags_keep_their_old_names_out_of_help() -> None:
     }
     assert found == DEPRECATED
     for (command, old), new in DEPRECATED.items():
-        out = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200).output
-        assert new in out and "HSQ_ENGINE" in out and "HSQ_SERVER_KIND" not in out
+        out = CliRunner().invoke(cli.cli, [command, "--help-all"], terminal_width=200).output
+        assert new in out and "HSQ_SERVER_KIND" not in out
+        assert new != "--engine" or "HSQ_ENGINE" in out
         assert not re.search(rf"{old}(?![\w-])", out), (command, old)  # not --servers
 
 
@@ -163,7 +169,8 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def record(key: str) -> Any:
         def fake(*args: Any, **kw: Any) -> int:
-            seen[key] = kw or args[0]  # the audit's keywords, or the settings, the job
+            # the audit's keywords, or the settings, the job; several arguments: all of them
+            seen[key] = kw or (args[0] if len(args) == 1 else args)
             sys.exit(0)
 
         return fake
@@ -171,12 +178,16 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     import hsq.cli.commands.serve
     import hsq.node.node
     import hsq.ops.audit
+    import hsq.ops.export
+    import hsq.ops.prometheus
     import hsq.workers.worker
 
     monkeypatch.setattr(hsq.workers.worker, "run_worker", record("worker"))
     monkeypatch.setattr(hsq.cli.commands.serve, "_exit_now", lambda rc: sys.exit(rc))
     monkeypatch.setattr(hsq.node.node, "run_node", record("run"))
     monkeypatch.setattr(hsq.ops.audit, "run_audit", record("audit"))
+    monkeypatch.setattr(hsq.ops.prometheus, "run_exporter", record("exporter"))
+    monkeypatch.setattr(hsq.ops.export, "export_specforge", record("export"))
     return seen
 
 
@@ -236,6 +247,40 @@ def test_audit_server_kind_is_engine_with_a_warning(
     assert res.stderr == WARNING.format("--server-kind", "--engine")
     assert captured["audit"]["api"].engine == "vllm"
     assert captured["audit"]["exchange"].request_timeout_s == 7.0  # a worker's flag, shared
+
+
+def test_the_exporter_port_and_host_are_metrics_ones_with_a_warning(
+    captured: dict[str, Any],
+) -> None:
+    res = invoke(["exporter", "--port", "9641", "--host", "0.0.0.0"])
+    assert res.exit_code == 0, res.output
+    assert captured["exporter"][1:] == ("0.0.0.0", 9641)
+    assert res.stderr == WARNING.format("--port", "--metrics-port") + WARNING.format(
+        "--host", "--metrics-host"
+    )
+    new = invoke(["exporter", "--metrics-port", "9642", "--metrics-host", "0.0.0.0"])
+    assert new.exit_code == 0 and new.stderr == "", new.output
+    assert captured["exporter"][1:] == ("0.0.0.0", 9642)
+    twice = invoke(["exporter", "--metrics-port", "9642", "--port", "9643"])
+    assert twice.exit_code == 2 and "give --metrics-port once (--port is it)" in twice.output
+
+
+def test_export_jobs_is_write_threads_with_a_warning(
+    captured: dict[str, Any], tmp_path: Path, redis_url: str
+) -> None:
+    ds = tmp_path / "d.jsonl"
+    write_synthetic(ds, 2)
+    enqueue(ds, "ex", tmp_path / "out", redis_url)
+    args = ["export", "--run", "ex", "--redis", redis_url, "--format", "specforge",
+            "--to", str(tmp_path / "sf"), "--no-progress"]  # fmt: skip
+    res = invoke([*args, "--jobs", "3"])
+    assert res.exit_code == 0, res.output
+    assert captured["export"][1].jobs == 3
+    assert res.stderr == WARNING.format("--jobs", "--write-threads")
+    new = invoke([*args, "--write-threads", "5"])
+    assert new.exit_code == 0 and new.stderr == "" and captured["export"][1].jobs == 5
+    bad = invoke([*args, "--jobs", "0"])  # checked as --write-threads is
+    assert bad.exit_code == 2, bad.output
 
 
 @pytest.mark.realproc

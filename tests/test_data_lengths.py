@@ -1,4 +1,4 @@
-"""hsq.data's `lengths` without manifest.jsonl (issue 29 item 11): read from each output
+"""hsq.data's `lengths` without manifest.jsonl: read from each output
 file's header, not -1. Real output files (bench.scale writes them as the worker does)."""
 
 from __future__ import annotations

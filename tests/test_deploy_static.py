@@ -46,8 +46,8 @@ def test_compose_is_readable_by_compose_1_29_and_safe_by_default() -> None:
         image = svc.get("image", "")
         assert not image.endswith(":latest") or "build" in svc, f"{name}: unpinned {image}"
         assert "ports" not in svc, f"{name}: ports belong in docker-compose.override.yml"
-    # Redis requires its password, read from the environment into a config file (issue 23
-    # item 18: never on a command line).
+    # Redis requires its password, read from the environment into a config file (never
+    # on a command line, where every local user reads it).
     redis_cmd = " ".join(services["redis"]["command"])
     assert "requirepass" in redis_cmd and "$$REDIS_PASSWORD" in redis_cmd
     assert services["redis"]["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
@@ -127,7 +127,7 @@ def test_worker_node_is_hsq_run_join_and_binds_metrics_explicitly() -> None:
     assert 'HSQ_REDIS_URL=$HSQ_REDIS_URL "$HSQ_VENV/bin/hsq" exporter --metrics-host' in head
 
 
-# --------------------------------------------------------------------------- secrets (item 18)
+# --------------------------------------------------------------------------- secrets
 # Every local user reads any process's command line (`ps`, /proc/PID/cmdline), so a recipe,
 # compose file or documented example that puts a password in one gives it away.
 RECIPES = [
@@ -212,7 +212,7 @@ def test_the_secret_check_allows_the_environment_and_files(line: str) -> None:
     assert password_on_command_line(line) == [], line
 
 
-# --- images install the built wheel (issue 25) ----------------------------------------------
+# --- images install the built wheel ----------------------------------------------
 
 WHEEL = "dist/hidden_state_queue-0.2.0-py3-none-any.whl"  # a name `make dist` could write
 

@@ -1,4 +1,4 @@
-"""Issue 35 item 5: the enqueue of a large dataset. The chunk size left at its default grows
+"""The enqueue of a large dataset. The chunk size left at its default grows
 with the dataset; a re-enqueue writes only the index entries that changed; the index a new
 run gets from the scan's packed writes is the dataset scan's. Real redis-server."""
 

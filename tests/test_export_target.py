@@ -1,5 +1,6 @@
 """`hsq export --target-dir`: the checkpoint is never written into, whatever path names it
-(issue 33 D11). A real bind mount where this machine allows one (root), else that case is
+(a check by path let an export through a bind-mounted alias replace the checkpoint's
+weights). A real bind mount where this machine allows one (root), else that case is
 skipped; a symlinked alias and a `..` path always."""
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _dotdot_alias(checkpoint: Path, _tmp: Path) -> Path:
 def test_a_bind_mounted_alias_of_the_checkpoint_is_refused(
     checkpoint: Path, bind_alias: Path
 ) -> None:
-    """The issue's case. Old code (resolved paths compared): rc 0, the checkpoint's
+    """The case that was reported. Old code (resolved paths compared): rc 0, the checkpoint's
     model.safetensors replaced by one holding only the embedding and LM head."""
     before = _digests(checkpoint)
     assert os.path.realpath(bind_alias) != os.path.realpath(checkpoint)  # what fooled it

@@ -10,7 +10,7 @@ import pytest
 from hsq.dataset.fastline import fast_line
 from hsq.dataset.jsonl import Sample, parse_line
 from hsq.errors import DatasetError
-from tests.test_scale import LINES, damaged
+from tests.support.lines import LINES, damaged
 
 CRAFTED = [
     b'{"id": "a", "input_ids": [01, 2]}',

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hsq import quant
 from hsq.dataset.jsonl import Sample
-from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
+from hsq.dump.format import DumpMeta, expected_shapes, fingerprint
 from hsq.dump.read import open_dump_tensors
 from hsq.dump.write import write_dump
 from hsq.engines.reference.model import load_model
@@ -29,46 +29,11 @@ from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR
 from hsq.stfile.engine import WriteEngine
 from hsq.stfile.header import read_header
 from tests.helpers import enqueue, hsq, start_worker, store
+from tests.support.fakedump import IDENT, LAYERS
+from tests.support.fakeoutput import H, states, written
 from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
-IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
-LAYERS = [2, 4, 5]
-H = 16
-
-
-def states(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    aux = (torch.randn(n, len(LAYERS) * H, generator=gen) * 3).to(torch.bfloat16)
-    last = torch.randn(n, H, generator=gen).to(torch.bfloat16)
-    aux[1] = 0  # a whole zero token
-    aux[2, H : 2 * H] = 0  # one zero layer row
-    last[3] = 0
-    return {AUX_TENSOR: aux, LAST_TENSOR: last}
-
-
-def written(
-    tmp: Path, store_dtype: str, n: int = 9
-) -> tuple[Path, ManifestEntry, dict[str, torch.Tensor]]:
-    """A dump written as the server does, persisted as the worker does."""
-    dumps = tmp / "dumps"
-    dumps.mkdir(exist_ok=True)
-    ids = list(range(100, 100 + n))
-    tensors = states(n)
-    meta = DumpMeta(
-        "r", n, fingerprint(ids), LAYERS, H, "bfloat16", IDENT, expected_shapes(n, 3, H), 0
-    )
-    dump_path = write_dump(dumps, len(list(dumps.iterdir())), meta, tensors)
-    dump = open_dump_tensors(dump_path, meta)
-    path = tmp / store_dtype / "s1.safetensors"
-    try:
-        with WriteEngine() as engine:
-            sample = Sample("s1", ids, None)
-            nbytes, crc = write_output(path, sample, meta, dump, "run", store_dtype, engine=engine)
-    finally:
-        dump.close()
-    entry = ManifestEntry(path.name, n, nbytes, crc, "w", 0.0, 1, store_dtype)
-    return path, entry, tensors
 
 
 # ------------------------------------------------------------------------ quantization
@@ -194,7 +159,7 @@ def _rewrite_scale(
         (lambda s: s.__setitem__(0, -s[0]), "negative"),
         (lambda s: s.__setitem__(0, 0.0), "zero scale"),
         (lambda s: s.__setitem__(3, 1.0), "448"),  # token 1 is all zero: its scales are 0
-        # issue 33 D3: finite, but 448 * 1e38 is not: the file read back +Inf
+        # Finite, but 448 * 1e38 is not: the file read back +Inf
         (lambda s: s.__setitem__(0, 1e38), "scale * 448 overflows"),
     ],
 )

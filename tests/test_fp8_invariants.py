@@ -1,11 +1,11 @@
-"""Server-made fp8 dumps are checked by the worker with the rules `verify --deep` applies
-(issue 33, D2 and D3): one pure function, hsq.quant.check_quantized / quantized_problems.
+"""Server-made fp8 dumps are checked by the worker with the rules `verify --deep` applies:
+one pure function, hsq.quant.check_quantized / quantized_problems.
 
 A real `hsq worker` process and a real redis-server; the server is tests/hostile.py's (real
 HTTP, real dumps), writing fp8-e4m3 dumps that break one invariant each:
-- D2: scale 0 on a row that is not all zero; scales doubled and values halved (rows top
+- scale 0 on a row that is not all zero; scales doubled and values halved (rows top
   at 224, not 448). Before the fix: every sample marked done, `verify --deep` corrupt.
-- D3: scale 1e38 on a row whose largest value is 448: every value finite, the product
+- scale 1e38 on a row whose largest value is 448: every value finite, the product
   not (reads back +Inf). Before the fix: done, and `verify --deep` ok."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 23, items 7-12: the worker against a hostile or broken dump dir, with real parts:
+"""The worker against a hostile or broken dump dir, with real parts:
 a real redis-server, real `hsq worker` processes and real signals, the reference server or
 a misbehaving server over real HTTP (tests/hostile.py), real FIFOs, links, immutable files,
 a second local user. Unit-level checks of the same rules are in tests/test_worker_unit.py."""
@@ -70,7 +70,7 @@ def started(log: Path) -> Callable[[], bool]:
     return lambda: bool(log_events(log, "worker_started"))
 
 
-# ---------------------------------------------------------------------------- item 7
+# ------------------------------------------------------------------------------------------- fifos
 
 
 @pytest.mark.realproc
@@ -150,7 +150,7 @@ def test_a_fifo_as_the_tensor_file_fails_that_attempt_and_nothing_hangs(
     assert verify(st, tmp_path / "out" / "fifot", deep=True).ok == n
 
 
-# ---------------------------------------------------------------------------- item 8
+# ---------------------------------------------------------------- links and files under dump names
 
 
 def chattr(flag: str, path: Path) -> bool:
@@ -208,7 +208,7 @@ def test_links_and_files_under_dump_names_are_removed_once_and_never_followed(
     assert st.count(st.keys.dead) == 0
 
 
-# ---------------------------------------------------------------------------- item 9
+# ------------------------------------------------------------------------ a stale readiness marker
 
 
 def test_a_stale_readiness_marker_does_not_vouch_for_a_server_that_never_dumps(
@@ -238,7 +238,7 @@ def test_a_stale_readiness_marker_does_not_vouch_for_a_server_that_never_dumps(
     assert not log_events(w.log_path, "sample_retry")
 
 
-# ---------------------------------------------------------------------------- item 10
+# ---------------------------------------------------------------- a dump dir other users may write
 
 
 def other_user() -> pwd.struct_passwd:
@@ -297,7 +297,7 @@ def test_a_dump_dir_writable_by_other_users_is_refused(
         shutil.rmtree(base, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------- item 11
+# ---------------------------------------------------------------------- a dump dir swapped mid-run
 
 
 @pytest.mark.realproc
@@ -351,7 +351,7 @@ def test_a_dump_dir_removed_recreated_or_swapped_mid_run_sends_nothing_to_the_de
     assert verify(st, tmp_path / "out" / "moving", deep=True).ok == n
 
 
-# ---------------------------------------------------------------------------- item 12
+# --------------------------------------------------------------------------- two dumps for one rid
 
 
 def two_full_dumps(srv: HostileServer, _call: int, ids: list[int], rid: str) -> None:

@@ -1,5 +1,5 @@
 """Protocol v2 end to end with K > 1 requests in flight: real redis-server, real reference
-servers, real `hsq worker` processes, real signals (issue 12; issue 15 D7, D8)."""
+servers, real `hsq worker` processes, real signals."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_leftover_and_unknown_rid_dumps_are_removed_and_counted(
 def test_a_late_dump_after_a_timeout_fails_no_later_sample(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 15, D8: one late dump used to send 6 of the next 8 samples to the dead letter."""
+    """One late dump used to send 6 of the next 8 samples to the dead letter."""
     ds = dataset(tmp_path, 24, seed=33)
     enqueue(ds, "late", tmp_path / "out", redis_url, "--chunk-size", "4", "--max-attempts", "1")
     faults(fresh, {"mode": "slow", "seconds": 3, "times": 1})
@@ -238,7 +238,7 @@ def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
 def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 15, D7: the worker chmodded a 1777 dir to 0700 and emptied it, even for a run
+    """The worker chmodded a 1777 dir to 0700 and emptied it, even for a run
     that did not exist."""
     shared = tmp_path / "shm"
     shared.mkdir()
@@ -263,7 +263,7 @@ def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
 def test_a_mistyped_dump_dir_creates_nothing(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 29 item 9: for a run that exists, `--dump-dir /nonexistent/dir` made the
+    """For a run that exists, `--dump-dir /nonexistent/dir` made the
     directory, its .hsq-worker.lock and .hsq-staging/, then exited 2 (no readiness marker
     there). Now a missing dump dir is refused first, named, and nothing is created."""
     enqueue(dataset(tmp_path, 2, seed=40), "typo", tmp_path / "out", redis_url)
@@ -305,7 +305,7 @@ main()
 def test_a_bug_in_the_dump_matcher_stops_the_worker_loudly_and_charges_no_sample(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 32: the dispatcher logged any exception from the matcher and polled on, so every
+    """The dispatcher logged any exception from the matcher and polled on, so every
     request in flight timed out as no_dump and, attempt after attempt, ended in the dead
     letter. Now the worker hands its work back, logs why and exits 1; nothing is retried or
     dead, and the next worker finishes the run."""

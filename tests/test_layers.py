@@ -266,7 +266,7 @@ def file_formats_reached(root: Path, start: str) -> dict[str, list[str]]:
 
 
 def test_the_redis_gateway_imports_no_file_format() -> None:
-    """Issue 32: the store imported hsq.outputs for the manifest codec (store -> outputs ->
+    """The store imported hsq.outputs for the manifest codec (store -> outputs ->
     protocol -> stfile). The codec lives beside the output format now; the gateway stores
     done entries through it (hsq.store.DoneCodec) and reaches no file format, directly or
     through another module."""
@@ -285,7 +285,7 @@ def test_the_file_format_check_follows_imports_through_other_modules(tmp_path: P
 
 
 def test_no_file_in_the_repository_is_a_link() -> None:
-    """Issue 32: links break a zip download, a core.symlinks=false clone and path-based tools."""
+    """Links break a zip download, a core.symlinks=false clone and path-based tools."""
     import subprocess
 
     listed = subprocess.run(
@@ -364,3 +364,56 @@ def test_the_hook_settings_and_the_dump_format_load_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Each circle of first-party imports (lazy ones included), as one chain that closes."""
+    graph = first_party_imports(root)
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for nxt in sorted(graph.get(module, set()) - {module}):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    """A circle makes import order matter (a name half-defined when the other side runs)
+    and hides which module is the lower one; a module that both sides need goes below."""
+    assert import_circles(ROOT) == []
+
+
+def test_the_circle_check_sees_a_lazy_import_back(tmp_path: Path) -> None:
+    (tmp_path / "hsq/dataset").mkdir(parents=True)
+    (tmp_path / "hsq/dataset/jsonl.py").write_text(
+        "def f() -> None:\n    import hsq.dataset.fast\n"
+    )
+    (tmp_path / "hsq/dataset/fast.py").write_text("from hsq.dataset.jsonl import f\n")
+    assert len(import_circles(tmp_path)) == 1
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test files share lives in tests/support (or tests/helpers.py): a test
+    module imported by another runs its fixtures and module state twice and hides which
+    file a helper belongs to."""
+    found = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]):
+        module = module_name(path, ROOT)
+        tree = ast.parse(path.read_text(), str(path))
+        for line, target in imported(tree, module, path.name == "__init__.py"):
+            if target.startswith("tests.test_"):
+                found.append(f"{path.relative_to(ROOT)}:{line}: {target}")
+    assert found == []

@@ -1,6 +1,6 @@
 """The live run's argument handling without a GPU: scripts/sglang_live.sh's options
 (checked by --dry-run), the HSQ_LIVE_* settings the GPU tests read, and `--tp N` in
-`hsq launch-sglang`'s command (issue 31: the TP size reaches SGLang once, validated)."""
+`hsq launch-sglang`'s command (the TP size reaches SGLang once, validated)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def test_dashboard_json_is_generated_from_the_builder() -> None:
 
 
 def test_dashboard_imports_anywhere_and_its_table_is_one_table() -> None:
-    """Issue 29 item 8: every panel named the provisioned datasource uid `hsq-prometheus`,
+    """Every panel named the provisioned datasource uid `hsq-prometheus`,
     so the JSON imported into another Grafana broke every panel; and the worker table's
     queries were separate frames (Grafana showed a frame picker, not one table)."""
     dash = json.loads((ROOT / "deploy/grafana/dashboards/hsq.json").read_text())
@@ -132,7 +132,7 @@ def test_compose_references_exist_and_agree_with_the_code() -> None:
     exporter_cmd = services["exporter"]["command"]
     exporter_targets = json.loads((PROM / "targets/exporter/compose.json").read_text())
     assert (
-        f"exporter:{exporter_cmd[exporter_cmd.index('--port') + 1]}"
+        f"exporter:{exporter_cmd[exporter_cmd.index('--metrics-port') + 1]}"
         in exporter_targets[0]["targets"]
     )
     grafana_vols = " ".join(services["grafana"]["volumes"])

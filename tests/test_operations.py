@@ -364,3 +364,26 @@ def test_worker_figures_from_its_record() -> None:
     paused = _worker_status("a", {**fresh_rec, "cause": "server_down", "cause_since": "9"}, now)
     assert eta(100, 5.0, [paused]) is None and eta(0, 0.0, []) == 0.0
     assert eta(100, 5.0, [_worker_status("a", fresh_rec, now)]) == 20.0
+
+
+def test_status_text_follows_the_worker_and_does_not_point_at_itself() -> None:
+    from hsq.ops.status import RunStatus, _worker_status, status_text, worker_line
+
+    now = 1000.0
+    rec = {"state": "starting", "ts": "999", "name": "n-0", "done": "0",
+           "cause": "server_starting", "cause_message": "x has not answered yet",
+           "cause_since": "990"}  # fmt: skip
+    starting = _worker_status("a", rec, now)
+    assert "[starting: server starting since " in worker_line(starting)
+    # A cause the worker cleared is written empty (the record is updated field by field).
+    back = _worker_status("a", {**rec, "state": "idle", "cause": "", "cause_since": ""}, now)
+    assert back.cause is None and worker_line(back).startswith("  worker n-0 [idle] server")
+    # A record that expired says so, not `done 0` for a worker that did samples.
+    gone = worker_line(_worker_status("w.1", {}, now))
+    assert "done 0" not in gone and "its record expired" in gone
+    st = RunStatus(run="bad", total=3, done=1, queued=0, in_progress=0, retry=0, dead=2,
+                   missing=0, invalid_lines=0, tokens_done=1, tokens_total=3, bytes_done=1,
+                   samples_per_s=0.0, tokens_per_s=0.0, eta_s=0.0,
+                   dead_by_reason={"too_long": 2}, workers=[])  # fmt: skip
+    assert any("--failed" in x for x in status_text(st))
+    assert not any("--failed" in x for x in status_text(st, listed=True))

@@ -13,7 +13,7 @@ import pytest
 
 from hsq import fsio
 from hsq.errors import OutputError
-from tests.test_fp8 import written
+from tests.support.fakeoutput import written
 
 
 def dead_pid() -> int:

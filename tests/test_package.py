@@ -1,4 +1,4 @@
-"""The artifact people install (issue 25): the sdist and the wheel `make dist` builds, checked,
+"""The artifact people install: the sdist and the wheel `make dist` builds, checked,
 then the wheel installed into a fresh virtual environment with no source tree and run there.
 
 The fresh venv takes torch, and what torch needs, from this interpreter through a .pth file
@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.package, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 DIST_NAME = "hidden-state-queue"
-# What installs: the package as the tree has it (real directories, no links: issue 32).
+# What installs: the package as the tree has it (real directories, no links: a
+# zip download and a core.symlinks=false clone lost the linked ones).
 SOURCE_DIRS = {"hsq": "hsq"}
 GENERIC = ("workers", "producer", "sglang_server")
 
@@ -135,7 +136,7 @@ def wheel_files(src: Path, out: Path) -> set[str]:
 
 
 def test_a_wheel_from_a_zip_download_is_complete(tmp_path: Path) -> None:
-    """Issue 32: GitHub's "Download ZIP" is `git archive --format=zip`; links used to vanish."""
+    """GitHub's "Download ZIP" is `git archive --format=zip`; links used to vanish."""
     archive = tmp_path / "src.zip"
     run(["git", "archive", "--format=zip", "-o", str(archive), "HEAD"], cwd=ROOT)
     with zipfile.ZipFile(archive) as z:
@@ -144,7 +145,7 @@ def test_a_wheel_from_a_zip_download_is_complete(tmp_path: Path) -> None:
 
 
 def test_a_wheel_from_a_clone_without_symlinks_is_complete(tmp_path: Path) -> None:
-    """Issue 32: Git for Windows' default, core.symlinks=false."""
+    """Git for Windows' default, core.symlinks=false."""
     run(["git", "-c", "core.symlinks=false", "clone", "-q", str(ROOT), str(tmp_path / "src")])
     assert wheel_files(tmp_path / "src", tmp_path / "whl") == head_package_files()
 
@@ -284,7 +285,7 @@ def test_a_small_demo_runs_from_the_installed_wheel(venv: Venv) -> None:
     assert "demo OK" in out
 
 
-# --- the base install: the wheel without extras, no torch (issue 29 item 6) ------------------
+# --- the base install: the wheel without extras, no torch ------------------
 
 
 def test_the_wheel_without_extras_runs_the_base_roles_without_torch(

@@ -1,4 +1,4 @@
-"""Persist processes (issue 35 item 1) and woken workers with batched marks (issue 33 D4),
+"""Persist processes and woken workers with batched marks,
 with real processes: redis-server, null-model servers over HTTP, `hsq worker`, SIGKILL,
 SIGSTOP and SIGCONT."""
 
@@ -85,7 +85,7 @@ def test_write_jobs_and_errors_cross_the_pipe_as_json(tmp_path: Path) -> None:
 
 
 def test_a_persist_process_removes_the_staged_dump_it_used(tmp_path: Path) -> None:
-    """Freeing the staged dump's pages is the child's CPU, not the worker's (issue 35):
+    """Freeing the staged dump's pages is the child's CPU, not the worker's:
     gone once the child answered, written or refused."""
     from hsq.dataset.jsonl import Sample
     from hsq.dump.format import ModelIdentity
@@ -182,7 +182,8 @@ def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_
 def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(
     tmp_path: Path, redis_url: str, procs: str
 ) -> None:
-    """Issue 33 D4 and round 3's woken worker, at a random stop point. Workers A and B
+    """The woken worker whose written-but-unmarked samples another worker redid, at a random
+    stop point. Workers A and B
     share a run of large chunks; A (with its persist processes) is SIGSTOPped at a random
     moment, so it holds samples written but not yet marked (batched marks) and samples
     in flight; B reaps A's chunks and redoes them; A is continued at a random moment after
@@ -206,7 +207,7 @@ def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(
         a = worker("d4", sa, redis_url, tmp_path / "a.log", *extra)
         wait_until(lambda: len(log_events(tmp_path / "a.log", "sample_done")) >= 1, 120, 0.02)
         st = store(redis_url, "d4")
-        for _ in range(200):  # a random stop point with files written but not marked (D4)
+        for _ in range(200):  # a random stop point with files written but not marked
             time.sleep(rnd.uniform(0.0, 0.2))
             a.signal_group(signal.SIGSTOP)
             if len(list(out.rglob("*.safetensors"))) > len(st.done_among(ids)):
@@ -238,7 +239,7 @@ def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(
 def test_server_made_fp8_from_the_null_server_through_persist_processes(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """The null server's `--dump-encoding fp8-e4m3` (issue 35 item 3): its dumps pass the
+    """The null server's `--dump-encoding fp8-e4m3`: its dumps pass the
     worker's checks in an fp8 run, through persist processes, and verify --deep holds."""
     n = 12
     ds = tmp_path / "d.jsonl"

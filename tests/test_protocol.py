@@ -16,7 +16,6 @@ from hsq.dump.format import (
     META_FILE,
     TENSOR_FILE,
     DumpMeta,
-    ModelIdentity,
     expected_shapes,
     fingerprint,
 )
@@ -24,37 +23,7 @@ from hsq.dump.read import read_dump
 from hsq.dump.write import write_dump
 from hsq.states import AUX_TENSOR, LAST_TENSOR
 from tests.conftest import expected_for
-
-IDENT = ModelIdentity("unit", "LlamaModel", 8, 16, "0" * 64)
-LAYERS = [2, 4, 5]
-
-
-def make(
-    dump_dir: Path, index: int, ids: list[int], rid: str, *, mark_done: bool = True, **over: object
-) -> Path:
-    n = len(ids)
-    gen = torch.Generator().manual_seed(index)
-    tensors = {
-        AUX_TENSOR: torch.randn(n, len(LAYERS) * 16, generator=gen).to(torch.bfloat16),
-        LAST_TENSOR: torch.randn(n, 16, generator=gen).to(torch.bfloat16),
-    }
-    fields: dict[str, object] = dict(
-        rid=rid,
-        num_tokens=n,
-        input_fingerprint=fingerprint(ids),
-        layer_ids=LAYERS,
-        hidden_size=16,
-        dtype="bfloat16",
-        model=IDENT,
-        tensors=expected_shapes(n, len(LAYERS), 16),
-        request_index=index,
-    )
-    fields.update(over)
-    meta = DumpMeta(**fields)  # type: ignore[arg-type]
-    return write_dump(dump_dir, index, meta, tensors, mark_done=mark_done)
-
-
-IDS = list(range(100, 112))
+from tests.support.fakedump import IDENT, IDS, LAYERS, make
 
 
 def test_round_trip(dump_dir: Path) -> None:

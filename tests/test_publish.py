@@ -1,4 +1,4 @@
-"""Publishing an output file without replacing another writer's (issue 33 D4), on a real
+"""Publishing an output file without replacing another writer's, on a real
 filesystem: two writers of one sample interleaved deterministically at every step of
 hsq.outputs.publish (its pause port; no sleeps, no timing). Whatever the order, and
 whatever was at the name before (nothing, a valid file, an invalid one), each writer's
@@ -26,7 +26,8 @@ from hsq.outputs.format import output_relpath
 from hsq.outputs.publish import Publisher
 from hsq.outputs.transcode import write_output
 from hsq.stfile.engine import WriteEngine
-from tests.test_fp8 import IDENT, LAYERS, H, states
+from tests.support.fakedump import IDENT, LAYERS
+from tests.support.fakeoutput import H, states
 
 N = 9
 SAMPLE = Sample("s1", list(range(100, 100 + N)), None)
@@ -267,7 +268,7 @@ def test_the_file_at_a_taken_name_is_judged_from_one_read_of_its_header(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Publisher._valid parses the header once for its three checks (judge_output, the
-    model identity, the states' dtype and size), not once each (issue 35 item 5)."""
+    model identity, the states' dtype and size), not once each."""
     from hsq.stfile.header import read_header
 
     a, c = output_bytes(tmp_path, 1), output_bytes(tmp_path, 3)

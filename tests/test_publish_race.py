@@ -1,4 +1,5 @@
-"""Issue 33 D4's last window, with real processes (redis-server, null-model servers over
+"""The last window in which a woken worker could replace a file another worker redid,
+with real processes (redis-server, null-model servers over
 HTTP, `hsq worker`, SIGSTOP and SIGCONT): a worker stopped exactly between its look
 before the rename and the rename itself, while another worker redoes its reaped sample.
 

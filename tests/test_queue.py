@@ -349,7 +349,7 @@ def test_sigterm_hands_back_and_loses_nothing(
     assert 3 <= len(done) < 40 and stuck["id"] not in done
     assert all_ids - done <= set(queued)  # every unfinished sample is back in the queue
     assert st.dead_entries() == {}
-    assert st.worker_ids() == []
+    assert st.workers.worker_ids() == []
 
 
 @pytest.mark.realproc

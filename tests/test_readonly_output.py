@@ -1,4 +1,4 @@
-"""The output filesystem going read-only (issue 33 D13), on a real tmpfs remounted `ro`
+"""The output filesystem going read-only, on a real tmpfs remounted `ro`
 (needs root and mount; skipped otherwise) and with a real `hsq worker`.
 
 Before the fix the run survived, but every handed-back sample was reported `io_error` and

@@ -1,4 +1,4 @@
-"""`hsq recover` after a real Redis wipe mid-run (issue 15 item 2), with real processes:
+"""`hsq recover` after a real Redis wipe mid-run, with real processes:
 a reference server, workers, redis-server, FLUSHALL."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_flushall_mid_run_then_recover_finishes_every_sample_exactly_once(
 
     Assumes only what today's worker does: after the wipe its writes are refused (fenced),
     so the test stops it and starts fresh workers after the recover. (A worker that waits
-    for its run to come back, issue 15's worker side, would also pass.)"""
+    for its run to come back would also pass.)"""
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, N, seed=11, min_len=4, max_len=48)
     out = tmp_path / "out"
@@ -137,7 +137,7 @@ def _split_dataset(full: Path, first: Path, rest: Path) -> None:
 def test_recover_decides_the_runs_identity_by_majority_or_announcement_never_by_one_file(
     tmp_path: Path, server: ReferenceServer, other_layers: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 23 item 3: one stale file of an earlier model under the same run name came
+    """One stale file of an earlier model under the same run name came
     first in dataset order; recover pinned its model, marked it done, rejected the 11 good
     files, and the real server's worker then refused to start. Now the identity is what the
     run's servers announce (--server-dump-dir) or what most files hold; the others are stale:
@@ -199,7 +199,7 @@ def test_recover_refuses_a_tie_and_takes_an_explicit_identity(
 def test_recover_never_adopts_a_symlink_or_a_symlinked_shard(
     tmp_path: Path, server: ReferenceServer, redis_url: str
 ) -> None:
-    """Issue 23 item 4: a symlink to a valid copy outside OUT was marked done; verify then
+    """A symlink to a valid copy outside OUT was marked done; verify then
     refused it forever. Now it is rejected (lstat, never followed) and its sample enqueued;
     the worker replaces the link with a file, and the copy outside is never touched."""
     ds = tmp_path / "d.jsonl"
@@ -279,7 +279,7 @@ def _recover_finish_verify(
 def test_recover_rejects_files_without_the_runs_prenorm_state(
     tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
 ) -> None:
-    """Issue 33 D8: 4 files without the pre-norm state (an earlier extraction under the run
+    """4 files without the pre-norm state (an earlier extraction under the run
     name) and 8 with it; the run is --prenorm. Old code: recover re-marked all 12 done and
     `verify` then called 4 corrupt. Now the 4 are rejected with the reason and redone."""
     pre = server_factory("--prenorm", name="recpre").wait_ready()
@@ -293,7 +293,7 @@ def test_recover_rejects_files_without_the_runs_prenorm_state(
 def test_recover_rejects_files_of_another_states_dtype(
     tmp_path: Path, server: ReferenceServer, server_factory: Factory, redis_url: str
 ) -> None:
-    """Issue 33 D9: 4 float32-state files and 8 bf16, same model and layers. Old code:
+    """4 float32-state files and 8 bf16, same model and layers. Old code:
     recover marked all 12 done ("majority: 12 of 12"), a mixed-dtype run the worker's dtype
     pin forbids. Now the dtype is part of the identity: the 4 are rejected and redone, and
     the run's dtype is pinned as the worker pins it."""

@@ -1,5 +1,5 @@
-"""Recover's rules about the run's config and identity, in the producer (issue 32 moved
-them out of the CLI): pure logic, no Redis (tests/test_recover.py runs the command)."""
+"""Recover's rules about the run's config and identity, in the producer (not in the
+CLI): pure logic, no Redis (tests/test_recover.py runs the command)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_the_recorded_identity_wins_and_a_contradiction_is_refused() -> None:
 
 
 def test_the_states_dtype_is_the_recorded_pin_else_the_majority_and_a_tie_is_refused() -> None:
-    """Issue 33 D9: the dtype of the states is part of recover's identity."""
+    """The dtype of the states is part of recover's identity."""
     from dataclasses import replace
 
     from hsq.producer.identity import decide_states_dtype

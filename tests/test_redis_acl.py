@@ -1,4 +1,4 @@
-"""Per-run isolation in Redis (issue 23 item 19), with a real redis-server and the ACL users
+"""Per-run isolation in Redis, with a real redis-server and the ACL users
 `hsq acl --run R` prints: one run's credentials do the whole run and cannot read, rewrite,
 delete or list another run's keys. And a worker refuses an `out` that changed under it
 without a new run generation."""
@@ -128,7 +128,7 @@ def test_one_runs_user_does_the_whole_run_and_nothing_to_another_run(
 def test_one_runs_user_can_neither_hide_nor_poison_another_runs_listing(
     tmp_path: Path, acl_redis: tuple[int, Path]
 ) -> None:
-    """D6/D7: run c's user attacks the run listings. Old code: `SREM hsq:runs d` hid run d
+    """Run c's user attacks the run listings. Old code: `SREM hsq:runs d` hid run d
     from `hsq runs`, `hsq status` and the exporter, `SREM rq:queues` from `rq info`, and a
     hostile `SADD hsq:runs` entry made `hsq runs` and `hsq status` exit 2. Now the listing is
     each run's own config key (found by SCAN): c's user has no access to the shared sets,
@@ -217,7 +217,8 @@ def test_acl_key_patterns_match_each_run_and_no_other() -> None:
             assert hits == (mine if other == r else []), (r, other, hits)
 
 
-# The issue's name (D5): a legal run name holding another run's job-id shape.
+# The name that broke the old job patterns: a legal run name holding another run's job-id
+# shape.
 TRICKY = [
     "qa",
     "qa-0123456789abcdef-nightly",
@@ -263,7 +264,7 @@ def _keys_of(k: RunKeys, rng: random.Random) -> list[str]:
 
 
 def test_no_legal_run_names_key_matches_another_legal_runs_patterns() -> None:
-    """D5, as a property over legal names (seeded fuzz plus the crafted ones above): every
+    """As a property over legal names (seeded fuzz plus the crafted ones above): every
     key of run R matches R's patterns, and no key of any other legal run does."""
     import fnmatch
 
@@ -281,7 +282,7 @@ def test_no_legal_run_names_key_matches_another_legal_runs_patterns() -> None:
 def test_redis_itself_keeps_the_issues_run_out_of_another_runs_job_keys(
     acl_redis: tuple[int, Path],
 ) -> None:
-    """D5 with Redis's own matcher (ACL DRYRUN) over users `hsq acl` prints: the issue's
+    """The same with Redis's own matcher (ACL DRYRUN) over users `hsq acl` prints: the
     HGETALL/HSET/EXPIRE/DEL of `qa-0123456789abcdef-nightly`'s job hash as run qa's user,
     and a sample of the fuzzed names."""
     port, _ = acl_redis

@@ -1,4 +1,4 @@
-"""Redis across nodes (issue 15 item 3): rediss:// with a CA and a client certificate, and
+"""Redis across nodes: rediss:// with a CA and a client certificate, and
 an ACL user with only the commands hsq needs. A real redis-server started with TLS and ACLs,
 a self-signed CA made here with openssl, real hsq processes."""
 
@@ -156,7 +156,7 @@ TLS_VARS = ("HSQ_REDIS_CA", "HSQ_REDIS_CERT", "HSQ_REDIS_KEY")
 def test_tls_flags_travel_in_the_url_not_through_the_environment(
     tls_redis: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32: --redis-ca/--redis-cert/--redis-key were written into os.environ for
+    """--redis-ca/--redis-cert/--redis-key were written into os.environ for
     connect() to read back (a process-wide side effect every later connect saw). They are
     values now: the command's URL carries them, and the environment is left alone."""
     url, d = tls_redis

@@ -1,11 +1,11 @@
-"""The reference server's admin endpoints and request bodies (issue 33, D10 and D16), with
+"""The reference server's admin endpoints and request bodies, with
 real `hsq serve-reference` processes and raw HTTP.
 
-D10: /admin/faults answered anyone (another local user set `mix`, a 40-sample run ended
+Before: /admin/faults answered anyone (another local user set `mix`, a 40-sample run ended
 with 24 samples holding another's states; `crash` stopped the server). Now /admin/* is off
 unless the server is started with --admin, and then only for loopback peers, or for
 requests with the --admin-token-file token.
-D16: a 100,000-deep JSON body and `Content-Length: abc` got 500; bodies up to 64 MiB were
+And a 100,000-deep JSON body and `Content-Length: abc` got 500; bodies up to 64 MiB were
 read whatever --max-tokens allowed (four 60 MB bodies: +1.8 GB RSS)."""
 
 from __future__ import annotations

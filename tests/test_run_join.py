@@ -51,7 +51,7 @@ def test_a_joining_node_shares_the_work_and_its_ctrl_c_hands_back(tmp_path: Path
         "slow:seconds=3",
         "--admin",
     )  # fmt: skip (admin: the test
-    # clears A's fault below; a run's servers take none unless asked, issue 33 D10)
+    # clears A's fault below; a run's servers take none unless asked)
     st = run_store(out_a, "data")
     b = Node(tmp_path, "b", "--join", "--run", "data", "--out", str(out_b),
              "--redis-url-file", str(out_a / ".hsq" / "redis-url"), "--node-name", "joiner",
@@ -62,9 +62,10 @@ def test_a_joining_node_shares_the_work_and_its_ctrl_c_hands_back(tmp_path: Path
     assert "interrupted" in b.output()
     held = st.outstanding_samples()
     assert not [place for place in held.values() if "joiner" in place]  # handed back
-    assert not [w for w in st.workers_info().values() if w.get("name", "").startswith("joiner")]
+    workers = st.workers.workers_info().values()
+    assert not [w for w in workers if w.get("name", "").startswith("joiner")]
 
-    a_server = next(w["server"] for w in st.workers_info().values() if w.get("name") == "first-0")
+    a_server = next(w["server"] for w in workers if w.get("name") == "first-0")
     httpx.delete(a_server + "/admin/faults").raise_for_status()  # A finishes the rest
     assert a.wait() == 0, a.output()
     status = a.summary()["status"]

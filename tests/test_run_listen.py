@@ -21,8 +21,8 @@ import pytest
 from hsq.producer.synthetic import write_synthetic
 from tests.helpers import wait_until
 from tests.run_helpers import Node, done_events, no_node_left, run_store, worker_logs
-from tests.test_multinode import Netns, netns
-from tests.test_run_redis_safety import LISTENER
+from tests.support.listener import LISTENER
+from tests.support.netns import Netns, netns
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="network namespaces"),

@@ -203,8 +203,65 @@ def test_persist_processes_share_the_host_between_the_workers() -> None:
 
 
 def test_an_fp8_runs_servers_make_the_fp8_unless_told_otherwise() -> None:
-    assert server_args_for("bf16", ["--x", "1"]) == ["--x", "1"]
-    assert server_args_for("fp8-e4m3", []) == ["--dump-encoding", "fp8-e4m3"]
+    from hsq.runconfig import RunConfig
+
+    bf16 = RunConfig(run="r", dataset="/d", out="/o")
+    fp8 = RunConfig(run="r", dataset="/d", out="/o", store_dtype="fp8-e4m3")
+    assert server_args_for("reference", bf16, ["--x", "1"]) == ["--x", "1"]
+    assert server_args_for("sglang", fp8, []) == ["--dump-encoding", "fp8-e4m3"]
     # The user's own choice after `--` comes last, which click keeps.
-    given = server_args_for("fp8-e4m3", ["--dump-encoding", "plain"])
+    given = server_args_for("sglang", fp8, ["--dump-encoding", "plain"])
     assert given == ["--dump-encoding", "fp8-e4m3", "--dump-encoding", "plain"]
+
+
+def test_the_view_fits_an_80_column_terminal_and_follows_the_worker() -> None:
+    """Lines wider than the terminal wrap, and a redraw that counts lines then scrolls a new
+    copy each refresh: every line fits; a server and its worker take two lines there."""
+    long_cause = "output disk full since 12:00:00 (" + "x" * 200 + ")"
+    w = WorkerStatus(id="n-0.x", state="idle", name="node-with-a-long-name-0", done=180,
+                     tokens_per_s=0.0, cause_text=long_cause)  # fmt: skip
+    st = status(workers=[w], dead_by_reason={f"reason_{i}": i for i in range(30)})
+    started = "starting: loading since 12:00:01"
+    pairs = [PairView(0, "sglang", "http://127.0.0.1:31234", started, "node-with-a-long-name-0",
+                      None)]  # fmt: skip
+    lines = render(st, pairs, 31.0, width=79)
+    assert all(len(x) <= 79 for x in lines), [len(x) for x in lines]
+    assert lines[3].startswith("  server 0 sglang") and "[starting: loading since" in lines[3]
+    assert lines[4].startswith("    worker node-with-a-long-name-0 [idle]")
+    # Wide: one line a pair, as before.
+    assert len(render(st, pairs, 31.0, width=300)) == 4
+    # A worker whose record is gone after it was seen is not `starting`.
+    seen = PairView(0, "reference", "http://x", "up", "n-0", None, stopped=True, worker_seen=True)
+    assert "[stopping]" in render(status(), [seen], 1.0)[-1]
+
+
+def test_a_tty_screen_redraws_within_the_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "60")
+    out = Tty()
+    w = WorkerStatus(id="n-0.x", state="working", name="n-0", done=1, last_sample="s" * 90)
+    pairs = [PairView(0, "reference", "http://127.0.0.1:1", "up", "n-0", None)]
+    screen = Screen(out)
+    screen.show(status(workers=[w]), pairs, 1.0)
+    screen.show(status(workers=[w]), pairs, 2.0)
+    drawn = out.getvalue().split("\x1b[J")[-1].splitlines()
+    assert drawn and all(len(x) <= 59 for x in drawn)
+    assert out.getvalue().count(f"\x1b[{len(drawn)}F") == 1  # the second draw replaced the first
+
+
+def test_the_summary_says_so_when_every_worker_failed_and_verifies_nothing() -> None:
+    from hsq.node.node import NodeJob, NodeOutcome, Rate, _summary_lines
+    from hsq.node.plan import NodePlan
+
+    plan = NodePlan("reference", "tiny", 1, (), "test")
+    job = NodeJob(run="r", out=Path("/o"), plan=plan, redis_url=None, enqueue=None,
+                  worker_argv=(), server_args=(), metrics_port=None)  # fmt: skip
+    st = status(done=0, dead=0, queued=10, in_progress=0, dead_by_reason={})
+    o = NodeOutcome(1, st, Rate(0, 0, 0.0, 12.0), None, 13.0, Path("/o/r"), None, 0, {},
+                    all_failed=True)  # fmt: skip
+    text = "\n".join(_summary_lines(job, o, ""))
+    assert "every worker of this node exited with an error" in text
+    assert "verified" not in text.replace("nothing was verified", "")

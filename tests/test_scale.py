@@ -1,4 +1,4 @@
-"""Issue 26: counters instead of recounts, batched done marks, the fast dataset scan, the
+"""Counters instead of recounts, batched done marks, the fast dataset scan, the
 parallel verify, and the scale benchmark's smoke run. Real redis-server throughout."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hsq.workers.chunks import WorkItem
 from hsq.workers.events import Event, EventKind
 from hsq.workers.persist.commit import Committer
 from tests.helpers import hsq, store
+from tests.support.lines import LINES, damaged
 
 ROOT = Path(__file__).resolve().parent.parent
 E = IndexEntry(0, 10, 0, 3)
@@ -44,7 +45,7 @@ def new_run(redis_url: str, run: str, tmp_path: Path, n: int, chunk: int = 4) ->
     st = store(redis_url, run)
     st.create_config(RunConfig(run=run, dataset=str(tmp_path / "d.jsonl"), out=str(tmp_path)))
     refs = [(f"s{i:04d}", E) for i in range(n)]
-    st.put_index(refs)
+    st.config_index.put_index(refs)
     st.set_totals(samples=n, tokens=3 * n, invalid_lines=0)
     st.enqueue(chunked(refs, chunk))
     return st
@@ -149,7 +150,7 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
     assert st.mark_done_many([*batch, batch[0]]) == [True] * 5 + [False]
     assert st.mark_done_many(batch[:2]) == [False, False]
     assert st.stats().tokens == 15 and st.stats().bytes == 500
-    assert st.count(st.keys.dead) == 0 and st.dead_reasons() == {}  # done leaves the dead
+    assert st.count(st.keys.dead) == 0 and st.ledger.dead_reasons() == {}  # done leaves the dead
     st.to_dead("s0002", "x", "y", 1, "w")
     assert st.count(st.keys.dead) == 0  # a done sample is not dead-lettered
     assert hsq("purge", "--run", "many", "--yes", "--redis", redis_url).returncode == 0
@@ -161,7 +162,7 @@ def test_mark_done_many_is_fenced_idempotent_and_keeps_totals(
 def test_a_worker_whose_job_was_reaped_marks_none_of_its_samples(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 33 D4: the done marks are fenced by ownership, in the marking script itself."""
+    """The done marks are fenced by ownership, in the marking script itself."""
     st = new_run(redis_url, "held", tmp_path, 8)
     st.register("wa", {"state": "x"})
     job = st.claim("wa", 1)
@@ -236,125 +237,6 @@ def test_the_committer_marks_in_batches_and_fails_every_sample_of_a_failed_batch
     assert {e.kind for e in got} == {EventKind.FAILED}
     assert all(isinstance(e.exc, RunChangedError) for e in got)
     c.close()
-
-
-LINES = [
-    '{"id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}',
-    '{"id":"b","input_ids":[1,2,3],"loss_mask":[0,1,1]}',
-    '{"id": 7, "input_ids": [0], "loss_mask": [1]}',
-    '{"id": "c", "input_ids": [5, 6]}',
-    '{"id": "d", "input_ids": [2147483647, 1], "loss_mask": [1, 1]}',
-    '{"id": "e", "input_ids": [2147483648], "loss_mask": [1]}',
-    '{"id": "f", "input_ids": [01, 2], "loss_mask": [1, 1]}',
-    '{"id": "g", "input_ids": [1, 2, ], "loss_mask": [1, 1]}',
-    '{"id": "h", "input_ids": [1,, 2], "loss_mask": [1, 1]}',
-    '{"id": "i", "input_ids": [1, 2], "loss_mask": [01, 1]}',
-    '{"id": "j", "input_ids": [1, 2], "loss_mask": [1, 11]}',
-    '{"id": "k", "input_ids": [1, 2], "loss_mask": [1]}',
-    '{"id": "l", "input_ids": [-1, 2], "loss_mask": [1, 1]}',
-    '{"id": "m", "input_ids": [1.0, 2], "loss_mask": [1, 1]}',
-    '{"id": "n", "input_ids": [], "loss_mask": []}',
-    '{"id": "o", "input_ids": [true], "loss_mask": [1]}',
-    '{"id": "p", "input_ids": [1], "loss_mask": [true]}',
-    '{"id": "../x", "input_ids": [1], "loss_mask": [1]}',
-    '{"id": "a", "input_ids": [9], "loss_mask": [1]}',
-    '{"id": "q", "input_ids": [1], "loss_mask": [1], "extra": 1}',
-    '{"id": "r", "id": "s", "input_ids": [1], "loss_mask": [1]}',
-    '{"id": "t\\u0041", "input_ids": [1], "loss_mask": [1]}',
-    '{"id": "u", "input_ids": [1 2], "loss_mask": [1]}',
-    '{"id": "v", "input_ids": [1, 2], "loss_mask": [1,  1]}',
-    '{"id": "w", "input_ids": [1,2, 3], "loss_mask": [1, 1, 1]}',
-    '{"id": "x", "input_ids": [1, 2], "loss_mask": null}',
-    '{"id": 007, "input_ids": [1], "loss_mask": [1]}',
-    '{"id": "y", "input_ids": [1, 2, 3, 4, 5, 6], "loss_mask": [1, 1, 1, 1, 1, 1]}',
-    '  {"id": "z", "input_ids": [1], "loss_mask": [1]}',
-    "",
-    "not json",
-    '{"id": "aa", "input_ids": [9999999999], "loss_mask": [1]}',
-    '{"id": "ab", "input_ids": [1], "loss_mask": [1]}\r',
-    # Lines msgspec (the fast path's decoder) could read otherwise than json.loads:
-    '{"id": "ac", "input_ids": [1], "loss_mask": [1], "input_ids": [1, 2]}',  # last key wins
-    '{"id": "ad", "input_ids": [1], "id": "ae"}',
-    '{"id": "af", "input_ids": [1], "loss_mask": null, "loss_mask": [1]}',
-    '{"id": "ag", "input_ids": [1, 2], "input_ids": []}',
-    '{"\\u0069d": "ah", "input_\\u0069ds": [1]}',  # escapes in keys
-    '{"id": "ai", "input_ids": [-0], "loss_mask": [-0]}',
-    '{"id": 123456789012345678901234567890, "input_ids": [1]}',
-    '{"id": ' + "9" * 128 + ', "input_ids": [1]}',
-    '{"id": ' + "9" * 129 + ', "input_ids": [1]}',
-    '{"id": ' + "9" * 5000 + ', "input_ids": [1]}',  # past int's str() limit
-    '{"id": -5, "input_ids": [1]}',
-    '{"id": 0, "input_ids": [1]}',
-    '{"id": "aj", "input_ids": [1], "loss_mask": [1.0]}',
-    '{"id": "ak", "input_ids": [NaN]}',
-    '{"id": Infinity, "input_ids": [1]}',
-    '{"id": "al", "input_ids": [1e0]}',
-    '{"id": "\\ud800", "input_ids": [1]}',
-    '{"id": "am\\u0000", "input_ids": [1]}',
-    '{"id": "an\\n", "input_ids": [1]}',
-    '\ufeff{"id": "ao", "input_ids": [1]}',
-    '{"id": "ap", "input_ids": [[1]]}',
-    '{"id": "aq", "input_ids": {"0": 1}}',
-    '{"id": "ar", "input_ids": [1], "loss_mask": [1], }',
-    '{"id": "as",\t"input_ids":\t[1 ,2]\t, "loss_mask" : [0,0] }',
-    '{"id": "at", "input_ids": "1"}',
-    '{"id": ["au"], "input_ids": [1]}',
-    '{"id": "av", "input_ids": [1], "loss_mask": [2]}',
-    '{"id": "aw", "input_ids": [1], "loss_mask": []}',
-    '{"id": "ax", "input_ids": [1], "loss_mask": true}',
-    '{"id": "ay", "input_ids": [1]} {"id": "az"}',
-    '[{"id": "ba", "input_ids": [1]}]',
-    "null",
-    '{"id": "\u00e9", "input_ids": [1]}',
-    '{"id": "bb", "input_ids": [1, 2, 3, 4, 5]}',
-    '{"id": "bc", "input_ids": [1], "loss_mask": [0, 1]}',
-    '{"id": "bd", "input_ids": [1], "extra": "x"}',
-    '{"id": 7, "input_ids": [1]}',
-    '{"id": "7", "input_ids": [1]}',
-    '{"input_ids": [1]}',
-    '{"id": "be"}',
-    '{"id": "", "input_ids": [1]}',
-    '{"id": "bf", "input_ids": [4294967296]}',
-    '{"id": "bg", "input_ids": [' + "1" * 30 + "]}",
-    # Numbers, whitespace, nesting and mask values at the edges of what the fast path takes
-    # (a decoder reading the lists' text instead of their ints was tried against these):
-    '{"id": "bh", "input_ids": [1e3], "loss_mask": [1]}',
-    '{"id": "bi", "input_ids": [1E3]}',
-    '{"id": "bj", "input_ids": [1.5]}',
-    '{"id": "bk", "input_ids": [00]}',
-    '{"id": "bl", "input_ids": [-0, 1], "loss_mask": [1, 1]}',
-    '{"id": "bm", "input_ids": [+1]}',
-    '{"id": "bn", "input_ids": [ ]}',
-    '{"id": "bo", "input_ids": [ 0 ], "loss_mask": [ 0 ]}',
-    '{"id": "bp", "input_ids": [[]]}',
-    '{"id": "bq", "input_ids": [1, [2]], "loss_mask": [1, 1]}',
-    '{"id": "br", "input_ids": ["1"]}',
-    '{"id": "bs", "input_ids": ["]"]}',
-    '{"id": "bt", "input_ids": [null]}',
-    '{"id": "bu", "input_ids": null}',
-    '{"id": "bv", "input_ids": 5}',
-    '{"id": "bw", "input_ids": [1,\t2,\r3]}',
-    '{"id": "bx", "input_ids": [1,\x0b2]}',
-    '{"id": "by", "input_ids": [1,\x0c2]}',
-    '{"id": "bz", "input_ids": [1,\u00a02]}',
-    '{"id": "ca", "input_ids": [999999999, 1000000000], "loss_mask": [1, 0]}',
-    '{"id": "cb", "input_ids": [1, 2147483648], "loss_mask": [1, 0]}',
-    '{"id": "cc", "input_ids": [0000000001]}',
-    '{"id": "cd", "input_ids": [1, 2], "loss_mask": [10, 1]}',
-    '{"id": "ce", "input_ids": [1, 2], "loss_mask": [00, 1]}',
-    '{"id": "cf", "input_ids": [1, 2], "loss_mask": [0, 1, ]}',
-    '{"id": "cg", "input_ids": [1], "loss_mask": [ ]}',
-    '{"id": "ch", "input_ids": [1], "loss_mask": "1"}',
-    '{"id": "ci", "input_ids": [1], "loss_mask": {}}',
-    '{"id": "cj", "input_ids": [1], "loss_mask": [-1]}',
-    '{"id": "ck", "input_ids": [1], "loss_mask": [1e0]}',
-    '{"id": "cl", "input_ids": [1], "loss_mask": [false]}',
-    '{"id": "cm", "input_ids": [1], "loss_mask": [[1]]}',
-    '{"id": "cn", "input_ids": [1, 2], "loss_mask": [1 ,\t0 ]}',
-    '{"id": "co", "input_ids": [7], "loss_mask": [9]}',
-    '{"id": "cp", "input_ids": [1], "loss_mask": [1], "loss_mask": [5]}',
-    '{"id": "cq", "input_ids": [2147483647, 2147483647], "loss_mask": [1, 1]}',
-]
 
 
 SPLITS = [(1, 2**20), (1, 1), (1, 7), (1, 61), (2, 53)]
@@ -442,27 +324,6 @@ def test_the_fast_scan_agrees_on_randomly_damaged_lines(tmp_path: Path) -> None:
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(lines) + "\n")
     compare_scans(path, None, [(1, 2**20), (1, 97), (2, 4099)])
-
-
-BYTE_EDITS = [*b'0123456789,-+.eE[]{}:"\\ut n', 0, 9, 0xFF, 0xC3, 0xA9, 0xED, 0xEF]
-
-
-def damaged(rng: random.Random, i: int) -> bytes:
-    """A valid line of some shape, then up to three random byte edits (msgspec's view of
-    JSON against json.loads's: escapes, numbers, UTF-8, structure)."""
-    n = rng.randint(1, 6)
-    row: dict[str, Any] = {"id": rng.choice([f"r{i}", i, f"r{i}\u00e9"])}
-    row["input_ids"] = [rng.choice([0, 1, 255, 2147483647, 2147483648]) for _ in range(n)]
-    if rng.random() < 0.8:
-        row["loss_mask"] = [rng.randint(0, 1) for _ in range(n)]
-    if rng.random() < 0.1:
-        row["x"] = "y"
-    sep = rng.choice([(", ", ": "), (",", ":")])
-    line = bytearray(json.dumps(row, separators=sep, ensure_ascii=rng.random() < 0.5).encode())
-    for _ in range(rng.randint(0, 3)):
-        pos = rng.randrange(len(line))
-        line[pos : pos + rng.randint(0, 1)] = bytes([rng.choice(BYTE_EDITS)])
-    return bytes(line).replace(b"\n", b"")
 
 
 def test_the_fast_decoder_accepts_only_what_parse_line_accepts() -> None:
@@ -623,10 +484,10 @@ def test_done_entries_are_stored_compactly_and_read_back_as_the_manifest_json(
     )
     assert st.get_manifest("s0001") == odd  # not the usual shape: kept as JSON
     assert dict(st.iter_manifest())["s0000"] == st.get_manifest("s0000")
-    assert json.loads(st.done_entries(["s0000"])[0] or b"")["path"] == e.path
+    assert json.loads(st.ledger.done_entries(["s0000"])[0] or b"")["path"] == e.path
     st.client.hset(st.keys.done, "s0002", "m1|x|y")  # damaged: handed back as it is
     assert st.get_manifest("s0002") is None
-    assert dict(st.iter_done())["s0002"] == b"m1|x|y"
+    assert dict(st.ledger.iter_done())["s0002"] == b"m1|x|y"
 
 
 def test_verify_reads_the_stored_form_with_the_verdicts_of_its_json(tmp_path: Path) -> None:

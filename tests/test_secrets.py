@@ -1,4 +1,4 @@
-"""Passwords are never printed (issue 23 item 17), with a real redis-server whose ACL users
+"""Passwords are never printed, with a real redis-server whose ACL users
 have passwords holding each reserved URL character."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_redis_url_file_reads_the_url_without_quoting_it(
 def test_a_redis_url_file_other_users_may_read_is_refused(
     users: dict[str, str], tmp_path: Path, mode: int
 ) -> None:
-    """Issue 33 D15: a --redis-url-file of mode 0644 or 0666 (every local user reads the
+    """A --redis-url-file of mode 0644 or 0666 (every local user reads the
     password in it) was taken without a word. Now it is refused, as ssh refuses such a
     private key: exit 2, the mode and `chmod 600` named, nothing of the file quoted."""
     f = tmp_path / "url"

@@ -81,8 +81,8 @@ def test_defaults_come_from_the_dataclass() -> None:
     assert got == want
 
 
-def test_help_shows_every_setting_with_its_env_variable() -> None:
-    res = CliRunner().invoke(cli.cli, ["worker", "--help"], terminal_width=200)
+def test_help_all_shows_every_setting_with_its_env_variable() -> None:
+    res = CliRunner().invoke(cli.cli, ["worker", "--help-all"], terminal_width=200)
     assert res.exit_code == 0, res.output
     for flag in [*WORKER_FLAGS, "--reap-interval", "--heartbeat-interval", "--claim-timeout"]:
         assert flag in res.output, flag
@@ -141,7 +141,7 @@ def test_bad_worker_settings_are_refused_by_name() -> None:
 
 
 def test_a_heartbeat_interval_the_store_ttl_cannot_keep_up_with_is_refused() -> None:
-    """Issue 32: heartbeats 12 s apart passed validation while a heartbeat expires after
+    """Heartbeats 12 s apart passed validation while a heartbeat expires after
     HEARTBEAT_TTL_S (10 s): a reaper would take a live worker's jobs back every cycle."""
     slow = WorkerTuning(heartbeat_interval_s=12)
     with pytest.raises(ConfigError, match="--heartbeat-interval must be at most 5 s"):
@@ -172,7 +172,7 @@ def parse_reference(args: list[str], env: dict[str, str] | None = None) -> Refer
 
 
 def test_reference_help_keeps_every_flag() -> None:
-    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help"], terminal_width=200)
+    res = CliRunner().invoke(cli.cli, ["serve-reference", "--help-all"], terminal_width=200)
     assert res.exit_code == 0, res.output
     for flag in REFERENCE_FLAGS:
         assert flag in res.output, flag
@@ -263,8 +263,8 @@ def test_a_run_setting_from_a_flag_or_its_env_variable(
 
 
 @pytest.mark.parametrize("command", ["enqueue", "recover"])
-def test_run_commands_show_their_settings_with_env_variables(command: str) -> None:
-    res = CliRunner().invoke(cli.cli, [command, "--help"], terminal_width=200)
+def test_run_commands_help_all_shows_their_settings_with_env_variables(command: str) -> None:
+    res = CliRunner().invoke(cli.cli, [command, "--help-all"], terminal_width=200)
     assert res.exit_code == 0, res.output
     names = RUN_SETTINGS if command == "enqueue" else ("chunk_size", "store_dtype")
     for f in dataclasses.fields(RunConfig):

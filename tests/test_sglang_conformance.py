@@ -9,35 +9,14 @@ where `make setup` fetches it.
 from __future__ import annotations
 
 import ast
-import os
-import zipfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from hsq.engines.sglang import compat, srccheck
 from hsq.engines.sglang.compat import PINNED_VERSIONS, Symbol
 from hsq.engines.sglang.srccheck import SourceReader, SourceTree
-
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / ".cache" / "sglang"
-
-
-def wheel_reader(version: str) -> Iterator[SourceReader]:
-    wheels = sorted(CACHE.glob(f"sglang-{version}-*.whl"))
-    if not wheels:
-        why = f"no sglang {version} wheel in {CACHE}: run scripts/fetch_sglang_sources.sh"
-        if os.environ.get("CI"):
-            pytest.fail(why + " (CI must have it: `make setup` fetches it)")
-        pytest.skip(why)
-    with zipfile.ZipFile(wheels[0]) as zf:
-        names = set(zf.namelist())
-
-        def read(path: str) -> str | None:
-            return zf.read(path).decode() if path in names else None
-
-        yield read
+from tests.support.sglangsrc import wheel_reader
 
 
 @pytest.fixture(params=PINNED_VERSIONS)
@@ -145,7 +124,7 @@ def _call_args(read: SourceReader, sym: Symbol, callee: str) -> list[list[str]]:
 
 
 def test_kimi_calls_the_language_model_with_input_ids_none(source: SourceReader) -> None:
-    """Issue 18's root cause, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
+    """Why Kimi-K2.5 dumps once failed, pinned: Kimi-K2.5 -> general_mm_embed_routine -> language
     model with input_ids=None -> DeepseekV2 passes that None and the ForwardBatch to the
     logits processor in positions 0 and 3, where plugin.around_logits reads them."""
     kimi = Symbol("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration.forward")

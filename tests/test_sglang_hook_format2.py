@@ -17,7 +17,7 @@ from hsq.engines.sglang.launch_args import launch_command
 from hsq.engines.sglang.layers import find_final_norm
 from hsq.errors import ConfigError
 from hsq.states import AUX_TENSOR, LAST_TENSOR, PRENORM_TENSOR
-from tests.test_sglang_hook import FakeRunner, H, Server, make_server, use_plugin
+from tests.support.fakesglang import FakeRunner, H, Server, make_server, use_plugin
 
 
 @pytest.mark.parametrize("encoding", ["plain", "fp8-e4m3"])

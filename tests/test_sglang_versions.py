@@ -14,7 +14,7 @@ import pytest
 
 from hsq.engines.sglang import compat
 from hsq.engines.sglang.compat import PINNED_VERSIONS
-from tests.test_sglang_conformance import CACHE, wheel_reader
+from tests.support.sglangsrc import CACHE, wheel_reader
 
 PREFILL_GRAPH_VERSIONS = [
     v for v in PINNED_VERSIONS if compat.parse_version(v) >= compat.PREFILL_GRAPH_FLAG_SINCE

@@ -1,5 +1,5 @@
-"""The base install (no torch, transformers, tokenizers) serves the roles that run no model
-(issue 29 item 6); a role that needs an extra says which, in one line.
+"""The base install (no torch, transformers, tokenizers) serves the roles that run no model;
+a role that needs an extra says which, in one line.
 
 The end-to-end test runs the real processes under a venv whose path holds only the closure
 of hidden-state-queue's base requirements, linked from this venv, and the source tree

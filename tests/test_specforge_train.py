@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0's own trainer learns from hsq's export (issue 24), on a CPU.
+"""SpecForge 0.2.0's own trainer learns from hsq's export, on a CPU.
 
 Real processes all the way: chat rows -> `hsq tokenize` -> the reference server serving a
 tiny seeded checkpoint with an LM head (tests.support.tinymodel), dumping float32 states with

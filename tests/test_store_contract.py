@@ -45,7 +45,10 @@ class Pair:
 
     def recreate(self) -> None:
         """The operator purges the run and creates it again: a new generation."""
-        self.operator.purge()
+        if isinstance(self.operator, MemoryStore):
+            self.operator.purge()
+        else:
+            self.operator.lifecycle.purge()
         self.operator.create_config(config())
 
 

@@ -1,5 +1,6 @@
-"""Regression tests for the store side of issue 15 (D1, D5, D9, Redis errors) and issue 16's
-"RunStore is the only module that talks to Redis". Real redis-server throughout."""
+"""Regression tests for the store side of the worker's reliability (the purge fence, a lost
+BLMOVE reply, two enqueues at once, Redis errors) and of "RunStore is the only module that
+talks to Redis". Real redis-server throughout."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def fresh_run(redis_url: str, run: str, tmp_path: Path) -> RunStore:
 def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """D1: after `hsq purge` (and a re-create) a worker's store that read the old run must
+    """After `hsq purge` (and a re-create) a worker's store that read the old run must
     not write into it: done marks, finish, give-back, retry enqueue, dead letter, pins and
     heartbeats raise RunChangedError, and the purged done hash does not come back (the old
     code's mark_done recreated it, and a new dataset then skipped those ids)."""
@@ -58,7 +59,7 @@ def test_purge_fences_every_write_of_a_store_that_read_the_old_run(
         "give_back": lambda: worker.give_back("w1", job),
         "retry": lambda: worker.enqueue([[("b", ENTRY)]], retry=True, attempt=1),
         "dead": lambda: worker.to_dead("b", "x", "y", 1, "w1"),
-        "pin": lambda: worker.pin_model("m@1", [1, 2]),
+        "pin": lambda: worker.config_index.pin_model("m@1", [1, 2]),
         "heartbeat": lambda: worker.heartbeat("w1", {"state": "busy"}),
         "crash": lambda: worker.record_crash("b"),
     }
@@ -137,7 +138,7 @@ def proxy(redis_server: RedisServer) -> Iterator[DropReplyProxy]:
 def test_a_job_whose_blmove_reply_was_lost_is_claimed_not_stranded(
     tmp_path: Path, redis_url: str, redis_server: RedisServer, proxy: DropReplyProxy
 ) -> None:
-    """D5: redis-py retries a BLMOVE whose reply was lost, so the first job sits in the
+    """redis-py retries a BLMOVE whose reply was lost, so the first job sits in the
     worker's wip list unknown to it (old code: never read again, a --burst worker hung).
     claim() now returns it next."""
     producer = fresh_run(redis_url, "lost", tmp_path)
@@ -155,7 +156,7 @@ def test_a_job_whose_blmove_reply_was_lost_is_claimed_not_stranded(
 
 
 def test_redis_errors_become_hsq_errors(tmp_path: Path) -> None:
-    """Issue 16 / contract: callers see StoreUnavailableError (transient), never a redis
+    """Callers see StoreUnavailableError (transient), never a redis
     exception, when Redis goes away under a store."""
     srv = RedisServer(tmp_path / "r", password="pw").wait_ready()
     try:
@@ -170,13 +171,13 @@ def test_redis_errors_become_hsq_errors(tmp_path: Path) -> None:
 
 
 def test_a_second_concurrent_enqueue_is_refused_with_exit_2(tmp_path: Path, redis_url: str) -> None:
-    """D9: while one enqueue of a run is running (it holds the run's lock), a second one
+    """While one enqueue of a run is running (it holds the run's lock), a second one
     with another --out fails with exit 2 and says why, instead of queueing every sample a
     second time and ignoring its --out."""
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 5, seed=1)
     holder = store(redis_url, "busy")
-    with holder.enqueue_lock("test-holder"):
+    with holder.lifecycle.enqueue_lock("test-holder"):
         second = hsq(
             "enqueue", str(ds), "--run", "busy", "--out", str(tmp_path / "b"),
             "--redis", redis_url, "--no-progress",
@@ -195,7 +196,7 @@ def test_a_second_concurrent_enqueue_is_refused_with_exit_2(tmp_path: Path, redi
 def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Issue 16: run_status returns a dataclass; the exporter's sample figures are the ones
+    """`run_status` returns a dataclass; the exporter's sample figures are the ones
     status prints (one function, hsq.ops.run_figures)."""
     from hsq.ops.prometheus import RedisCollector
 
@@ -223,7 +224,7 @@ def test_status_and_exporter_share_figures_and_status_is_a_dataclass(
 
 
 def test_only_the_store_imports_redis_or_rq() -> None:
-    """Issue 16 item 1: nothing outside hsq/store/ imports redis or rq (hsq/node/procs.py
+    """Nothing outside hsq/store/ imports redis or rq (hsq/node/procs.py
     is the test harness starting a server)."""
     allowed = {"hsq/node/procs.py"}
     offenders = []
@@ -265,7 +266,8 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
 
     port = free_port()
     proc = ManagedProcess(
-        hsq_command("exporter", "--redis", redis_url, "--port", str(port)), tmp_path / "e.log"
+        hsq_command("exporter", "--redis", redis_url, "--metrics-port", str(port)),
+        tmp_path / "e.log",
     )
     try:
 
@@ -289,9 +291,10 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(tmp_path: Path, redis
 def test_two_enqueues_started_together_queue_each_sample_once(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """D9 with real processes: two `hsq enqueue`s of one run started at the same moment
-    with different --out. Old code: both succeeded, every sample was queued twice and one
-    --out was silently ignored. Now exactly one succeeds; the other exits 2 and says why."""
+    """Two enqueues at once, with real processes: two `hsq enqueue`s of one run started at
+    the same moment with different --out. Old code: both succeeded, every sample was queued
+    twice and one --out was silently ignored. Now exactly one succeeds; the other exits 2 and
+    says why."""
     import subprocess
 
     ds = tmp_path / "d.jsonl"
@@ -323,7 +326,7 @@ def test_two_enqueues_started_together_queue_each_sample_once(
 def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
     tmp_path: Path, redis_url: str, server_factory: Any
 ) -> None:
-    """D1 with real processes: `hsq purge` while a worker is extracting. Old code: the
+    """The purge fence with real processes: `hsq purge` while a worker is extracting. Old code: the
     worker's next done mark recreated the purged done hash. Now its writes are refused
     (RunChangedError) and, once it is stopped, no key of the run exists."""
     import httpx
@@ -354,7 +357,7 @@ def test_a_purge_while_a_real_worker_runs_leaves_no_key_behind(
 def test_a_run_created_before_generations_gets_one_and_keeps_working(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """Upgrade path of the D1 fence: a config without `generation` (written by older hsq)
+    """Upgrade path of the purge fence: a config without `generation` (written by older hsq)
     is given one on first read, so its workers' writes are not refused forever."""
     st = fresh_run(redis_url, "legacy", tmp_path)
     st.client.hdel(st.keys.config, "generation")

@@ -202,16 +202,18 @@ def test_a_corrupt_file_is_dead_lettered_extracted_again_and_delivered(
 
 
 def spool_matches_disk(out: Path) -> None:
-    """The accounting invariant, read while nothing runs: every output file on disk is a
-    done sample with a reservation of exactly its size; every done sample's reservation
-    is its file; what else is reserved is in flight (not done: no file yet)."""
+    """The accounting invariant, read while nothing runs: every output file on disk holds
+    a reservation that covers it (exactly its size once the sample is done; the estimate,
+    at least its size, for a file renamed into place by a worker killed before its done
+    mark, which the next worker adopts); every done sample's reservation is its file; what
+    else is reserved is in flight (not done)."""
     st = run_store(out, "data")
     reserved = st.spool.reserved()
     files = {p.name.removesuffix(".safetensors"): p.stat().st_size
              for p in (out / "data").rglob("*.safetensors")}  # fmt: skip
     done = set(st.iter_hash_keys(st.keys.done))
     consumed = {text(x) for x in st.client.smembers(st.keys.consumed)}
-    assert all(reserved.get(sid) == size for sid, size in files.items()), (files, reserved)
+    assert all(reserved.get(sid, -1) >= size for sid, size in files.items()), (files, reserved)
     in_files = {sid: n for sid, n in reserved.items() if sid in done}
     assert in_files == {sid: files[sid] for sid in in_files}, (in_files, files)
     assert not set(files) & consumed

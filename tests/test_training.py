@@ -129,7 +129,7 @@ def walk(
     finally:
         w.stop()
     export = base / "specforge"
-    first = hsq(*specforge(RUN, url, export), "--jobs", "2", "--no-progress", check=True)
+    first = hsq(*specforge(RUN, url, export), "--write-threads", "2", "--no-progress", check=True)
     yield {
         "base": base,
         "url": url,
@@ -191,7 +191,7 @@ def test_export_again_writes_nothing(walk: dict[str, Any]) -> None:
 @needs_specforge
 def test_a_killed_export_leaves_only_valid_ckpt_files(walk: dict[str, Any]) -> None:
     dest = walk["base"] / "killed"
-    argv = hsq_command(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
+    argv = hsq_command(*specforge(RUN, walk["url"], dest), "--write-threads", "1", "--no-progress")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_until(lambda: proc.poll() is not None or any(dest.rglob("*")), timeout=60, interval=0.01)
     proc.send_signal(signal.SIGKILL)
@@ -219,7 +219,7 @@ def test_export_to_a_full_disk_says_so_in_one_line_and_resumes(walk: dict[str, A
     if subprocess.run(mount, capture_output=True).returncode != 0:
         pytest.skip("cannot mount tmpfs here")
     try:
-        full = hsq(*specforge(RUN, walk["url"], dest), "--jobs", "1", "--no-progress")
+        full = hsq(*specforge(RUN, walk["url"], dest), "--write-threads", "1", "--no-progress")
         assert full.returncode == 1, full.stdout + full.stderr
         assert "Traceback" not in full.stderr and len(full.stderr.strip().splitlines()) == 1
         assert "disk full" in full.stderr and "run the same command again" in full.stderr
@@ -385,16 +385,23 @@ Transform = Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 def derived_run(
-    walk: dict[str, Any], run: str, transform: Transform, store_dtype: str = "bf16"
+    walk: dict[str, Any],
+    run: str,
+    transform: Transform,
+    store_dtype: str = "bf16",
+    *,
+    prenorm: bool = False,
 ) -> Path:
-    """`run`: walk's samples, each output rewritten through `transform`; returns OUT."""
+    """`run`: walk's samples, each output rewritten through `transform`; returns OUT.
+    `prenorm`: the run is enqueued with --prenorm (its outputs get the pre-norm state)."""
     from safetensors.torch import save_file
 
     from hsq.outputs.check import file_checksum
 
     out: Path = walk["base"] / f"out-{run}"
     hsq("enqueue", str(walk["tokens"]), "--run", run, "--out", str(out), "--redis", walk["url"],
-        "--store-dtype", store_dtype, "--no-progress", check=True)  # fmt: skip
+        "--store-dtype", store_dtype, "--no-progress", *(["--prenorm"] if prenorm else []),
+        check=True)  # fmt: skip
     st = store(walk["url"], run)
     for sid, entry in store(walk["url"], RUN).iter_manifest():
         assert entry is not None
@@ -420,7 +427,7 @@ def ckpts(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_reexport_after_the_run_was_redone_rewrites_every_stale_file(walk: dict[str, Any]) -> None:
-    """Issue 23 item 1: "already valid" is "this run's current output", not "loads"."""
+    """Already valid means "this run's current output", not "loads"."""
     dest = walk["base"] / "redo-dest"
     hsq(*specforge(RUN, walk["url"], dest), "--no-progress", check=True)
     doubled = derived_run(
@@ -463,7 +470,7 @@ def test_reexport_replaces_a_nan_file_and_a_symlink_to_a_foreign_file(
 
 
 def test_export_refuses_corrupt_outputs_and_fails_them(walk: dict[str, Any]) -> None:
-    """Issue 23 item 2: an output `verify --deep` calls corrupt is never exported."""
+    """An output `verify --deep` calls corrupt is never exported."""
     victims = sorted(s for s, _ in store(walk["url"], RUN).iter_manifest())[:2]
 
     def poison(sid: str, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -562,12 +569,14 @@ def speculators(run: str, url: str, dest: Path) -> list[str]:
 def test_speculators_export_refuses_a_run_without_the_prenorm_state(walk: dict[str, Any]) -> None:
     res = hsq(*speculators(RUN, walk["url"], walk["base"] / "spec-refused"))
     assert res.returncode == 2 and "no pre-norm final state" in res.stderr
-    assert "hsq enqueue --prenorm" in res.stderr and "serve-reference --prenorm" in res.stderr
+    assert "hsq run DATASET --out OUT --prenorm" in res.stderr
+    # Refused from the run's record, before any progress bar or file.
+    assert "exporting" not in res.stderr and not (walk["base"] / "spec-refused").exists()
 
 
 @needs_speculators
 def test_speculators_own_loader_reads_the_export(walk: dict[str, Any]) -> None:
-    out = derived_run(walk, "walk-prenorm", with_prenorm)
+    out = derived_run(walk, "walk-prenorm", with_prenorm, prenorm=True)
     dest = walk["base"] / "spec"
     res = hsq(*speculators("walk-prenorm", walk["url"], dest), "--out", str(out), "--no-progress")
     assert res.returncode == 0 and "written   11 files" in res.stdout, res.stderr
@@ -603,7 +612,7 @@ def test_a_failed_sample_leaves_no_gap_between_rows_and_files(walk: dict[str, An
             t["last_hidden_state_prenorm"][0, 0] = float("inf")
         return t
 
-    out = derived_run(walk, "walk-gap", poison)
+    out = derived_run(walk, "walk-gap", poison, prenorm=True)
     dest = walk["base"] / "spec-gap"
     res = hsq(*speculators("walk-gap", walk["url"], dest), "--out", str(out), "--no-progress")
     assert res.returncode == 1 and "last_hidden_state_prenorm holds NaN or Inf" in res.stderr
@@ -635,7 +644,7 @@ def test_an_fp8_run_with_the_prenorm_state_exports_dequantized(walk: dict[str, A
             out[name], out[scale_name(name)] = quant.quantize(t[name], groups)
         return out
 
-    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3")
+    out = derived_run(walk, "walk-fp8", fp8, store_dtype="fp8-e4m3", prenorm=True)
     spec, sf = walk["base"] / "spec-fp8", walk["base"] / "sf-fp8"
     res = hsq(*speculators("walk-fp8", walk["url"], spec), "--out", str(out), "--no-progress")
     assert res.returncode == 0, res.stderr

@@ -1,5 +1,5 @@
-"""Regression tests for issue 15: input read from outside (meta.json, tensor headers, Redis
-manifest entries, dataset lines, URLs) is type-checked and bounded (D4, D6, minor items)."""
+"""Input read from outside (meta.json, tensor headers, Redis
+manifest entries, dataset lines, URLs) is type-checked and bounded."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from hsq.dataset.jsonl import read_sample, scan_dataset
+from hsq.dataset.jsonl import scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.dump.format import DONE_FILE, META_FILE, DumpMeta, ModelIdentity
 from hsq.dump.read import read_meta
 from hsq.errors import CorruptDumpError
@@ -58,7 +59,7 @@ BAD_META: dict[str, bytes] = {
 
 @pytest.mark.parametrize("case", sorted(BAD_META))
 def test_malformed_meta_json_is_a_corrupt_dump_not_a_crash(tmp_path: Path, case: str) -> None:
-    """D4: invalid UTF-8, wrong types or an oversized meta.json raised TypeError/
+    """Invalid UTF-8, wrong types or an oversized meta.json raised TypeError/
     UnicodeDecodeError (a worker crash loop); now CorruptDumpError, a sample-level failure."""
     (tmp_path / META_FILE).write_bytes(BAD_META[case])
     (tmp_path / DONE_FILE).write_bytes(b"")
@@ -97,7 +98,7 @@ BAD_HEADERS: dict[str, Any] = {
 
 @pytest.mark.parametrize("case", sorted(BAD_HEADERS))
 def test_malformed_tensor_headers_raise_format_error(tmp_path: Path, case: str) -> None:
-    """D3/D4 (header side): entries that are not dicts or offsets that are strings raised
+    """Header side: entries that are not dicts or offsets that are strings raised
     AttributeError/TypeError outside the handled exceptions (a sample silently dropped)."""
     fd = header_file(tmp_path, BAD_HEADERS[case])
     try:
@@ -110,7 +111,7 @@ def test_malformed_tensor_headers_raise_format_error(tmp_path: Path, case: str) 
 def test_verify_requeue_never_touches_a_path_taken_from_redis(
     tmp_path: Path, redis_url: str
 ) -> None:
-    """D6: a manifest `path` from Redis (`../../..` or absolute) was used unchecked by
+    """A manifest `path` from Redis (`../../..` or absolute) was used unchecked by
     `verify --requeue`, which deleted the target. Now such entries are refused, reported
     and left alone; the files survive."""
     ds = tmp_path / "d.jsonl"
@@ -196,8 +197,8 @@ def test_a_fixed_dataset_prunes_index_and_dead_line_entries(tmp_path: Path, redi
 
 
 def test_docs_name_the_checksum_the_code_writes(tmp_path: Path) -> None:
-    """Minor: docs said the manifest checksum is sha256; the code writes xxh3 (crc32 before
-    issue 22, still read)."""
+    """Minor: docs said the manifest checksum is sha256; the code writes xxh3 (crc32 in older
+    runs, still read)."""
     from hsq.outputs.check import file_checksum
 
     p = tmp_path / "f"

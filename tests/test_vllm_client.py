@@ -16,9 +16,7 @@ import pytest
 
 from hsq.engines.vllm import config as connector_config
 from hsq.errors import ConfigError, ServerRejectedError, ServerUnavailableError
-from hsq.workers.send import vllm_client
-from hsq.workers.send.client import ServerClient, make_client
-from hsq.workers.send.vllm_client import VllmClient
+from hsq.workers.send.client import RID_PARAM, ServerClient, VllmClient, make_client
 from hsq.workers.settings import EngineApi, WorkerSettings
 
 
@@ -148,7 +146,7 @@ def test_the_engine_picks_the_client() -> None:
 
 
 def test_the_rid_key_is_the_connectors() -> None:
-    assert vllm_client.RID_PARAM == connector_config.RID_PARAM
+    assert RID_PARAM == connector_config.RID_PARAM
 
 
 def test_the_marker_decides_which_client_is_right() -> None:

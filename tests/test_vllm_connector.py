@@ -19,10 +19,10 @@ from hsq.dump.find import scan_by_rid
 from hsq.dump.format import fingerprint
 from hsq.dump.read import Expected, check_meta, read_dump
 from hsq.dump.ready import read_ready
+from hsq.engines.common import model_identity
 from hsq.engines.vllm.checkpoint import read_final_norm
 from hsq.engines.vllm.config import ConnectorConfig
 from hsq.engines.vllm.core import ConnectorCore, rid_of
-from hsq.engines.vllm.identity import model_identity
 from hsq.engines.vllm.layers import aux_rows, vllm_aux_ids
 from hsq.engines.vllm.refusals import ServingFacts
 from hsq.errors import ConfigError

@@ -1,6 +1,7 @@
 """The whole worker in-process against fakes: an httpx.MockTransport server that writes
 real dumps into a temp dump dir, and a fake store with run generations. Unit tests of the
-worker's logic (issue 15 D2, D3, D11, D12, run changes); tests/test_inflight.py runs the
+worker's logic (a dataset gone for a moment, bad headers, a bad first dump, mixed dtypes,
+run changes); tests/test_inflight.py runs the
 real processes."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pytest
 import structlog
 import torch
 
-from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
+from hsq.dataset.jsonl import IndexEntry, scan_dataset
+from hsq.dataset.read import read_sample
 from hsq.dump.find import scan_by_rid
 from hsq.dump.format import TENSOR_FILE, DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.ready import ReadyMarker, write_ready
@@ -242,7 +244,7 @@ def test_all_samples_done_once_with_k_in_flight(
 def test_unreadable_dataset_is_handed_back_never_dead(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D2: a dataset moved away for a second sent 95% of a run to the dead letter."""
+    """A dataset moved away for a second sent 95% of a run to the dead letter."""
     ds, refs = dataset
     store = FakeStore(config(ds, tmp_path / "out", max_attempts=1), jobs_of(refs))
     away = ds.with_suffix(".away")
@@ -302,7 +304,7 @@ def test_a_poison_5xx_sample_ends_dead_after_the_crash_budget(
 def test_a_malformed_tensor_header_ends_dead_never_silently_dropped(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D3: header entries that are not objects crashed the persist handler, the
+    """Header entries that are not objects crashed the persist handler, the
     chunk finished anyway and the sample was in no queue and not dead."""
     ds, refs = dataset
     bad = fingerprint(read_sample(ds, refs[2][0], refs[2][1]).input_ids)
@@ -342,7 +344,7 @@ def test_an_unexpected_exception_in_a_stage_is_retried_not_dropped(
 def test_a_matcher_bug_stops_the_worker_and_hands_every_sample_back(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32: an exception from the dump matcher was logged and the worker went on
+    """An exception from the dump matcher was logged and the worker went on
     polling: every request in flight timed out as no_dump and ended in the dead letter, a
     bug of the worker's charged to the samples. Now the worker hands its work back and
     stops with InternalError: nothing dead, nothing retried, nothing lost."""
@@ -379,7 +381,7 @@ def test_a_matcher_bug_stops_the_worker_and_hands_every_sample_back(
 def test_a_first_dump_that_fails_validation_pins_nothing(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D11: a bad first dump pinned its model and every later sample failed."""
+    """A bad first dump pinned its model and every later sample failed."""
     ds, refs = dataset
     server = FakeServer(tmp_path, lambda c, _ids: {"model": EVIL, "nan": True} if c == 0 else {})
     store = FakeStore(config(ds, tmp_path / "out"), jobs_of(refs))
@@ -391,7 +393,7 @@ def test_a_first_dump_that_fails_validation_pins_nothing(
 def test_dtype_and_hidden_size_are_pinned_and_checked(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D12: one run ended with BF16 and F32 files side by side."""
+    """One run ended with BF16 and F32 files side by side."""
     ds, refs = dataset
     f32 = fingerprint(read_sample(ds, refs[5][0], refs[5][1]).input_ids)
     server = FakeServer(
@@ -418,7 +420,7 @@ def test_hidden_size_pinned_in_the_run_is_enforced(
 def test_run_changed_drops_in_flight_work_and_continues_with_the_new_config(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D1/D10 (worker side): purge + re-create under a running worker."""
+    """Purge and re-create under a running worker (its side of the fence)."""
     ds, refs = dataset
     store = FakeStore(config(ds, tmp_path / "old"), jobs_of(refs))
     new_cfg = config(ds, tmp_path / "new")
@@ -452,7 +454,7 @@ def test_protocol_scan_reads_each_dump_once(tmp_path: Path) -> None:
 def test_an_idle_worker_notices_a_wiped_run_and_picks_up_the_new_one(
     tmp_path: Path, dataset: tuple[Path, list[SampleRef]]
 ) -> None:
-    """Issue 15, D10: after a Redis wipe and re-create with another --out, workers kept
+    """After a Redis wipe and re-create with another --out, workers kept
     writing into the old directory (and an idle one said nothing)."""
     ds, refs = dataset
     store = FakeStore(config(ds, tmp_path / "old"), [])

@@ -32,7 +32,7 @@ from hsq.workers.send.dispatch import Dispatcher
 from hsq.workers.send.ridmatch import RidMatcher
 from hsq.workers.settings import WorkerSettings
 from hsq.workers.startup import STAGING, check_dump_dir, take_dump_dir
-from tests.test_protocol import IDS, make
+from tests.support.fakedump import IDS, make
 
 # ---------------------------------------------------------------------------- policy
 
@@ -123,7 +123,7 @@ def matcher(dump_dir: Path, staging: Path, timeout: float = 5.0) -> RidMatcher:
 def test_dumps_are_attributed_by_rid_in_any_order(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
     for rid in ("a", "b", "c"):
-        m.add(rid, len(IDS), now=0.0)
+        m.add(rid, len(IDS))
     make(dump_dir, 5, IDS, "c")
     make(dump_dir, 6, IDS, "a")
     decided, dropped = m.poll(now=0.0)
@@ -135,7 +135,7 @@ def test_dumps_are_attributed_by_rid_in_any_order(dump_dir: Path, staging: Path)
 
 def test_unknown_rid_is_removed_and_counted_never_attributed(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
-    m.add("mine", len(IDS), now=0.0)
+    m.add("mine", len(IDS))
     make(dump_dir, 1, IDS, "WARMUP_0")
     decided, dropped = m.poll(now=0.0)
     assert decided == [] and [(w, r) for w, _, r in dropped] == [("unknown_rid", "WARMUP_0")]
@@ -144,7 +144,7 @@ def test_unknown_rid_is_removed_and_counted_never_attributed(dump_dir: Path, sta
 
 def test_two_dumps_for_one_rid_fail_it_with_multiple_dumps(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     make(dump_dir, 1, IDS, "r")
     make(dump_dir, 2, IDS, "r")
     [d], _ = m.poll(now=0.0)
@@ -156,7 +156,7 @@ def test_a_split_prefill_is_caught_even_when_its_parts_land_apart(
     dump_dir: Path, staging: Path
 ) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     make(dump_dir, 1, IDS[:6], "r", input_fingerprint="x")  # first chunk of the prefill
     m.answered("r", now=0.0)
     assert m.poll(now=0.05) == ([], [])  # short: held for the rest
@@ -167,7 +167,7 @@ def test_a_split_prefill_is_caught_even_when_its_parts_land_apart(
 
 def test_a_short_dump_alone_is_delivered_after_the_grace(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     make(dump_dir, 1, IDS[:6], "r")
     m.answered("r", now=0.0)
     assert m.poll(now=0.1)[0] == []
@@ -178,14 +178,14 @@ def test_a_short_dump_alone_is_delivered_after_the_grace(dump_dir: Path, staging
 def test_late_dump_after_a_timeout_is_discarded_and_fails_nothing_else(
     dump_dir: Path, staging: Path
 ) -> None:
-    """Issue 15, D8: one late dump sent 6 of the next 8 samples to the dead letter."""
+    """One late dump sent 6 of the next 8 samples to the dead letter."""
     m = matcher(dump_dir, staging, timeout=1.0)
-    m.add("old", len(IDS), now=0.0)
+    m.add("old", len(IDS))
     m.answered("old", now=0.0)
     [d], _ = m.poll(now=2.0)
     assert isinstance(d.error, errors.NoDumpError)
     for i in range(8):
-        m.add(f"next{i}", len(IDS), now=2.0)
+        m.add(f"next{i}", len(IDS))
     make(dump_dir, 1, IDS, "old")  # the late one lands among the next requests
     for i in range(8):
         make(dump_dir, 2 + i, IDS, f"next{i}")
@@ -196,17 +196,17 @@ def test_late_dump_after_a_timeout_is_discarded_and_fails_nothing_else(
 
 def test_abandoned_rid_dump_is_late(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     m.abandon("r")
     make(dump_dir, 1, IDS, "r")
     assert [w for w, _, _ in m.poll(now=0.0)[1]] == ["late"]
     with pytest.raises(ValueError):
-        m.add("r", len(IDS), now=0.0)  # a rid is never reused
+        m.add("r", len(IDS))  # a rid is never reused
 
 
 def test_renamed_dump_without_done_fails_its_rid_at_once(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     make(dump_dir, 1, IDS, "r", mark_done=False)
     [d], _ = m.poll(now=0.0)
     assert isinstance(d.error, errors.IncompleteDumpError)
@@ -214,7 +214,7 @@ def test_renamed_dump_without_done_fails_its_rid_at_once(dump_dir: Path, staging
 
 def test_timeout_says_stale_when_foreign_dumps_came_instead(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging, timeout=1.0)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     m.answered("r", now=0.0)
     make(dump_dir, 1, IDS, "someone-else")
     assert m.poll(now=0.5)[0] == []
@@ -224,7 +224,7 @@ def test_timeout_says_stale_when_foreign_dumps_came_instead(dump_dir: Path, stag
 
 def test_timeout_is_counted_from_the_answer_not_the_send(dump_dir: Path, staging: Path) -> None:
     m = matcher(dump_dir, staging, timeout=1.0)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     assert m.poll(now=100.0)[0] == []  # the HTTP request has its own timeout
     m.answered("r", now=100.0)
     assert isinstance(m.poll(now=101.5)[0][0].error, errors.NoDumpError)
@@ -237,7 +237,7 @@ def test_unreadable_meta_is_discarded_not_crashed_on(
     dump_dir: Path, staging: Path, meta: bytes
 ) -> None:
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     path = make(dump_dir, 1, IDS, "r")
     (path / META_FILE).write_bytes(meta)
     decided, dropped = m.poll(now=0.0)
@@ -269,7 +269,7 @@ def test_a_handed_back_sample_keeps_its_chunk_from_finishing() -> None:
     a, b = book.next_item(), book.next_item()
     assert a is not None and b is not None
     book.hand_back(a)
-    assert book.resolve(b) is None and book.finishable() == []
+    assert book.resolve(b) is None
     [chunk] = book.clear()
     assert chunk.hand_back
 
@@ -309,7 +309,7 @@ def test_generate_answers_map_to_typed_errors() -> None:
 
 
 def test_a_sticky_shared_dump_dir_is_refused_and_left_alone(tmp_path: Path) -> None:
-    """Issue 15, D7: the worker chmodded /dev/shm to 0700 and emptied it."""
+    """The worker chmodded /dev/shm to 0700 and emptied it."""
     shared = tmp_path / "shm"
     shared.mkdir()
     os.chmod(shared, 0o1777)
@@ -334,7 +334,7 @@ def test_a_short_dump_seen_late_still_waits_for_its_other_part(
     # The reference server writes its dumps after answering: under load the first part
     # may only show up after the grace has passed since the answer.
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     m.answered("r", now=0.0)
     make(dump_dir, 1, IDS[:6], "r", input_fingerprint="x")
     assert m.poll(now=1.0)[0] == []
@@ -344,14 +344,14 @@ def test_a_short_dump_seen_late_still_waits_for_its_other_part(
 
 
 def test_worker_metrics_bind_loopback_unless_told_otherwise() -> None:
-    """Issue 15 minor item: the metrics endpoint was 0.0.0.0 by default."""
+    """The metrics endpoint was 0.0.0.0 by default."""
     from hsq.workers.settings import WorkerSettings
 
     s = WorkerSettings(run="r", server="http://x", dump_dir=Path("/nonexistent"), redis_url="")
     assert s.tuning.metrics_host == "127.0.0.1"
 
 
-# ---------------------------------------------------------------------------- issue 23, 7-12
+# ---------------------------------------------------------------------------- hostile dump dir
 
 
 def test_only_regular_files_are_opened_in_a_dump_dir(tmp_path: Path) -> None:
@@ -386,7 +386,7 @@ def test_fifos_as_meta_marker_or_tensors_are_errors_not_hangs(
     with pytest.raises(errors.HookInactiveError, match="FIFO"):
         read_ready(dump_dir)
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
+    m.add("r", len(IDS))
     decided, dropped = m.poll(now=0.0)
     assert decided == [] and [w for w, _, _ in dropped] == ["unreadable"]
     assert not (dump_dir / "req_1").exists()
@@ -451,8 +451,8 @@ def test_a_second_full_dump_after_the_first_was_taken_fails_the_attempt(
 ) -> None:
     """Item 12: the first dump was accepted and the second discarded as late."""
     m = matcher(dump_dir, staging)
-    m.add("r", len(IDS), now=0.0)
-    m.add("s", len(IDS), now=0.0)
+    m.add("r", len(IDS))
+    m.add("s", len(IDS))
     make(dump_dir, 1, IDS, "r")
     make(dump_dir, 2, IDS, "s")
     decided, _ = m.poll(now=0.0)
@@ -645,7 +645,7 @@ def test_dispatcher_threads_never_wait_on_a_fifo(dump_dir: Path) -> None:
 def test_a_matcher_bug_hands_waiting_requests_back_it_never_charges_them(
     dump_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 32: an exception from the matcher was logged and polling went on, so every
+    """An exception from the matcher was logged and polling went on, so every
     request in flight timed out as no_dump and ended in the dead letter: a bug in the worker
     charged to the samples. Now a waiting request fails with an error the policy hands back
     (the worker stops once its work is back), and no new request is taken."""

@@ -41,7 +41,10 @@ class LogFlags:
         "INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="the least severe level logged"
     )
     log_format: str = setting(
-        "json", choices=("json", "console"), help="one JSON object a line, or text for a console"
+        "auto",
+        choices=("auto", "json", "console"),
+        help="json: one JSON object a line; console: text for a person; auto: console when "
+        "stderr is a terminal, else json (a log file, a collector)",
     )
 
 

@@ -33,12 +33,25 @@ class LazyCommand:
         return command
 
 
+_WHOLE = 1000
+"""A limit no first sentence reaches: `hsq --help` wraps a command's help, never cuts it."""
+
+
 class LazyGroup(click.Group):
     """A click group whose commands come from `table`, each imported on first use."""
 
-    def __init__(self, *args: Any, table: Mapping[str, LazyCommand], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        table: Mapping[str, LazyCommand],
+        sections: tuple[tuple[str, tuple[str, ...]], ...] = (),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.table = dict(table)
+        self.sections = sections
+        """(heading, command names) in the order --help lists them; a command in none is
+        listed under "Commands"."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.table, *super().list_commands(ctx)})
@@ -49,20 +62,26 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        """click's own listing, with the table's short help standing in for each command
-        not loaded yet (a stand-in that click shortens exactly as it would the real help)."""
-        rows: list[tuple[str, click.Command]] = []
+        """The commands under their headings (`sections`), in one column, each with its first
+        sentence, wrapped rather than cut; the table's short help stands in for a command not loaded
+        yet (a stand-in click shortens exactly as it would the real help)."""
+        shown: dict[str, click.Command] = {}
         for name in self.list_commands(ctx):
             command = self.commands.get(name)
             if command is None:
                 command = click.Command(name, help=self.table[name].short_help)
             if not command.hidden:
-                rows.append((name, command))
-        if not rows:
-            return
-        limit = formatter.width - 6 - max(len(name) for name, _ in rows)
-        with formatter.section(_("Commands")):  # click's heading, translated as click does
-            formatter.write_dl([(name, c.get_short_help_str(limit)) for name, c in rows])
+                shown[name] = command
+        placed = {name for _, names in self.sections for name in names}
+        groups = [*self.sections, (_("Commands"), tuple(n for n in shown if n not in placed))]
+        width = max((len(name) for name in shown), default=0)
+        for heading, names in groups:
+            rows = [
+                (n.ljust(width), shown[n].get_short_help_str(_WHOLE)) for n in names if n in shown
+            ]
+            if rows:
+                with formatter.section(heading):
+                    formatter.write_dl(rows, col_max=width)
 
     def every_command(self) -> dict[str, click.Command]:
         """Every command, loaded (tests and tools that walk all of them)."""

@@ -90,9 +90,20 @@ COMMANDS: dict[str, LazyCommand] = {
 }
 
 
+_BY_HAND = ("tokenize", "enqueue", "launch-sglang", "launch-vllm", "serve-reference", "worker")
+SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Start here", ("run", "demo")),
+    ("Watch and repair a run", ("status", "runs", "verify", "audit", "requeue", "recover")),
+    ("Use the outputs, then clean up", ("export", "purge")),
+    ("A run by hand, one part at a time", (*_BY_HAND, "exporter", "acl")),
+)
+"""`hsq --help`'s headings: what a first hour needs first, the parts of a run last."""
+
+
 @click.group(
     cls=LazyGroup,
     table=COMMANDS,
+    sections=SECTIONS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
 @click.version_option(__version__, prog_name="hsq")

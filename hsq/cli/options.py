@@ -55,6 +55,18 @@ def _click_type(hint: Any, doc: SettingDoc) -> Any:
     return str  # parsed by the field's `parse` (a size such as 64G for an int)
 
 
+def _metavar(hint: Any, doc: SettingDoc) -> str | None:
+    """--help's name for the value: the field's own, else a short one for the types whose
+    click name is long (DIRECTORY, INTEGER RANGE); None: click's."""
+    if doc.metavar is not None:
+        return doc.metavar
+    if doc.choices is None and doc.path == "dir":
+        return "DIR"
+    if hint is int and doc.parse is None:
+        return "INTEGER"
+    return None
+
+
 def _nested(f: dataclasses.Field[Any], hint: Any) -> type | None:
     """The settings dataclass a field holds whole (its fields are flags of their own)."""
     if setting_doc(f) is None and isinstance(hint, type) and dataclasses.is_dataclass(hint):
@@ -85,7 +97,16 @@ def field_specs(f: dataclasses.Field[Any], hint: Any) -> list[OptionSpec]:
          {"type": attrs.get("type"), "new": new, "field": f.name, "parse": doc.parse})
         for old in doc.deprecated
     ]  # fmt: skip
-    return [(click.Option, decls, attrs), *aliases]
+    return [(SettingOption, decls, {**attrs, "section": doc.section}), *aliases]
+
+
+class SettingOption(click.Option):
+    """An option made from a settings field, with the --help heading it belongs under
+    (SettingDoc.section; hsq/cli/command.py lists it there)."""
+
+    def __init__(self, decls: list[str], *, section: str | None = None, **attrs: Any) -> None:
+        super().__init__(decls, **attrs)
+        self.section = section
 
 
 def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[str, Any]]:
@@ -119,6 +140,7 @@ def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[s
             "multiple": True,
             "default": (),
             "type": _click_type(item, doc),
+            "metavar": _metavar(item, doc),
             **common,
         }
     show: Any = doc.default_text if doc.default_text is not None else not required
@@ -130,6 +152,7 @@ def option_args(f: dataclasses.Field[Any], hint: Any) -> tuple[list[str], dict[s
         common["callback"] = _Parse(doc.parse)
     return [*names, f.name], {
         "type": _click_type(kind, doc),
+        "metavar": _metavar(kind, doc),
         "required": required,
         "show_default": show,
         **common,

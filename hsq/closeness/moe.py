@@ -1,4 +1,4 @@
-"""The audit's allowance for mixture-of-experts models (issue 30 item 6).
+"""The audit's allowance for mixture-of-experts models.
 
 `hsq audit` and `hsq worker --audit-fraction` re-extract a sample alone and compare it
 with the stored states of the batched run, row by row (hsq/closeness/rule.py). On a dense model a

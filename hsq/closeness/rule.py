@@ -4,7 +4,7 @@ hsq/workers/audit_fraction.py; the reference server's batching bound.)
 
 No check on a dump's metadata can tell that a batching server put request B's rid,
 fingerprint and token count on request A's states of the same length: the worker saves them
-as B's, and `verify --deep` passes (issue 23 item 20). The states themselves are the only
+as B's, and `verify --deep` passes. The states themselves are the only
 witness: compute them again, one request at a time (alone in its batch), and compare.
 
 Two extractions of one input agree within the reference tolerance (the bound a batched

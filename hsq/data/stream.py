@@ -6,7 +6,7 @@
     state = ds.state_dict()                    # JSON: save it inside the checkpoint
     ds.commit(state)                           # once that checkpoint is durable
 
-Items are HiddenStateDataset's (hsq.data.item_of), read by hsq.outputs.check.read_checked:
+Items are HiddenStateDataset's (hsq.data.files.item_of), read by hsq.outputs.check.read_checked:
 opened under the run's output directory following no link, size, checksum, sample id,
 token count and structure as the manifest entry records them.
 
@@ -50,6 +50,7 @@ import structlog
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from hsq.data.files import item_of
 from hsq.errors import ConfigError, OutputError, StoreUnavailableError
 from hsq.outputs.check import read_checked
 from hsq.outputs.format import remove_output
@@ -58,8 +59,6 @@ from hsq.runconfig import DEFAULT_GROUP, RunConfig
 from hsq.runstore import RunStore, remove_committed
 from hsq.store import Delivery, connect
 from hsq.store.ledger import dead_entry
-
-from . import item_of
 
 log = structlog.get_logger("hsq.data.stream")
 
@@ -294,8 +293,9 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
 def requeue_rejected(store: RunStore, sample_id: str) -> bool:
     """Queue a rejected sample again (retry queue), leaving the dead letter in the same
     transaction; False if it is no longer there (another consumer or `hsq run` did it)."""
-    index = _retrying("read the index", lambda: store.get_index([sample_id]))
-    _, done, dead = _retrying("look the sample up", lambda: store.presence([sample_id]))
+    ci = store.config_index
+    index = _retrying("read the index", lambda: ci.get_index([sample_id]))
+    _, done, dead = _retrying("look the sample up", lambda: ci.presence([sample_id]))
     if sample_id not in index or done[0] or not dead[0]:
         return False
     ref = (sample_id, index[sample_id])

@@ -1,6 +1,6 @@
 """A dataset line of the usual shape, decoded and range-checked by msgspec in C: the
 producer's scan (hsq/producer/fastscan.py) and the worker's read of its sample
-(`fast_line`: parse_line's Sample, 157 against 31 us for 290 tokens: issue 35) take it;
+(`fast_line`: parse_line's Sample, 157 against 31 us for 290 tokens) take it;
 anything it refuses is hsq.dataset.jsonl.parse_line's to judge. A module of its own so that
 hsq.dataset.jsonl, which `hsq ... --help` imports, loads no msgspec."""
 

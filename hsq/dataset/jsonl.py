@@ -1,4 +1,5 @@
-"""JSONL datasets: validation, an offset index, and O(1) reads of one sample by offset.
+"""JSONL datasets: validation and an offset index (the O(1) read of one sample by its
+offset: hsq/dataset/read.py).
 
 One sample a line: {"id": str|int, "input_ids": [int, ...], "loss_mask": [0|1, ...]}.
 The producer scans the file once and stores `id -> offset:length:crc32:num_tokens` in
@@ -9,7 +10,6 @@ path on every worker node (a shared filesystem); Redis holds about 40 bytes per 
 
 from __future__ import annotations
 
-import os
 import re
 import zlib
 from collections.abc import Iterator
@@ -180,29 +180,3 @@ def _best_effort_id(body: bytes) -> str | None:
         return check_sample_id(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
     except DatasetError:
         return None
-
-
-def read_sample(path: Path, sample_id: str, entry: IndexEntry) -> Sample:
-    """O(1) read of one sample; refuses a line whose bytes changed since indexing."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise DatasetError(f"cannot open dataset {path}: {exc}", "dataset_unreadable") from exc
-    if not 0 <= entry.length <= MAX_LINE_BYTES or entry.offset < 0:
-        raise DatasetError(f"index entry of {sample_id!r} is implausible", "dataset_changed")
-    try:
-        body = os.pread(fd, entry.length, entry.offset)
-    except OSError as exc:  # EIO and friends: the file, not the sample, is at fault
-        raise DatasetError(f"cannot read dataset {path}: {exc}", "dataset_unreadable") from exc
-    finally:
-        os.close(fd)
-    if len(body) != entry.length or zlib.crc32(body) != entry.crc:
-        raise DatasetError(
-            f"dataset line of {sample_id!r} changed since it was enqueued", "dataset_changed"
-        )
-    from hsq.dataset.fastline import fast_line  # msgspec: not for `hsq ... --help`
-
-    sample = fast_line(body) or parse_line(body)
-    if sample.id != sample_id:
-        raise DatasetError(f"index points at {sample.id!r}, not {sample_id!r}", "dataset_changed")
-    return sample

@@ -138,6 +138,10 @@ def load_bounded(
         raise error(f"{what} is malformed: {exc}") from exc
 
 
+FORMAT_2_DEFAULTS: dict[str, object] = {"encoding": PLAIN, "prenorm": False}
+"""The keys format 2 added, each with the value a format 1 record means."""
+
+
 class Versioned:
     """A record of the dump format (meta.json, the readiness marker): `format_version` 0
     becomes the oldest version that describes its encoding and pre-norm state."""
@@ -150,6 +154,16 @@ class Versioned:
         if not self.format_version:
             version = format_version_for(self.encoding, self.prenorm)
             object.__setattr__(self, "format_version", version)
+
+    @staticmethod
+    def dumps(data: dict[str, Any]) -> str:
+        """A record's fields as its file's JSON, keys sorted. A format 1 record keeps the
+        exact format 1 layout, without format 2's keys: a reader of format 1 only refuses
+        keys it does not know."""
+        for key, default in FORMAT_2_DEFAULTS.items():
+            if data[key] == default:
+                del data[key]
+        return json.dumps(data, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -175,16 +189,11 @@ class DumpMeta(Versioned):
 
     def to_json(self) -> str:
         # Field by field, not dataclasses.asdict (its deep copy was 2/3 of the 88 us this
-        # cost the worker a sample: issue 35); the same text, as json.dumps writes a list
+        # cost the worker a sample); the same text, as json.dumps writes a list
         # and a tuple alike and nothing here is changed.
         data: dict[str, Any] = {f: getattr(self, f) for f in _META_FIELDS}
         data["model"] = {f: getattr(self.model, f) for f in _MODEL_FIELDS}
-        # Format 1 dumps keep the exact format 1 layout: a reader of version 1 only would
-        # refuse unknown keys.
-        for key, default in (("encoding", PLAIN), ("prenorm", False)):
-            if data[key] == default:
-                del data[key]
-        return json.dumps(data, sort_keys=True)
+        return self.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> DumpMeta:

@@ -6,7 +6,6 @@ no_dump (a hook that never loaded), so the worker refuses to start instead.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from hsq import fsio
 from hsq.dump.format import (
+    FORMAT_2_DEFAULTS,
     READ_VERSIONS,
     ModelIdentity,
     Versioned,
@@ -57,10 +57,7 @@ class ReadyMarker(Versioned):
     def to_json(self) -> str:
         data = asdict(self)
         data["layer_ids"] = list(self.layer_ids)
-        for key, default in _READY_OPTIONAL.items():  # format 1 markers stay format 1
-            if data[key] == default:
-                del data[key]
-        return json.dumps(data, sort_keys=True)
+        return self.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ReadyMarker:
@@ -109,7 +106,7 @@ class ReadyMarker(Versioned):
         return marker
 
 
-_READY_OPTIONAL: dict[str, object] = {"encoding": PLAIN, "prenorm": False}
+_READY_OPTIONAL = FORMAT_2_DEFAULTS
 """Marker keys of format 2, left out of a format 1 marker (a strict reader of format 1
 refuses keys it does not know)."""
 

@@ -1,6 +1,7 @@
 """The server side of SGLang's HTTP API, as much of it as hsq speaks, for the servers that
 are not SGLang: the reference server (hsq/engines/reference/app.py), the null-model
-server (tests/support/nullserver.py) and the tests' misbehaving server (tests/hostile.py).
+server (tests/support/nullserver.py), the tests' misbehaving server (tests/hostile.py), and
+the vLLM-shaped test server (tests/support/fakevllm.py, vLLM's completions route).
 
 One stdlib threading server: routes by (method, path), JSON replies, request bodies read
 within a size limit (the body is untrusted: a bad or oversized Content-Length is refused
@@ -9,8 +10,9 @@ and the connection closed, never read; JSON nested deeper than jsonsafe.MAX_DEPT
 before it is read (Forbidden: 403), and SGLang's error shape
 ``{"error": {"message": ..., "code": status}}``. A handler's exception becomes that reply:
 the server's ``refusals`` map types to a status (RequestError: 400), anything else is a
-500 with its cause, logged, and the server keeps serving. Connections stay open (HTTP/1.1
-keep-alive) for the worker's http.client transport (hsq/workers/send/http.py).
+500 with its cause, logged, and the server keeps serving. A handler may answer with a
+`Reply` to run work once its answer is written. Connections stay open (HTTP/1.1 keep-alive)
+for the worker's http.client transport (hsq/workers/send/http.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import signal
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -33,7 +36,17 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 Route = tuple[str, str]
 """(method, path)."""
 Handler = Callable[[Any], Any]
-"""The request's JSON body (None for GET and DELETE) -> the JSON answer (None: empty)."""
+"""The request's JSON body (None for GET and DELETE) -> the JSON answer (None: empty), or a
+Reply."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An answer, and work to run once it is written: the order of a server that acts after
+    answering (vLLM's connector saves a request's states an engine step later)."""
+
+    body: Any
+    then: Callable[[], None]
 
 
 class RequestError(ValueError):
@@ -170,7 +183,12 @@ class _Handler(BaseHTTPRequestHandler):
             if route is None:
                 self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
                 return
-            self._send(HTTPStatus.OK, route(body))
+            answer = route(body)
+            if isinstance(answer, Reply):
+                self._send(HTTPStatus.OK, answer.body)
+                answer.then()
+            else:
+                self._send(HTTPStatus.OK, answer)
         except Exception as exc:
             status = self.server.status_for(exc)
             if status is None:  # keep serving; the client sees a 500 with the cause

@@ -26,7 +26,7 @@ from typing import Any
 import click
 
 from hsq.errors import EXIT_OK, EXIT_PROBLEMS
-from hsq.node.plan import NodePlan
+from hsq.node.plan import NodePlan, server_args_for
 from hsq.node.redis import JOIN_URL_FILE, DirLock, Listen, start_private_redis, state_dir
 from hsq.node.stream import StreamView
 from hsq.node.supervisor import Supervisor
@@ -95,9 +95,35 @@ def _pairs(sup: Supervisor) -> list[PairView]:
             p.name,
             p.worker_rc,
             sup.stopping or p.given_up,
+            p.worker_seen,
         )
         for p in sup.pairs
     ]
+
+
+@dataclass
+class Clock:
+    """Where a `hsq run`'s time went: servers starting (until the first sample of this
+    command is done, or a worker of this node works), then samples being extracted; the
+    summary's rates are over the second part only."""
+
+    t0: float
+    first_work: float | None = None
+    end: float | None = None
+
+    def working(self, now: float) -> None:
+        if self.first_work is None:
+            self.first_work = now
+
+    @property
+    def starting_s(self) -> float:
+        end = self.end if self.end is not None else time.monotonic()
+        return (self.first_work if self.first_work is not None else end) - self.t0
+
+    @property
+    def working_s(self) -> float:
+        end = self.end if self.end is not None else time.monotonic()
+        return 0.0 if self.first_work is None else end - self.first_work
 
 
 def _supervise(
@@ -108,9 +134,11 @@ def _supervise(
     tend: Callable[[], object],
     causes: dict[str, str],
     stream: StreamView | None = None,
-) -> RunStatus:
+) -> tuple[RunStatus, Clock]:
     """Until no worker of this node runs; `causes` gets why each of them last waited."""
     t0 = time.monotonic()
+    clock = Clock(t0)
+    done0 = run_status(store).done
     handed_back = False
     while True:
         if stop.count >= 2:
@@ -133,19 +161,22 @@ def _supervise(
                     causes[w.name] = text
                 elif w.state == "working":
                     causes.pop(w.name, None)
-        working = {w.name for w in st.workers if w.state == "working"}
-        sup.mark_ready({p.spec.index for p in sup.pairs if p.name in working})
+        now = time.monotonic()
+        sup.observe({w.name: w.state for w in st.workers if w.name in ours and w.alive})
+        if st.done > done0 or any(p.answered for p in sup.pairs):
+            clock.working(now)
         if not sup.workers_running():
-            st = run_status(store)
-            screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
-            return st
-        screen.show(st, _pairs(sup), time.monotonic() - t0)
+            break
+        screen.show(st, _pairs(sup), now - t0)
         if stream is not None and (line := stream.tick()) is not None:
             screen.event(line)
         time.sleep(POLL_S)
+    for event in sup.poll():  # the last exits, said once
+        screen.event(event)
+    clock.end = time.monotonic()
     st = run_status(store)
-    screen.show(st, _pairs(sup), time.monotonic() - t0, final=True)
-    return st
+    screen.show(st, _pairs(sup), clock.end - t0, final=True)
+    return st, clock
 
 
 def _verify(store: RunStore, run_dir: Path) -> Any:
@@ -181,13 +212,24 @@ class NodeOutcome:
     """Why each worker of this node last waited (e.g. "output disk full since T")."""
     stream_summary: str | None = None
     """A streamed run's last line on its consumer groups (None: not streamed)."""
+    all_failed: bool = False
+    """Every worker of this node exited non-zero (then nothing is verified)."""
 
 
 def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
     st, rate, verified, causes = o.status, o.rate, o.verified, o.causes
-    lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(o.elapsed)}"
-             f" ({rate.samples} samples, {rate.tokens:,} tokens while the workers ran: "
-             f"{rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s)"]  # fmt: skip
+    lines = [f"finished {st.done}/{st.total} done, {st.dead} dead in {duration(o.elapsed)}"]
+    if rate.seconds > 0 or rate.starting_s > 0:
+        lines.append(
+            f"rate     {rate.samples_per_s:.2f} samples/s, {rate.tokens_per_s:,.0f} tokens/s "
+            f"({rate.samples} samples, {rate.tokens:,} tokens in {seconds(rate.seconds)} "
+            f"of extraction; servers starting before it: {seconds(rate.starting_s)})"
+        )
+    if o.all_failed:
+        lines.append(
+            "failed   every worker of this node exited with an error before the run was done "
+            "(see the events above and their logs); nothing was verified"
+        )
     if o.interrupts >= 2:
         lines.append(
             "killed: what the workers held goes back to the queue once their heartbeats "
@@ -216,18 +258,29 @@ def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
     return lines
 
 
+def seconds(s: float) -> str:
+    """A span of the summary: tenths under a minute (a small run's extraction)."""
+    return f"{s:.1f}s" if s < 60 else duration(s)
+
+
 @dataclass(frozen=True)
 class Rate:
-    """The run's progress while this command's workers ran: the final summary's rate (the
-    status's own is the live workers' rate, 0 once they have ended)."""
+    """The run's progress while this command's workers extracted samples: the final
+    summary's rate (the status's own is the live workers' rate, 0 once they have ended).
+    `seconds` starts once the servers answered, `starting_s` is the start-up before."""
 
     samples: int
     tokens: int
     seconds: float
+    starting_s: float = 0.0
 
     @classmethod
-    def between(cls, before: RunStatus, after: RunStatus, seconds: float) -> Rate:
-        return cls(after.done - before.done, after.tokens_done - before.tokens_done, seconds)
+    def between(
+        cls, before: RunStatus, after: RunStatus, seconds: float, starting_s: float = 0.0
+    ) -> Rate:
+        return cls(
+            after.done - before.done, after.tokens_done - before.tokens_done, seconds, starting_s
+        )
 
     @property
     def samples_per_s(self) -> float:
@@ -270,29 +323,44 @@ def run_node(job: NodeJob) -> NodeOutcome:
         if job.enqueue is not None:
             for line in job.enqueue(store):
                 echo(f"enqueue  {line}")
-        run_dir = Path(store.require_config().out) / job.run  # --join: the run must exist
+        cfg = store.require_config()  # --join: the run must exist
+        run_dir = Path(cfg.out) / job.run
+        before = run_status(store)
+        if not job.stay and before.done + before.dead >= before.total:
+            # A finished run: nothing a server would do (SGLang takes minutes to start).
+            echo(f"nothing to do: the run is complete ({before.done} done, {before.dead} "
+                 "dead); no server started")  # fmt: skip
+            verified = _verify(store, run_dir) if job.verify else None
+            outcome = NodeOutcome(
+                _exit_code(before, stop, verified), before, Rate(0, 0, 0.0), verified,
+                time.monotonic() - t0, run_dir, url_file, 0, causes,
+            )  # fmt: skip
+            return outcome
+        # The run's record, not this command's flags: a rerun or a --join that leaves out
+        # --prenorm still starts servers that make the run's dumps.
+        server_args = server_args_for(job.plan.kind, cfg, job.server_args)
         echo(f"servers  {len(job.plan.servers)} x {job.plan.kind} ({job.plan.why}), "
              f"model {job.plan.model}; logs in {state / 'logs'}")  # fmt: skip
         sup = Supervisor(
-            job.plan, job.run, url, state, job.node, job.worker_argv, job.server_args,
+            job.plan, job.run, url, state, job.node, job.worker_argv, server_args,
             job.metrics_port, job.max_restarts, burst=not job.stay,
         )  # fmt: skip
         stop.install(stack)
         stack.callback(sup.shutdown, lambda: stop.count >= 2)
-        before = run_status(store)
-        active_t0 = time.monotonic()
-        cfg = store.require_config()
         stream = StreamView(store, cfg, run_dir) if cfg.streamed else None
         sup.start()
-        st = _supervise(store, sup, Screen(), stop, tend, causes, stream)
+        st, clock = _supervise(store, sup, Screen(), stop, tend, causes, stream)
         stream_summary = None if stream is None else stream.summary()
-        rate = Rate.between(before, st, time.monotonic() - active_t0)
-        verified = _verify(store, run_dir) if job.verify and not stop.count else None
+        rate = Rate.between(before, st, clock.working_s, clock.starting_s)
+        all_failed = sup.every_worker_failed()
+        verify = job.verify and not stop.count and not all_failed
+        verified = _verify(store, run_dir) if verify else None
     rc = _exit_code(st, stop, verified)
     elapsed = time.monotonic() - t0
     return NodeOutcome(
-        rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes, stream_summary
-    )
+        rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes, stream_summary,
+        all_failed,
+    )  # fmt: skip
 
 
 def report_node(job: NodeJob, o: NodeOutcome) -> None:
@@ -308,6 +376,7 @@ def report_node(job: NodeJob, o: NodeOutcome) -> None:
             "outputs": str(o.run_dir),
             "redis_url_file": None if o.url_file is None else str(o.url_file),
             "interrupted": bool(o.interrupts), "active_s": round(o.rate.seconds, 3),
+            "starting_s": round(o.rate.starting_s, 3),
             "stream": o.stream_summary,
             "status": {**o.status.to_dict(), **o.rate.to_dict()},
             "verified": None if v is None else {

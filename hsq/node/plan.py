@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsq.errors import ConfigError
+from hsq.runconfig import RunConfig
 from hsq.states import FP8
 from hsq.workers.settings import SGLANG_API, VLLM_API
 
@@ -168,11 +169,24 @@ def persist_procs_each(workers: int, cpus: int | None = None) -> int:
     return 0 if share < 4 else min(8, share // 2)
 
 
-def server_args_for(store_dtype: str, server_args: Sequence[str]) -> list[str]:
-    """The flags every server of the node gets. An fp8 run's servers make the fp8 themselves
-    (`--dump-encoding fp8-e4m3`, on the GPU for SGLang): half the bytes through the dump dir
-    and no quantizing in the worker, whose short-sample rate it halved on the H200 (308
-    against 472 samples/s: BENCHMARKS.md 7c); the output files are the same bytes. Put
-    first, so a `--dump-encoding` the user gives after `--` wins (click keeps the last)."""
-    lead = ["--dump-encoding", FP8] if store_dtype == FP8 else []
+def server_args_for(kind: str, cfg: RunConfig, server_args: Sequence[str]) -> list[str]:
+    """The flags every server of the node gets, from what the run records (so a rerun or a
+    --join that leaves them out still starts servers that make the run's dumps):
+    - `--prenorm` for a run that stores the pre-norm state: a server without it refuses
+      nothing and makes dumps the worker must reject.
+    - `--layers` for a run whose layers are known, on the engines whose `--layers` speaks
+      the run's convention (HF hidden_states indices: the reference server, vLLM); SGLang's
+      launcher takes the drafter config's ids, which map per model family, so there the
+      run's layers are checked against the dumps (and given after `--` when not SGLang's
+      default).
+    - an fp8 run's servers make the fp8 themselves (`--dump-encoding fp8-e4m3`, on the GPU
+      for SGLang): half the bytes through the dump dir and no quantizing in the worker,
+      whose short-sample rate it halved on the H200 (308 against 472 samples/s:
+      BENCHMARKS.md 7c); the output files are the same bytes.
+    Put first, so a flag the user gives after `--` wins (click keeps the last)."""
+    lead = ["--dump-encoding", FP8] if cfg.store_dtype == FP8 else []
+    if cfg.prenorm:
+        lead.append("--prenorm")
+    if cfg.layer_ids and kind in (REFERENCE, VLLM):
+        lead += ["--layers", ",".join(str(i) for i in cfg.layer_ids)]
     return [*lead, *server_args]

@@ -26,9 +26,20 @@ from hsq.errors import ConfigError, HsqError
 from hsq.node.spawn import FRESH, ChildProcess, Spawner, SpawnRequest
 
 
+def python_module(*module: str) -> list[str]:
+    """`python -m MODULE...` by this interpreter. For hsq's own modules with -P (safe path):
+    the current directory is not put first on sys.path, so a directory that holds a clone
+    named `hsq/` (where a user naturally starts `hsq run`) cannot shadow the installed
+    package in every server and worker. PYTHONPATH and the venv's site-packages still
+    apply. Other modules (the tests' servers, `python -m tests.support...`) are found from
+    the current directory as before."""
+    safe = ["-P"] if module[:1] == ("hsq",) else []
+    return [sys.executable, *safe, "-m", *module]
+
+
 def hsq_command(*args: str) -> list[str]:
     """`hsq ARGS...` run by this interpreter (works without the console script on PATH)."""
-    return [sys.executable, "-m", "hsq", *args]
+    return [*python_module("hsq"), *args]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -160,7 +171,7 @@ class DumpServer(ManagedProcess):
         self.dump_dir = dump_dir
         self.url = f"http://127.0.0.1:{self.port}"
         dump_dir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", *self.module, "--dump-dir", str(dump_dir)]
+        argv = [*python_module(*self.module), "--dump-dir", str(dump_dir)]
         super().__init__(
             [*argv, "--port", str(self.port), *args],
             log_path,
@@ -175,33 +186,11 @@ class DumpServer(ManagedProcess):
 
 
 class ReferenceServer(DumpServer):
-    """`hsq serve-reference` as a child process on a free port, bound to loopback, with its
-    /admin/* endpoints on (`--admin`: tests and demos pause it and set fault rules)."""
+    """`hsq serve-reference` as a child process on a free port, bound to loopback. Its
+    /admin/* endpoints stay off unless `args` holds --admin: a run's server takes fault
+    rules from no one (another user's would change the run's states)."""
 
     module = ("hsq", "serve-reference")
-
-    def __init__(
-        self,
-        dump_dir: Path,
-        log_path: Path,
-        *,
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        parent_death_signal: int | None = None,
-        admin: bool = True,
-        spawner: Spawner | None = None,
-    ) -> None:
-        extra = ["--admin"] if admin and "--admin" not in args else []
-        super().__init__(
-            dump_dir,
-            log_path,
-            port=port,
-            args=[*extra, *args],
-            env=env,
-            parent_death_signal=parent_death_signal,
-            spawner=spawner,
-        )
 
 
 class RedisServer(ManagedProcess):
@@ -334,7 +323,7 @@ def worker_process(
 
 def exporter_process(redis_url: str, port: int, log_path: Path) -> ManagedProcess:
     return ManagedProcess(
-        hsq_command("exporter", "--port", str(port), "--host", "127.0.0.1"),
+        hsq_command("exporter", "--metrics-port", str(port), "--metrics-host", "127.0.0.1"),
         log_path,
         env={"HSQ_REDIS_URL": redis_url},
     )

@@ -54,7 +54,7 @@ class StreamView:
     def paused_share(self) -> float:
         """The workers' seconds held back by a full spool over their time alive."""
         held = alive = 0.0
-        for info in self.store.workers_info().values():
+        for info in self.store.workers.workers_info().values():
             try:
                 held += float(info.get("spool_paused_s", 0) or 0)
             except ValueError:

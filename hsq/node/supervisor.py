@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -63,6 +64,35 @@ def launcher_args(plan: NodePlan, dump_dir: Path, port: int) -> list[str]:
             str(dump_dir), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
 
 
+ANSWERED = frozenset({"working", "idle", "backing_off"})
+"""Worker states reached only past the worker's first answer from its server."""
+
+# What a starting server's log says it is doing, last match wins: the reference server's
+# events, SGLang's and vLLM's own lines (weights, then CUDA graphs or torch.compile).
+_PHASES = (
+    (re.compile(r"loading_model|Load weight|Loading weights|Loading safetensors"), "loading"),
+    (re.compile(r"warming_up|[Ww]arm(?:ing)? ?up"), "warming up"),
+    (re.compile(r"Capture cuda graph|[Cc]ompil|cuda graph"), "compiling"),
+)
+
+
+def server_phase(log_tail: str) -> str | None:
+    """The phase a starting server's log names last (None: it names none)."""
+    best: tuple[int, str] | None = None
+    for pattern, phase in _PHASES:
+        for m in pattern.finditer(log_tail):
+            if best is None or m.start() > best[0]:
+                best = (m.start(), phase)
+    return None if best is None else best[1]
+
+
+def starting_text(pair: Pair, phase: str | None) -> str:
+    """ "starting: loading since 12:00:03" (after a restart: "restarted (1), starting ...")."""
+    since = time.strftime("%H:%M:%S", time.localtime(pair.started_at or time.time()))
+    head = f"restarted ({pair.restarts}), starting" if pair.restarts else "starting"
+    return f"{head}{': ' + phase if phase else ''} since {since}"
+
+
 def should_restart(rc: int | None, restarts: int, max_restarts: int) -> bool:
     """A server that exited is started again unless it refused (exit 2: its flags, no hook;
     it would refuse again) or it has used its restarts."""
@@ -81,6 +111,14 @@ class Pair:
     server_state: str = "starting"
     worker_rc: int | None = None
     given_up: bool = False
+    started_at: float = 0.0
+    """Wall clock of the server's (re)start: `starting since T`."""
+    ready: bool = False
+    """The server answered since its last (re)start (its worker got past its health check)."""
+    answered: bool = False
+    """It answered once, ever: from then on a silent server is `unreachable`, not starting."""
+    worker_seen: bool = False
+    """The worker's record was seen in Redis (its absence after that is not `starting`)."""
 
     @property
     def url(self) -> str:
@@ -135,7 +173,6 @@ class Supervisor:
                 port=pair.port,
                 args=[*args, *self.server_args],  # given flags last: click keeps the last
                 parent_death_signal=signal.SIGTERM,
-                admin=False,  # a run's server takes no fault rules from anyone (issue 33 D10)
             )
         else:
             launcher = launcher_args(self.plan, pair.dump_dir, pair.port)
@@ -148,7 +185,8 @@ class Supervisor:
             pair.server = ManagedProcess(
                 argv, log, env, new_session=True, parent_death_signal=signal.SIGTERM
             )
-        pair.server_state = "starting" if not pair.restarts else f"restarted ({pair.restarts})"
+        pair.started_at, pair.ready = time.time(), False
+        pair.server_state = starting_text(pair, None)
 
     def _start_worker(self, pair: Pair) -> None:
         # The engine as a flag: an HSQ_ENGINE this process inherited (`hsq run`'s own, which
@@ -204,11 +242,27 @@ class Supervisor:
             self._start_server(p)
         return events
 
-    def mark_ready(self, ready: set[int]) -> None:
-        """Servers whose worker reported it working are `up` in the view."""
+    def observe(self, worker_states: dict[str, str | None]) -> None:
+        """The servers' states from their workers' live records (name -> state): a server
+        is `starting` (with the phase its log names) until its worker got an answer from it,
+        then `up`, or `unreachable` while that worker waits for it."""
         for p in self.pairs:
-            if p.spec.index in ready and p.server is not None and p.server.alive():
-                p.server_state = "up"
+            if p.name in worker_states:
+                p.worker_seen = True
+            if p.server is None or not p.server.alive() or p.given_up:
+                continue
+            state = worker_states.get(p.name)
+            if state in ANSWERED:
+                p.ready = p.answered = True
+            if not p.ready:
+                p.server_state = starting_text(p, server_phase(p.server.log_tail(40)))
+            else:
+                p.server_state = "unreachable" if state == "server_down" else "up"
+
+    def every_worker_failed(self) -> bool:
+        """Every worker exited non-zero, none of them told to stop."""
+        rcs = [p.worker_rc for p in self.pairs]
+        return bool(rcs) and not self.stopping and all(rc not in (None, 0) for rc in rcs)
 
     def workers_running(self) -> bool:
         return any(p.worker is not None and p.worker.alive() for p in self.pairs)

@@ -8,6 +8,7 @@ puts it on a terminal in place, or as plain lines when stdout is not one.
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ class PairView:
     worker_rc: int | None
     stopped: bool = False
     """The worker was told to stop (Ctrl-C, its server given up): exit 0 is not `finished`."""
+    worker_seen: bool = False
+    """Its record was in Redis once: without one now it is ending, not `starting`."""
 
 
 def duration(seconds: float | None) -> str:
@@ -59,13 +62,23 @@ def _worker_text(w: WorkerStatus | None, p: PairView | None) -> str:
     if p is not None and p.worker_rc is not None:
         return _ended(p)
     if w is None:
+        if p is not None and p.worker_seen:
+            return "[stopping]" if p.stopped else "[ending]"
         return "[starting]"
     return f"[{w.state}]{_cause(w)} done {w.done}, {w.tokens_per_s:,.0f} tokens/s" + (
         f", last {w.last_sample}" if w.last_sample else ""
     )
 
 
-def render(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> list[str]:
+WIDE = 110
+"""Columns from which a server and its worker share one line (narrower: two lines)."""
+
+
+def render(
+    st: RunStatus, pairs: Sequence[PairView], elapsed_s: float, width: int = 10_000
+) -> list[str]:
+    """The view's lines, none wider than `width` (a longer one is cut: a line that wraps
+    would break the redraw in place, which counts lines)."""
     pct = 100.0 * st.done / (st.total or 1)
     lines = [
         f"run {st.run}: {st.done}/{st.total} done ({pct:.1f}%), dead {st.dead}, "
@@ -79,15 +92,24 @@ def render(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> list[s
         lines.append(f"  dead by reason: {reasons}")
     by_name = {w.name: w for w in st.workers if w.name}
     ours = {p.worker_name for p in pairs}
-    width = max((len(p.worker_name) for p in pairs), default=0)
+    names = max((len(p.worker_name) for p in pairs), default=0)
     for p in pairs:
         w = by_name.get(p.worker_name)
         server = f"server {p.index} {p.kind} {p.url} [{p.server_state}]"
-        lines.append(f"  {server:<52} worker {p.worker_name:<{width}} {_worker_text(w, p)}")
+        worker = f"worker {p.worker_name:<{names}} {_worker_text(w, p)}"
+        if width >= WIDE:
+            lines.append(f"  {server:<52} {worker}")
+        else:
+            lines += [f"  {server}", f"    {worker}"]
     others = [w for w in st.workers if w.name not in ours]
     for w in others:
-        lines.append(f"  {'(another node)':<52} worker {w.name or w.id} {_worker_text(w, None)}")
-    return lines
+        lines.append(f"  (another node) worker {w.name or w.id} {_worker_text(w, None)}")
+    return [fit(line, width) for line in lines]
+
+
+def fit(line: str, width: int) -> str:
+    """`line` cut to `width` columns, its end marked."""
+    return line if len(line) <= width else line[: max(width - 3, 0)] + "..."
 
 
 def log_line(st: RunStatus, pairs: Sequence[PairView], elapsed_s: float) -> str:
@@ -137,7 +159,10 @@ class Screen:
     ) -> None:
         if self.tty:
             self._clear()
-            lines = render(st, pairs, elapsed_s)
+            # One column spare: a line that fills the last column leaves the cursor there
+            # on some terminals, and the next line would count twice.
+            width = shutil.get_terminal_size().columns - 1
+            lines = render(st, pairs, elapsed_s, width)
             self.out.write("\n".join(lines) + "\n")
             self._drawn = 0 if final else len(lines)
         elif final or self._last_line_at is None or elapsed_s - self._last_line_at >= self.every_s:

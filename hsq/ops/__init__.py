@@ -49,4 +49,4 @@ __all__ = [
 
 def purge(store: RunStore) -> int:
     """Delete every Redis key of a run (outputs on disk stay). Returns keys deleted."""
-    return store.purge()
+    return store.lifecycle.purge()

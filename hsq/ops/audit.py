@@ -26,7 +26,8 @@ from pathlib import Path
 import structlog
 
 from hsq.closeness.rule import States, Verdict, compare, compare_states, confirm, dump_states
-from hsq.dataset.jsonl import IndexEntry, Sample, read_sample
+from hsq.dataset.jsonl import IndexEntry, Sample
+from hsq.dataset.read import read_sample
 from hsq.dump.find import clear_dump_dir, remove_dump, wait_for_dump
 from hsq.dump.read import read_dump
 from hsq.errors import (
@@ -111,7 +112,7 @@ def run_audit(
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
     report = AuditReport(seed=secrets.randbits(32) if seed is None else seed)
-    done = dict(store.iter_done())
+    done = dict(store.ledger.iter_done())
     report.done = len(done)
     rng = random.Random(report.seed)
     chosen = rng.sample(sorted(done), min(len(done), math.ceil(fraction * len(done))))
@@ -146,7 +147,7 @@ def run_audit(
         clear_dump_dir(dump_dir)
         view = RunView.of(cfg, store.run)
         target = _Target(client, dump_dir, exchange.dump_timeout_s, view)
-        index = store.get_index(chosen)
+        index = store.config_index.get_index(chosen)
         bad: dict[str, ManifestEntry] = {}
         for sid in chosen:
             on_progress(1)
@@ -191,8 +192,8 @@ def run_audit(
 
 
 def _require_reachable(server: str, timeout_s: float) -> None:
-    """ConfigError (exit 2) at once when nothing answers at `server` (issue 33 D12: the
-    audit waited 30 minutes for a closed port); any HTTP answer will do here."""
+    """ConfigError (exit 2) at once when nothing answers at `server` (a closed port
+    once kept the audit waiting 30 minutes for a readiness marker); any HTTP answer will do here."""
     import httpx
 
     try:

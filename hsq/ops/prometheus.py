@@ -3,8 +3,8 @@
 One exporter per Redis, so the numbers are right when no worker runs. Every scrape costs a
 handful of O(1) commands per run (HLEN, LLEN, HGETALL of the small stats hash), plus the
 SCAN that lists the runs (hsq.store.scan_runs: O(keys in Redis), since no shared set of run
-names is kept: issue 33 D6), taken again only as often as RESCAN_FACTOR allows. Labels:
-run, queue, state; never a sample id.
+names is kept: a run's user could remove or forge another run's entry in one), taken again
+only as often as RESCAN_FACTOR allows. Labels: run, queue, state; never a sample id.
 """
 
 from __future__ import annotations

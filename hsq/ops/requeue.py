@@ -55,7 +55,7 @@ def known_reasons() -> set[str]:
 def check_reason(store: RunStore, reason: str) -> None:
     """A --reason hsq never records and this run's dead letter does not hold is a typo:
     ConfigError naming the valid ones (a known reason with no entries selects nothing)."""
-    present = store.dead_reasons()
+    present = store.ledger.dead_reasons()
     if reason in present or reason in known_reasons():
         return
     here = ", ".join(f"{r} ({n})" for r, n in sorted(present.items())) or "none"
@@ -102,7 +102,7 @@ def select_for_requeue(
 
 def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: bool) -> None:
     """Enqueue the given samples afresh (attempt 0), skipping unknown, done and queued ones."""
-    index = store.get_index(ids)
+    index = store.config_index.get_index(ids)
     done = store.done_among(ids)
     # Reading every job is O(queue); only ids that may be queued need it.
     outstanding = store.outstanding_samples() if set(ids) - res.unqueued else {}
@@ -123,4 +123,4 @@ def requeue(store: RunStore, ids: list[str], res: RequeueResult, *, dry_run: boo
     cfg = store.require_config()
     # One transaction per batch queues the samples and takes them out of the dead letter.
     store.enqueue(chunked(todo, cfg.chunk_size), clear_failures=True)
-    store.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))
+    store.lifecycle.forget_lost(sum(1 for sid, _ in todo if sid in res.missing))

@@ -93,6 +93,7 @@ OVERDUE_BEATS = 3.0
 
 _CAUSE_WORDS = {
     "server_down": "server unreachable",
+    "server_starting": "server starting",
     "server_errors": "server answering errors",
     "dataset_unavailable": "dataset unreadable",
     "store_down": "Redis unreachable",
@@ -113,7 +114,8 @@ def cause_text(cause: str, message: str, since: float | None) -> str:
     if since is not None:
         words += " since " + time.strftime("%H:%M:%S", time.localtime(since))
     shown = message.splitlines()[0][:120] if message else ""
-    return f"{words} ({shown})" if shown and cause != "server_down" else words
+    quiet = cause in ("server_down", "server_starting")  # the words say it all
+    return f"{words} ({shown})" if shown and not quiet else words
 
 
 @dataclass(frozen=True)
@@ -249,7 +251,7 @@ def recount(store: RunStore) -> int:
     store.recount_queues()
     index, outstanding, done, dead, _ = partition(store)
     missing = len(index - done - dead - set(outstanding))
-    store.set_lost(missing)
+    store.lifecycle.set_lost(missing)
     return missing
 
 
@@ -275,7 +277,7 @@ def run_status(
     missing = min(max(st.lost, 0), remaining)
     retry = min(max(st.retry_samples, 0), remaining - missing)
     queued = min(max(st.main_samples, 0), remaining - missing - retry)
-    workers = [_worker_status(wid, info, now) for wid, info in store.workers_info().items()]
+    workers = [_worker_status(wid, info, now) for wid, info in store.workers.workers_info().items()]
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
     tokens_total, tokens_done = st.total_tokens, st.tokens
@@ -302,7 +304,9 @@ def run_status(
     )
 
 
-def status_text(st: RunStatus) -> list[str]:
+def status_text(st: RunStatus, *, listed: bool = False) -> list[str]:
+    """`hsq status`'s lines; `listed`: the dead samples follow (--failed), so no line
+    points to the command that lists them."""
     total = st.total or 1
     pct = 100.0 * st.done / total
     lines = [
@@ -316,7 +320,8 @@ def status_text(st: RunStatus) -> list[str]:
     if st.dead_by_reason:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(st.dead_by_reason.items()))
         lines.append(f"  dead letter by reason: {reasons}")
-        lines.append(f"  (the ids: hsq status --run {st.run} --failed)")
+        if not listed:
+            lines.append(f"  (the ids: hsq status --run {st.run} --failed)")
     if st.missing:
         lines.append("  missing samples are in no queue: `hsq requeue --missing` puts them back")
     lines += [worker_line(w) for w in st.workers]
@@ -337,6 +342,9 @@ def rate_line(st: RunStatus) -> str:
 
 
 def worker_line(w: WorkerStatus) -> str:
+    if w.name is None and not w.alive and w.heartbeat_age_s is None:
+        # Its record expired with it: what it did is in the run's counts, not here.
+        return f"  worker {w.id} [{w.state}] (its record expired; its samples count above)"
     state = w.state if not (w.alive and w.cause_text) else f"{w.state}: {w.cause_text}"
     return (
         f"  worker {w.name or w.id} [{state}] server {w.server} "

@@ -238,7 +238,8 @@ def verify(
     orphans: list[str] = []
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ProcessPoolExecutor(n_jobs)) if n_jobs > 1 else None
-        for part in _mapped(pool, n_jobs, check, _pages(store.iter_done(stored=True), VERIFY_PAGE)):
+        pages = _pages(store.ledger.iter_done(stored=True), VERIFY_PAGE)
+        for part in _mapped(pool, n_jobs, check, pages):
             _merge(res, part)
             if on_progress is not None:
                 on_progress(part.checked)
@@ -324,7 +325,7 @@ def _orphan_candidates(store: RunStore, out_root: Path) -> Iterator[list[Candida
         for i in range(0, len(outputs), VERIFY_PAGE):
             part = outputs[i : i + VERIFY_PAGE]
             sids = [n[: -len(SUFFIX)] for n, _ in part]
-            raws = store.done_entries(sids, stored=True)
+            raws = store.ledger.done_entries(sids, stored=True)
             yield [
                 (rels[n], sid, raw, link)
                 for (n, link), sid, raw in zip(part, sids, raws, strict=True)

@@ -2,10 +2,12 @@
 it as thoroughly as a worker checked the dump it came from (header, token ids against the
 dataset line, every tensor, finite states) before marking the sample done.
 
-Nothing about the run is taken from one file (issue 23 item 3): the storage format is the
-one most files have, and the model and layers are decided over all files by the caller
-(hsq/producer/enqueue.py). A file is adopted only where the worker would have written it: a
-regular file, not a symlink, in a shard directory that is no symlink either (item 4).
+Nothing about the run is taken from one file (one stale file of an earlier model once
+decided a whole run's identity): the storage format is the one most files have, and the
+model and layers are decided over all files by the caller (hsq/producer/enqueue.py). A file
+is adopted only where the worker would have written it: a regular file, not a symlink, in a
+shard directory that is no symlink either (a link to a valid copy outside the output dir
+was once marked done).
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def judge_output(
             return None, f"unreadable header: {exc}"
     size = header.file_size
     meta = header.metadata
-    if (PRENORM_TENSOR in header.tensors) != prenorm:  # a run keeps one layout (D8)
+    if (PRENORM_TENSOR in header.tensors) != prenorm:  # a run keeps one layout
         return None, (
             f"no pre-norm state ({PRENORM_TENSOR}), which the run stores"
             if prenorm

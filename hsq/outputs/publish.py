@@ -1,5 +1,5 @@
 """Publishing an output file: its temp takes the sample's name only where no file has it,
-so no writer ever replaces another writer's file (issue 33 D4).
+so no writer ever replaces another writer's file.
 
 Two writers of one sample meet when a worker woken after a SIGSTOP (or a partition) was
 between its look and its rename while the worker that redid its reaped job published, or

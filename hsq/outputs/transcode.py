@@ -57,7 +57,7 @@ def write_output(
     One pass over the dump's bytes, read with pread into buffers of the writer's own (never
     the dump's mapping): bf16 states are checked for NaN/Inf, checksummed and written from
     those very bytes; fp8 states are quantized from them (the quantizer refuses NaN/Inf).
-    So a dump rewritten while it is copied cannot put unchecked bytes on disk (issue 23).
+    So a dump rewritten while it is copied cannot put unchecked bytes on disk.
     NonFiniteDumpError or CorruptDumpError for a bad dump, OutputError when the disk
     refuses. `stats` gathers seconds per step; `before_rename` runs after the fsync, right
     before the file takes its name, and may raise to leave nothing behind.
@@ -109,7 +109,8 @@ def write_output(
         sources.append(dump.source(name))
     header = build_header(entries, metadata)
     # The file takes its name only where none is (a valid one there is adopted): no
-    # writer replaces another's, so a done mark always names the file on disk (D4).
+    # writer replaces another's, so a done mark always names the file on disk (a worker woken
+    # after a stop once replaced the file another worker had redone and marked).
     publish = Publisher(sample, meta, run, store_dtype, prenorm, stats)
     try:
         return write_durably(

@@ -19,7 +19,7 @@ Rows hsq cannot use raise `DatasetError` with a stable reason (no_assistant, unk
 empty_content, bad_content, too_deep, control_tokens, template_error, too_long, ...) and go
 to the dead letter; they are not silently repaired.
 
-Memory per row is bounded (issue 23 item 14): only as much of the rendered text is
+Memory per row is bounded: only as much of the rendered text is
 tokenized as the row's token limit needs (--max-length, else MAX_ROW_TOKENS), so a 50 MB row
 costs about what its first max-length tokens cost, not ~700 bytes per byte of text.
 
@@ -60,19 +60,30 @@ ZWSP = "\u200b"
 _PROBE_USER, _PROBE_ASSISTANT = "hsq-probe-user-7f3a", "hsq-probe-assistant-9c1e"
 
 
+CHAT_SECTION = "Chat rows"
+"""The --help heading of how chat rows become tokens (`hsq tokenize`, `--tokenizer`)."""
+
+
 @dataclass(frozen=True)
 class ChatOptions:
     """How rows become tokens; each field a flag of `hsq tokenize` (hsq.settings)."""
 
-    max_length: int | None = setting(None, help="cut longer rows (recorded)")
+    max_length: int | None = setting(None, section=CHAT_SECTION, help="cut longer rows (recorded)")
     truncate: bool = setting(
-        True, help="cut rows longer than --max-length (--no-truncate: dead-letter them instead)"
+        True,
+        section=CHAT_SECTION,
+        help="cut rows longer than --max-length (--no-truncate: dead-letter them instead)",
     )
-    last_turn_only: bool = setting(False, help="loss on the last assistant turn only")
-    system_prompt: str | None = setting(None, help="system message for rows that have none")
+    last_turn_only: bool = setting(
+        False, section=CHAT_SECTION, help="loss on the last assistant turn only"
+    )
+    system_prompt: str | None = setting(
+        None, section=CHAT_SECTION, help="system message for rows that have none"
+    )
     control_tokens: str = setting(
         "allow",
         choices=CONTROL_TOKEN_MODES,
+        section=CHAT_SECTION,
         help="the tokenizer's special tokens and the template's markers inside content (a user "
         "message faking an assistant turn): allow (as SpecForge: rendered as control tokens, "
         "the faked turn is trained on), escape (tokenized as text) or reject the row",
@@ -352,7 +363,7 @@ class ChatTokenizer:
         """(ids, offsets, chars): the tokens of text[:chars], which either is the whole text
         or has more than `limit` tokens whose first `limit` are those of the whole text.
 
-        Bounded memory (item 14): the head grows geometrically from a few characters per
+        Bounded memory: the head grows geometrically from a few characters per
         token, so a huge row costs a few times its `limit` tokens, never its whole text.
         A head is trusted once a head half as long again starts with the same `limit`
         tokens (a cut changes only the tokens of its last few characters)."""

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.errors import DatasetError
+from hsq.errors import DatasetError, EmptyDatasetError
 from hsq.producer.chat import looks_like_chat
 from hsq.producer.fastscan import scan_batches
 from hsq.producer.report import (
@@ -67,7 +67,7 @@ def enqueue_run(
     `defaulted`: names of cfg's settings the user left at their defaults (FOLLOW_RUN)."""
     cfg.validate()
     try:
-        with store.enqueue_lock(lock_holder()):
+        with store.lifecycle.enqueue_lock(lock_holder()):
             return _enqueue_streaming(
                 store, cfg, strict=strict, progress=progress, rejected=rejected, defaulted=defaulted
             )
@@ -199,18 +199,18 @@ def _enqueue_streaming(
             # An interrupted enqueue leaves indexed samples in no queue: `begin_enqueue`'s
             # flag makes the next one look at every job.
             if b.packed_index is not None and existing is None:
-                store.put_index_packed(b.packed_index)
+                store.config_index.put_index_packed(b.packed_index)
             else:
-                store.put_index(changed)
+                store.config_index.put_index(changed)
     _enqueue_chunks(store, cfg, pending, report)
     add_rejected(report, bad, rejected)
     report.valid = len(seen)  # only valid lines' ids are recorded
     if not started:
-        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+        raise EmptyDatasetError()
     store.set_totals(samples=report.valid, tokens=tokens, invalid_lines=len(bad))
     dead_letter_bad(store, bad)
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
-    store.end_enqueue()
+    store.lifecycle.end_enqueue()
     return report
 
 
@@ -228,7 +228,7 @@ def _start(store: RunStore, cfg: RunConfig, existing: RunConfig | None) -> dict[
     the counters cannot say which indexed samples are queued (None when they can)."""
     if existing is None:
         store.create_config(cfg)
-    interrupted = store.begin_enqueue()
+    interrupted = store.lifecycle.begin_enqueue()
     if existing is None:
         return None
     c = store.counts()
@@ -253,7 +253,7 @@ def _decide(
     if not existed:
         return list(valid), valid
     ids = [sid for sid, _ in valid]
-    index, done, dead = store.presence(ids)
+    index, done, dead = store.config_index.presence(ids)
     todo: list[AnyRef] = []
     changed = [ref for ref, v in zip(valid, index, strict=True) if v != ref[1]]
     for ref, entry, is_done, is_dead in zip(valid, index, done, dead, strict=True):

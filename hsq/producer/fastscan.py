@@ -112,7 +112,8 @@ class Piece:
     bytes: int = 0
     numeric: list[int] = field(default_factory=list)
     """Indices (into `ids`) of the samples whose id the line wrote as a JSON integer: only
-    digit-only ids can be, and the duplicate message names each spelling (issue 33 D14)."""
+    digit-only ids can be, and the duplicate message names each spelling (not "duplicate id '1'" for
+    a 1 and a "1")."""
     packed: list[Packed] = field(default_factory=list)
     """HSET commands of the index entries, `batch` samples each (scan_piece's index_key)."""
 

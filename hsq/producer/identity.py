@@ -1,7 +1,8 @@
 """A run's identity for `hsq recover`: the model and effective layers its files must hold,
 and the dtype of their states (decide_states_dtype).
 
-Never taken from one file (issue 23 item 3). In order: the run's recorded pins; else what
+Never taken from one file (one stale file of an earlier model once decided a whole
+run's identity). In order: the run's recorded pins; else what
 was given (`--model-id`, `--layers`); else what the run's servers announce in their
 readiness markers (`--server-dump-dir`, which must agree); else what most valid files hold
 (a tie is refused). Each part is decided separately, so a model given alone picks among
@@ -108,7 +109,7 @@ def decide_identity(
 
 
 def decide_states_dtype(cfg: RunConfig, found: Counter[str], total: int) -> tuple[str | None, str]:
-    """The dtype the run's states are stored in (issue 33 D9: the worker pins it, so a run
+    """The dtype the run's states are stored in (the worker pins it, so a run
     never mixes float32 and bf16 files): the recorded pin, else what most of the files of
     the run's identity hold (`found`: files per dtype; a tie is refused). None when nothing
     says (fp8-e4m3 files do not keep it): the first valid dump pins it, as usual."""

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.dataset.jsonl import IndexEntry, read_sample, scan_dataset
-from hsq.errors import ConfigError, DatasetError
+from hsq.dataset.jsonl import IndexEntry, scan_dataset
+from hsq.dataset.read import read_sample
+from hsq.errors import ConfigError, DatasetError, EmptyDatasetError
 from hsq.outputs.manifest import ManifestEntry
 from hsq.producer.identity import (
     Identity,
@@ -94,7 +95,7 @@ def recover_run(store: RunStore, req: RecoverRequest, *, progress: bool = True) 
     """Rebuild a run's Redis state from its output directory (module docstring)."""
     cfg = recover_config(store.load_config(), req)
     cfg.validate()
-    with store.enqueue_lock(lock_holder()):
+    with store.lifecycle.enqueue_lock(lock_holder()):
         return _recover_locked(store, cfg, progress=progress, hint=req.hint)
 
 
@@ -111,15 +112,15 @@ def _recover_locked(
     valid, bad = _scan(Path(cfg.dataset), cfg.max_tokens, report, progress)
     report.valid = len(valid)
     if not valid:
-        raise DatasetError("the dataset holds no valid sample", "empty_dataset")
+        raise EmptyDatasetError()
     # Read-only until the identity is decided: a refusal changes nothing.
     plan = _plan_recovery(store, existing or cfg, valid, report, progress, hint)
     if existing is None and plan.identity is not None:
         cfg = replace(cfg, model_id=plan.identity[0], layer_ids=plan.identity[1])
     if existing is None:
         existing, _ = store.create_config(cfg)
-    store.begin_enqueue()
-    store.put_index(valid)
+    store.lifecycle.begin_enqueue()
+    store.config_index.put_index(valid)
     store.set_totals(
         samples=len(valid), tokens=sum(e.num_tokens for _, e in valid), invalid_lines=len(bad)
     )
@@ -127,7 +128,7 @@ def _recover_locked(
     report.pruned = prune(store, {sid for sid, _ in valid}, {key for key, _, _ in bad})
     _apply_recovery(store, plan, report)
     _enqueue_rest(store, valid, report, cfg.chunk_size)
-    store.end_enqueue()
+    store.lifecycle.end_enqueue()
     log_report(cfg.run, report)
     return report
 
@@ -196,7 +197,7 @@ def _plan_recovery(
             except DatasetError as exc:  # the dataset changed under us: enqueue, don't trust
                 report.rejected_files[sid] = str(exc)
                 continue
-            # The run's layout (pre-norm or not) and format: a run keeps one (D8).
+            # The run's layout (pre-norm or not) and format: a run keeps one.
             manifest, why = adopt_output(
                 out_root, sample, cfg.run, cfg.store_dtype, prenorm=cfg.prenorm
             )
@@ -220,7 +221,7 @@ def _plan_recovery(
     states: tuple[str, int] | None = None
     for sid, manifest, ident, st in found:
         if ident == identity and dtype is not None and st is not None and st[0] != dtype:
-            # The worker's dtype pin forbids a mixed run (D9): enqueued, not marked done.
+            # The worker's dtype pin forbids a mixed run: enqueued, not marked done.
             report.rejected_files[sid] = f"states stored as {st[0]}, the run's are {dtype}"
         elif ident == identity:
             adopt.append((sid, manifest))
@@ -241,7 +242,7 @@ def _apply_recovery(store: RunStore, plan: RecoveryPlan, report: EnqueueReport) 
     if plan.identity is None:
         return
     model, layers = plan.identity
-    recorded = store.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
+    recorded = store.config_index.pin_model(model, layers)  # HSETNX: a pin recorded meanwhile wins
     if recorded != (model, layers):
         raise ConfigError(f"the run pinned {recorded} meanwhile; nothing was marked done")
     if plan.states is not None:  # as a worker pins it, so its later dumps must agree

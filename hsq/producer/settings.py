@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsq.producer.chat import ChatOptions
+from hsq.producer.chat import CHAT_SECTION, ChatOptions
+from hsq.runconfig import RUN_SECTION
 from hsq.settings import setting
 
 
@@ -29,16 +30,25 @@ class TokenizeSettings:
         path="file",
         exists=True,
         default_text="the tokenizer's own",
+        section=CHAT_SECTION,
         help="Jinja chat template file",
     )
     assistant_header: str | None = setting(
-        None, default_text="read off the template", help="text opening an assistant turn"
+        None,
+        default_text="read off the template",
+        section=CHAT_SECTION,
+        help="text opening an assistant turn",
     )
     end_of_turn: str | None = setting(
-        None, default_text="read off the template", help="text closing an assistant turn"
+        None,
+        default_text="read off the template",
+        section=CHAT_SECTION,
+        help="text closing an assistant turn",
     )
     options: ChatOptions = field(default_factory=ChatOptions)
-    jobs: int | None = setting(None, default_text="every core", help="processes")
+    jobs: int | None = setting(
+        None, default_text="every core", section=CHAT_SECTION, help="processes tokenizing rows"
+    )
 
     def validate(self) -> None:
         self.options.validate()
@@ -64,7 +74,9 @@ recorded later)."""
 class DatasetFlags:
     """How `hsq enqueue` and `hsq run` read DATASET."""
 
-    strict: bool = setting(False, help="refuse the whole dataset if any line is bad")
+    strict: bool = setting(
+        False, section=RUN_SECTION, help="refuse the whole dataset if any line is bad"
+    )
     # Flag only: HSQ_TOKENIZER, set for `hsq tokenize`, must not turn the token rows of a
     # later `hsq enqueue` into chat rows to tokenize (and reject).
     tokenizer: Path | None = setting(
@@ -72,13 +84,14 @@ class DatasetFlags:
         path="dir",
         exists=True,
         flag_only=True,
-        help="DATASET holds chat rows: tokenize them with this local HF tokenizer first",
+        help="tokenize DATASET's chat rows with this tokenizer",
     )
     tokens: Path | None = setting(
         None,
         path="file",
         flag_only=True,
         default_text="DATASET's name with .tokens.jsonl, next to it",
+        section=CHAT_SECTION,
         help="with --tokenizer: where the tokenized JSONL goes (on storage every worker reads)",
     )
 

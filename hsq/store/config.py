@@ -24,18 +24,15 @@ from hsq.store.connection import (
     text,
     translate_public,
 )
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 from hsq.store.jobs import AnyRef
 from hsq.store.spool import create_groups
 
 
 @translate_public
-class ConfigIndex:
+class ConfigIndex(Aggregate):
     def __init__(self, fence: Fence) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.run = fence.run
-        self.keys = fence.keys
+        super().__init__(fence)
         reg = self.client.register_script
         self._pin = reg(scripts.PIN)
         self._create = reg(scripts.CREATE)

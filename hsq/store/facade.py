@@ -1,8 +1,10 @@
-"""RunStore's shape: one object composed of the aggregates, for callers that use several
-(the CLI's commands, the producer, tests). A caller that needs one role takes that role's
-protocol (hsq/store/roles.py) instead.
+"""RunStore's shape: one object composed of the aggregates (`config_index`, `counters`,
+`queue`, `ledger`, `workers`, `lifecycle`). A caller reaches an aggregate's method through
+the aggregate (`store.lifecycle.purge()`), except for the methods rebound below: those the
+worker's roles name (hsq/store/roles.py, which the in-memory MemoryStore satisfies too),
+and a few every reader uses (counts, listings of a hash, the manifest pages).
 
-The object holds no logic: each of its methods is its aggregate's own (bound), so a
+The object holds no logic: each rebound method is its aggregate's own (bound), so a
 method has one home and one signature, and a reader goes straight to it.
 
 Generic in the done entry's type: hsq.runstore.RunStore binds it to the manifest entry
@@ -43,12 +45,7 @@ class Store(Generic[E]):
         self.load_config = config_index.load_config
         self.require_config = config_index.require_config
         self.create_config = config_index.create_config
-        self.pin_model = config_index.pin_model
         self.pin_dump_identity = config_index.pin_dump_identity
-        self.put_index = config_index.put_index
-        self.put_index_packed = config_index.put_index_packed
-        self.get_index = config_index.get_index
-        self.presence = config_index.presence
         self.iter_hash_keys = config_index.iter_hash_keys
         self.count = config_index.count
         counters = self.counters  # the O(1) counters
@@ -57,6 +54,9 @@ class Store(Generic[E]):
         self.counts = counters.counts
         self.snapshot = counters.snapshot
         self.recount_queues = counters.recount_queues
+        # the lost samples are the stats record's too (roles.StatsKeeper)
+        self.set_lost = self.lifecycle.set_lost
+        self.forget_lost = self.lifecycle.forget_lost
         queue = self.queue  # the queues and the wip lists
         self.enqueue = queue.enqueue
         self.claim = queue.claim
@@ -77,10 +77,7 @@ class Store(Generic[E]):
         self.undo_done = ledger.undo_done
         self.get_manifest = ledger.get_manifest
         self.iter_manifest = ledger.iter_manifest
-        self.iter_done = ledger.iter_done
-        self.done_entries = ledger.done_entries
         self.to_dead = ledger.to_dead
-        self.dead_reasons = ledger.dead_reasons
         self.dead_entries = ledger.dead_entries
         self.delete_fields = ledger.delete_fields
         self.record_crash = ledger.record_crash
@@ -90,13 +87,3 @@ class Store(Generic[E]):
         self.register = workers.register
         self.heartbeat = workers.heartbeat
         self.unregister = workers.unregister
-        self.worker_ids = workers.worker_ids
-        self.worker_info = workers.worker_info
-        self.workers_info = workers.workers_info
-        lifecycle = self.lifecycle  # the enqueue lock, lost samples, purge
-        self.enqueue_lock = lifecycle.enqueue_lock
-        self.begin_enqueue = lifecycle.begin_enqueue
-        self.end_enqueue = lifecycle.end_enqueue
-        self.set_lost = lifecycle.set_lost
-        self.forget_lost = lifecycle.forget_lost
-        self.purge = lifecycle.purge

@@ -67,3 +67,15 @@ class Fence:
 
     def count(self, script: Any, keys: list[str], args: list[Any]) -> int:
         return int(self.call(script, keys, args))
+
+
+class Aggregate:
+    """One aggregate of a run's store (config, queue, ledger, workers, lifecycle): the
+    fence its writes present, and the Redis client and the run's keys it shares with the
+    others."""
+
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+        self.client = fence.client
+        self.run = fence.run
+        self.keys = fence.keys

@@ -20,7 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from hsq import jsonsafe
 from hsq.store import scripts
 from hsq.store.connection import text, translate_public
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 
 E = TypeVar("E")
 MAX_MARK_BATCH = 500
@@ -49,11 +49,9 @@ class DoneCodec(Protocol[E]):
 
 
 @translate_public
-class Ledger(Generic[E]):
+class Ledger(Aggregate, Generic[E]):
     def __init__(self, fence: Fence, codec: DoneCodec[E]) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.keys = fence.keys
+        super().__init__(fence)
         self.codec = codec
         reg = self.client.register_script
         self._mark_done_many = reg(scripts.MARK_DONE_MANY)
@@ -85,7 +83,8 @@ class Ledger(Generic[E]):
     ) -> list[bool | None]:
         """mark_done_many for a worker, per (sample id, job id, entry): only samples whose
         job is still in this worker's wip list are marked, in the same script call; None
-        for the others (a reaper gave their job to another worker: issue 33 D4)."""
+        for the others (a reaper gave their job to another worker, which may
+        have written the sample again)."""
         res = self._mark(entries, worker_id)
         return [None if x == 2 else x == 1 for x in res]
 

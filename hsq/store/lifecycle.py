@@ -14,7 +14,7 @@ from hsq.keys import rq_job_key
 from hsq.store import scripts
 from hsq.store.connection import redis_errors, scan_names, text, translate_public
 from hsq.store.counters import stat_field, stat_fields
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 from hsq.store.queue import JobQueue
 from hsq.store.workers import WorkerRegistry
 
@@ -22,11 +22,9 @@ ENQUEUE_LOCK_TTL_S = 60
 
 
 @translate_public
-class Lifecycle:
+class Lifecycle(Aggregate):
     def __init__(self, fence: Fence, queue: JobQueue, workers: WorkerRegistry) -> None:
-        self.client = fence.client
-        self.run = fence.run
-        self.keys = fence.keys
+        super().__init__(fence)
         self.queue = queue
         self.workers = workers
         reg = self.client.register_script

@@ -28,7 +28,7 @@ from hsq.store.connection import (
     translate_public,
 )
 from hsq.store.counters import stat_field
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 from hsq.store.jobs import JOB_FUNC, AnyRef, ChunkJob, fetch_jobs, job_kwargs, job_size, parse_job
 from hsq.store.workers import WorkerRegistry
 
@@ -36,12 +36,9 @@ REAP_LOCK_MS = 1000
 
 
 @translate_public
-class JobQueue:
+class JobQueue(Aggregate):
     def __init__(self, fence: Fence, workers: WorkerRegistry) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.run = fence.run
-        self.keys = fence.keys
+        super().__init__(fence)
         self.workers = workers
         reg = self.client.register_script
         self._claim = reg(scripts.CLAIM)

@@ -10,15 +10,13 @@ from typing import Any
 from hsq.keys import HEARTBEAT_TTL_S
 from hsq.store import scripts
 from hsq.store.connection import text, translate_public
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 
 
 @translate_public
-class WorkerRegistry:
+class WorkerRegistry(Aggregate):
     def __init__(self, fence: Fence) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.keys = fence.keys
+        super().__init__(fence)
         self._heartbeat = self.client.register_script(scripts.HEARTBEAT)
 
     def register(self, worker_id: str, info: dict[str, Any]) -> None:

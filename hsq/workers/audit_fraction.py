@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -50,24 +51,22 @@ class AuditStore(Protocol):
     ) -> None: ...
 
 
+@dataclass(eq=False)
 class WorkerAudit:
-    def __init__(
-        self,
-        fraction: float,
-        send: SendStage,
-        store: AuditStore,
-        notices: Notices,
-        worker_id: str,
-        seed: int | None = None,
-    ) -> None:
-        self.fraction = fraction
-        self.send = send
-        self.store = store
-        self._notices = notices
-        self.worker_id = worker_id
-        self._rng = random.Random(seed)
+    fraction: float
+    send: SendStage
+    store: AuditStore
+    notices: Notices
+    worker_id: str
+    seed: int | None = None
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"audited": 0, "audit_mismatches": 0, "audit_failures": 0},
+        init=False,
+    )
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
         self._queue: deque[tuple[WorkItem, RunView]] = deque()
-        self.counts = {"audited": 0, "audit_mismatches": 0, "audit_failures": 0}
 
     @property
     def pending(self) -> bool:
@@ -135,4 +134,4 @@ class WorkerAudit:
             raise OutputError(f"cannot remove {sid}'s mismatched output: {exc}") from exc
         reason = mismatch.reason
         self.store.to_dead(sid, reason, str(mismatch), item.attempt + 1, self.worker_id)
-        self._notices.emit(AuditRejected(sid, reason))
+        self.notices.emit(AuditRejected(sid, reason))

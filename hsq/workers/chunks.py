@@ -92,9 +92,6 @@ class ChunkBook:
             chunk.open.discard(item.sample_id)
             chunk.hand_back = True
 
-    def finishable(self) -> list[OpenChunk]:
-        return [c for c in self.chunks.values() if c.complete and not c.hand_back]
-
     def pop(self, job_id: str) -> OpenChunk | None:
         return self.chunks.pop(job_id, None)
 

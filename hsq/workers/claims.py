@@ -9,6 +9,7 @@ us). `claim` returns such a stray job first, so it is never stranded there.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from hsq.store import ChunkJob, Claimer
 
@@ -37,17 +38,17 @@ class Claims:
 
     def finish(self, job: ChunkJob) -> bool:
         """Drop a finished job (False: it was not ours any more, a reaper took it)."""
-        with self._lock:
-            try:
-                return self.store.finish(self.worker_id, job)
-            finally:
-                self._held.discard(job.job_id)
+        return self._let_go(self.store.finish, job)
 
     def give_back(self, job: ChunkJob) -> bool:
         """Put a job back at the front of its queue, untouched."""
+        return self._let_go(self.store.give_back, job)
+
+    def _let_go(self, op: Callable[[str, ChunkJob], bool], job: ChunkJob) -> bool:
+        """`op` on a held job; held no more, whatever its answer (or error)."""
         with self._lock:
             try:
-                return self.store.give_back(self.worker_id, job)
+                return op(self.worker_id, job)
             finally:
                 self._held.discard(job.job_id)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -22,24 +23,17 @@ from hsq.workers.policy import STORE_TROUBLE
 log = structlog.get_logger("hsq.worker")
 
 
+@dataclass(eq=False)
 class Heartbeat:
-    def __init__(
-        self,
-        store: WorkerStore[ManifestEntry],
-        claims: Claims,
-        worker_id: str,
-        interval_s: float,
-        info: Callable[[], dict[str, Any]],
-        lease: Lease,
-        stop: threading.Event,
-    ) -> None:
-        self.store = store
-        self.claims = claims
-        self.worker_id = worker_id
-        self.interval_s = interval_s
-        self.info = info
-        self.lease = lease
-        self._stop = stop
+    store: WorkerStore[ManifestEntry]
+    claims: Claims
+    worker_id: str
+    interval_s: float
+    info: Callable[[], dict[str, Any]]
+    lease: Lease
+    stop: threading.Event
+
+    def __post_init__(self) -> None:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
@@ -58,7 +52,7 @@ class Heartbeat:
         while True:
             self._wake.wait(self.interval_s)
             self._wake.clear()
-            if self._stop.is_set():
+            if self.stop.is_set():
                 return
             try:
                 sent = time.monotonic()

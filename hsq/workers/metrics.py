@@ -86,7 +86,7 @@ class WorkerMetrics:
         self.free.labels(**self.labels).set_function(lambda: self._disk(free=True))
         self.size.labels(**self.labels).set_function(lambda: self._disk(free=False))
         # The children touched for every sample, looked up once: `labels(**...)` costs
-        # tens of microseconds under the GIL, several times a sample (issue 35 profile).
+        # tens of microseconds under the GIL, several times a sample (profiled).
         self._by_outcome = {
             o: self.samples.labels(**self.labels, outcome=o)
             for o in ("done", "retry", "dead", "handed_back")

@@ -9,6 +9,8 @@ sample ends done, retried, dead or handed back; nothing is dropped.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import structlog
 
 from hsq.outputs.manifest import ManifestEntry
@@ -23,29 +25,19 @@ from hsq.workers.runwatch import RunWatch
 log = structlog.get_logger("hsq.worker")
 
 
+@dataclass(eq=False)
 class Outcomes:
-    def __init__(
-        self,
-        store: WorkerStore[ManifestEntry],
-        claims: Claims,
-        book: ChunkBook,
-        worker_id: str,
-        max_server_crashes: int,
-        pauses: Pauses,
-        watch: RunWatch,
-        notices: Notices,
-    ) -> None:
-        self.store = store
-        self.claims = claims
-        self.book = book
-        self.worker_id = worker_id
-        self.max_server_crashes = max_server_crashes
-        self.pauses = pauses
-        self.watch = watch
-        self._notices = notices
+    store: WorkerStore[ManifestEntry]
+    claims: Claims
+    book: ChunkBook
+    worker_id: str
+    max_server_crashes: int
+    pauses: Pauses
+    watch: RunWatch
+    notices: Notices
 
     def done(self, item: WorkItem) -> None:
-        self._notices.emit(SampleDone(item))
+        self.notices.emit(SampleDone(item))
         self.pauses.server_ok()
         self.settled(item)
 
@@ -75,7 +67,7 @@ class Outcomes:
             log.warning("sample_retry", sample=sid, reason=d.reason, attempt=d.attempts, error=msg)
             if d.pause is Pause.SERVER_ERRORS:  # a 5xx: give the server a moment
                 self.pauses.server_error()
-        self._notices.emit(SampleFailed(item, d.reason, dead))
+        self.notices.emit(SampleFailed(item, d.reason, dead))
         self.settled(item, routed=True)
 
     def settled(self, item: WorkItem, routed: bool = False) -> None:
@@ -113,5 +105,5 @@ class Outcomes:
             if rest:
                 self.store.enqueue([rest], attempt=job.attempt, reason=job.reason)
             self.claims.finish(job)
-        self._notices.emit(ChunkHandedBack(job.job_id, len(job.samples) - len(chunk.routed)))
+        self.notices.emit(ChunkHandedBack(job.job_id, len(job.samples) - len(chunk.routed)))
         log.info("job_handed_back", job=job.job_id, why=why, routed=len(chunk.routed))

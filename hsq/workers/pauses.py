@@ -35,6 +35,9 @@ FATAL: dict[Pause, type[HsqError]] = {
 }
 
 
+NO_CAUSE: dict[str, object] = {"cause": "", "cause_message": "", "cause_since": ""}
+
+
 class Pauses:
     def __init__(
         self,
@@ -63,6 +66,8 @@ class Pauses:
         self._count = 0
         self._hold_until = 0.0
         self._server_errors = 0
+        self.answered = False
+        """The server answered /health once: from then on silence is `server_down`."""
         self._cause: tuple[Pause, str, float, int] | None = None
         """The last cause (pause, message, since, samples done then), until a sample is done
         after it: the worker's record shows it (`hsq status`), across the short stretches
@@ -74,15 +79,27 @@ class Pauses:
         again = old is not None and old[0] is pause and done <= old[3]  # no sample since
         self._cause = (pause, why[:500], old[2] if again and old else time.time(), done)
 
+    def note_server_silent(self) -> None:
+        """The server does not answer: `server_starting` until it answered once, then
+        `server_down` (shown as "server unreachable since T")."""
+        server = self.settings.server
+        if self.answered:
+            self.note(Pause.SERVER_DOWN, f"{server} does not answer /health")
+        else:
+            self.note(Pause.SERVER_STARTING, f"{server} has not answered yet")
+
     def cause(self) -> dict[str, object]:
-        """The worker record's fields for the cause: {} when none, or once a sample was
-        done after it (read by the heartbeat thread; the tuple is swapped whole)."""
+        """The worker record's fields for the cause, empty when there is none (no cause, or
+        a sample was done after it): every renewal writes all three, since the record is
+        updated field by field and a field left out would keep a cause that has passed
+        ("server unreachable" long after the server came back). Read by the heartbeat
+        thread; the tuple is swapped whole."""
         c = self._cause
         if c is None:
-            return {}
+            return dict(NO_CAUSE)
         pause, why, since, seen = c
         if self.current is None and self._done() > seen:
-            return {}
+            return dict(NO_CAUSE)
         return {"cause": pause.value, "cause_message": why, "cause_since": round(since, 1)}
 
     def pause(self, pause: Pause, why: str) -> None:
@@ -148,9 +165,9 @@ class Pauses:
         was_down = False
         while not self._stop.is_set() and not self.healthy():
             if not was_down:
-                self.note(Pause.SERVER_DOWN, f"{self.settings.server} does not answer /health")
+                self.note_server_silent()
             was_down = True
-            self._state.set(WorkerState.SERVER_DOWN)
+            self._state.set(WorkerState.SERVER_DOWN if self.answered else WorkerState.STARTING)
             self._notices.emit(ServerHealth(False))
             log.warning(
                 "waiting_for_server", server=self.settings.server, retry_in_s=round(delay, 2)
@@ -159,10 +176,14 @@ class Pauses:
             delay = min(delay * 2, self.settings.tuning.backoff_max_s)
         if self._stop.is_set():
             return
-        if was_down:
+        if was_down and self.answered:
             # A restarted server starts its counter again and may have left partial dumps.
             n = self.dispatcher.clear()
             log.info("server_back", cleared_dumps=n)
+        self.answered = True
+        c = self._cause  # the server answers: its silence is no longer why the worker waits
+        if c is not None and c[0] in (Pause.SERVER_DOWN, Pause.SERVER_STARTING):
+            self._cause = None
         self._state.set(WorkerState.WORKING)
         self._notices.emit(ServerHealth(True))
 

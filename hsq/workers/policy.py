@@ -57,7 +57,6 @@ DATASET_TRANSIENT = {"dataset_unreadable"}
 
 
 class Outcome(enum.Enum):
-    DONE = "done"
     RETRY = "retry"
     DEAD = "dead"
     HAND_BACK = "hand_back"
@@ -76,6 +75,9 @@ class Pause(enum.Enum):
     """Why the worker stops sending for a while; all are outside the sample."""
 
     SERVER_DOWN = "server_down"
+    SERVER_STARTING = "server_starting"
+    """Only a cause on the worker's record, never a pause: the server has not answered
+    once yet (loading, compiling); `server_down` is for one that answered before."""
     DATASET_UNAVAILABLE = "dataset_unavailable"
     OUTPUT_UNWRITABLE = "output_unwritable"
     OUTPUT_READ_ONLY = "output_read_only"

@@ -3,7 +3,7 @@
 A server whose hook never loaded (SGLang swallows plugin errors, a server started
 without SGLANG_HS_DUMP_DIR) answers every request and writes no dump: each sample would
 time out with no_dump, one after another. The hook writes a readiness marker into the
-dump dir once the model is loaded (hsq.protocol.ReadyMarker); the worker refuses to start
+dump dir once the model is loaded (hsq.dump.ready.ReadyMarker); the worker refuses to start
 without it, so the mistake costs one clear error instead of a run of retries.
 """
 

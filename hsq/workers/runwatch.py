@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -30,24 +31,17 @@ class ConfigSource(Protocol):
     def require_config(self) -> RunConfig: ...
 
 
+@dataclass(eq=False)
 class RunWatch:
-    def __init__(
-        self,
-        run: str,
-        store: ConfigSource,
-        stop: threading.Event,
-        request_stop: Callable[[], None],
-        backoff_max_s: float,
-    ) -> None:
-        self.run = run
-        self.store = store
-        self._stop = stop
-        self._request_stop = request_stop
-        self._backoff_max_s = backoff_max_s
-        self.changed: str | None = None
-        """Why the run is not the one read (purged, re-created); None while it is."""
-        self.refused: str | None = None
-        """Why the worker stops: the config changed where only a new generation may."""
+    run: str
+    store: ConfigSource
+    stop: threading.Event
+    request_stop: Callable[[], None]
+    backoff_max_s: float
+    changed: str | None = field(default=None, init=False)
+    """Why the run is not the one read (purged, re-created); None while it is."""
+    refused: str | None = field(default=None, init=False)
+    """Why the worker stops: the config changed where only a new generation may."""
 
     def note_changed(self, why: str) -> None:
         self.changed = self.changed or why
@@ -71,7 +65,7 @@ class RunWatch:
         """Read the changed run again (waiting while it is gone); the new view, or None
         if the worker is stopping or refuses the new config. In-flight work is settled."""
         n = 0
-        while not self._stop.is_set():
+        while not self.stop.is_set():
             try:
                 cfg = self.store.require_config()
                 break
@@ -81,7 +75,7 @@ class RunWatch:
             except STORE_DOWN_OR_RUN_CHANGED as exc:
                 n += 1
                 log.error("run_reload_failed", run=self.run, error=str(exc), attempt=n)
-            self._stop.wait(backoff(n, base=1.0, cap=self._backoff_max_s))
+            self.stop.wait(backoff(n, base=1.0, cap=self.backoff_max_s))
         else:
             return None
         if tampered := config_tampered(old.cfg, cfg):
@@ -99,14 +93,14 @@ class RunWatch:
         if self.refused is None:
             log.error("run_config_changed_refused", run=self.run, why=why)
             self.refused = why
-        self._request_stop()
+        self.request_stop()
 
 
 def config_tampered(old: RunConfig, new: RunConfig) -> str | None:
     """Why `new` cannot be the same run as `old`: its output dir, dataset or creation time
     changed but its generation did not. Only a re-created run (a new generation: purge and
     enqueue) may change them; anything else is someone rewriting the config under running
-    workers (issue 23 item 19: a worker then wrote to the writer's path)."""
+    workers (a worker then wrote to the rewriter's path)."""
     if old.generation is None or new.generation != old.generation:
         return None  # a re-created run; None: no generation to judge by (never from RunStore)
     changed = [

@@ -28,6 +28,10 @@ ENGINES = (SGLANG_API, VLLM_API)
 server) and vLLM's /v1/completions (stock vLLM with hsq's connector)."""
 
 
+TUNING = "Worker tuning"
+"""The --help heading of the options that tune how a worker works (hsq/cli/command.py)."""
+
+
 @dataclass(frozen=True)
 class EngineApi:
     """Which API the server speaks, and the model name its requests carry."""
@@ -53,15 +57,18 @@ class ExchangeTuning:
     them, and the dump dir it takes."""
 
     dump_timeout_s: float = setting(
-        60.0, help="seconds to wait for a dump's `done` after the server answered"
+        60.0, section=TUNING, help="seconds to wait for a dump's `done` after the server answered"
     )
     request_timeout_s: float = setting(
         600.0,
+        section=TUNING,
         help="seconds one request to the server may take (the audit also waits this long for "
         "a server that answers to become healthy)",
     )
     dump_dir_force: bool = setting(
-        False, help="use a dump dir that looks shared (sticky, or owned by another user)"
+        False,
+        section=TUNING,
+        help="use a dump dir that looks shared (sticky, or owned by another user)",
     )
 
     def validate(self) -> None:
@@ -75,55 +82,70 @@ class WorkerTuning:
 
     exchange: ExchangeTuning = field(default_factory=ExchangeTuning)
     claim_timeout_s: float = setting(
-        1.0, help="seconds one claim waits for a job before the worker looks around"
+        1.0, section=TUNING, help="seconds one claim waits for a job before the worker looks around"
     )
     persist_depth: int = setting(
-        4, help="validated dumps waiting for the persist stage (bounds memory)"
+        4, section=TUNING, help="validated dumps waiting for the persist stage (bounds memory)"
     )
     persist_threads: int = setting(
         8,
+        section=TUNING,
         help="threads writing outputs: many small files are bound by fsync latency, which "
         "threads overlap (BENCHMARKS.md)",
     )
     persist_procs: int | None = setting(
         None,
+        section=TUNING,
         help="persist processes doing each sample's checks, quantizing and writing outside "
         "the worker's interpreter (0: threads only) [default: half the usable cores, at most "
         "8; 0 below 4 cores; `hsq run`: the cores shared by its workers]",
     )
     direct_io: bool = setting(
         True,
+        section=TUNING,
         help="write output files of 1 MiB or more with O_DIRECT where the filesystem allows "
         "it (not tmpfs): faster on disks whose page-cache write-back limits a stream",
     )
     backoff_max_s: float = setting(
-        30.0, help="longest wait, in seconds, between retries while a dependency is down"
+        30.0,
+        section=TUNING,
+        help="longest wait, in seconds, between retries while a dependency is down",
     )
     max_server_crashes: int = setting(
-        3, help="requests of one sample that may die with the server before it is dead-lettered"
+        3,
+        section=TUNING,
+        help="requests of one sample that may die with the server before it is dead-lettered",
     )
     reap_interval_s: float = setting(
-        5.0, help="seconds between looks for dead workers' held jobs (to put them back)"
+        5.0,
+        section=TUNING,
+        help="seconds between looks for dead workers' held jobs (to put them back)",
     )
     heartbeat_interval_s: float = setting(
-        2.0, help=f"seconds between heartbeats in Redis (at most {HEARTBEAT_TTL_S / 2:g})"
+        2.0,
+        section=TUNING,
+        help=f"seconds between heartbeats in Redis (at most {HEARTBEAT_TTL_S / 2:g})",
     )
     metrics_host: str = setting(
         "127.0.0.1",
+        section=TUNING,
         help="bind address of the metrics endpoint (0.0.0.0 exposes it to the network)",
     )
     inflight: int = setting(
         4,
+        section=TUNING,
         help="requests in flight on the server at once; dumps are matched by rid "
         "(1: one at a time; up to as many more answered ones wait for their dumps)",
     )
     max_inflight_tokens: int | None = setting(
         None,
+        section=TUNING,
         help="cap on the tokens of the requests in flight [default: only --inflight caps it]; "
         "one larger sample still goes alone",
     )
     audit_fraction: float = setting(
         0.0,
+        section=TUNING,
         help="re-extract this fraction of done samples alone and compare with the stored "
         "states (finds a server that mixes up requests; mismatches: dead letter "
         "`audit_mismatch`)",

@@ -74,8 +74,8 @@ def check_dump_dir(path: Path, force: bool) -> bool:
 
 def fresh_staging(dump_dir: Path) -> Path:
     """An empty <dump_dir>/.hsq-staging. Whatever holds the name is removed without being
-    followed: a link or a file there made mkdir fail with "[Errno 17] File exists" (issue
-    23 item 15), and a link must never lead the worker's writes elsewhere."""
+    followed: a link or a file there made mkdir fail with "[Errno 17] File exists", and a
+    link must never lead the worker's writes elsewhere."""
     staging = dump_dir / STAGING
     remove_entry(staging)
     staging.mkdir(mode=0o700)
@@ -95,7 +95,7 @@ def require_dump_dir(
     marker there). A worker started beside its server waits for it, creating nothing; once
     the server answers and the dir is still missing, --dump-dir is mistyped: exit 2.
     Creating a missing one turned a typo into a directory, a lock and a staging dir left
-    behind by a worker that then exited 2 (issue 29 item 9)."""
+    behind by a worker that then exited 2."""
     deadline = clock() + timeout_s
     logged = False
     while check_dump_dir(path, force):

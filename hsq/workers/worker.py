@@ -147,20 +147,30 @@ class Worker:
         )
 
     def request_stop(self, *_args: object) -> None:
-        if not self._stop.is_set():
-            log.info("stop_requested", worker=self.id)
+        """Stop at the next turn (SIGTERM, SIGINT, a changed run). It only sets the flag:
+        as a signal handler it must not log, since a log write can fail (a pipe whose
+        reader died) or block on the log's lock, which the interrupted main thread may hold;
+        the main loop logs the stop (`stop_requested`) once it sees the flag."""
         self._stop.set()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
-        # A server without an active dump hook would time every sample out: refuse at once.
-        marker = require_hook(
-            self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
-        )
-        if marker is not None:
-            check_engine(marker, self.settings.api.engine)
-        self.dispatcher.start()
+        # The record first: `hsq status` and `hsq run`'s view say `starting` (server
+        # starting since T) while the server loads, not nothing.
+        self.pauses.note_server_silent()
         self.heartbeat.start()
+        try:
+            # A server without an active dump hook would time every sample out: refuse now.
+            marker = require_hook(
+                self.settings.dump_dir, self.client.healthy, self.view.cfg, self._stop
+            )
+            if marker is not None:
+                check_engine(marker, self.settings.api.engine)
+        except BaseException:
+            self._stop.set()
+            self.heartbeat.end()  # no record of a worker that never started
+            raise
+        self.dispatcher.start()
         log.info(
             "worker_started",
             worker=self.id,
@@ -192,6 +202,8 @@ class Worker:
                     log.error("store_error", error=str(exc))
                     self._stop.wait(1.0)
         finally:
+            if self._stop.is_set():
+                log.info("stop_requested", worker=self.id)
             self.state.set(WorkerState.STOPPING)
             self._settle(stopping=True)
             self._stop.set()

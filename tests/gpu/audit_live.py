@@ -1,4 +1,4 @@
-"""Audit on MoE, live (issue 30 item 6): the samples a worker extracted in batches, sent
+"""Audit on MoE, live: the samples a worker extracted in batches, sent
 again one at a time to the same server, compared with what was stored.
 
 Reported: how many come back bit-identical, how many rows differ at all and how many are

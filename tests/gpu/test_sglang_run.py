@@ -1,5 +1,5 @@
 """`hsq run --engine sglang` end to end on one GPU: its own Redis, one SGLang server through
-`hsq launch-sglang`, one worker, every output verified (issue 29).
+`hsq launch-sglang`, one worker, every output verified.
 
     scripts/sglang_live.sh --job run="tests/gpu/test_sglang_run.py"
 """

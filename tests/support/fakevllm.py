@@ -23,15 +23,15 @@ import argparse
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hsq.engines.common import model_identity
+from hsq.engines.http_api import ApiServer, Handler, Reply, RequestError, Route
 from hsq.engines.vllm.config import ConnectorConfig
 from hsq.engines.vllm.core import ConnectorCore, rid_of
-from hsq.engines.vllm.identity import model_identity
 from hsq.engines.vllm.layers import vllm_aux_ids
 from hsq.engines.vllm.refusals import ServingFacts
 from hsq.states import ENCODINGS, PLAIN
@@ -79,10 +79,11 @@ class FakeVllm:
         stack = [hs[i][0] if i < self.num_layers else seen["pre"][0] for i in self.core.captured]
         return torch.stack(stack, dim=1).to(torch.bfloat16)
 
-    def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+    def complete(self, body: Any) -> Reply:
+        body = body if isinstance(body, dict) else {}
         ids = body.get("prompt")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            return 400, {"error": {"message": "prompt must be token ids", "code": 400}}, None
+            raise RequestError("prompt must be token ids")
         rid = rid_of(body.get("kv_transfer_params"))
         rows = self.rows(ids)
         answer = {
@@ -105,49 +106,18 @@ class FakeVllm:
                 tensors = {"hidden_states": rows, "token_ids": torch.tensor(ids)}
                 self.core.write_tensors(tensors, _Ready(), key)
 
-        return 200, answer, save
+        def later() -> None:  # once the answer is written, as vLLM's next engine step
+            self.pool.submit(save)
+
+        return Reply(answer, later)
+
+    def routes(self) -> dict[Route, Handler]:
+        return {("POST", "/v1/completions"): self.complete, ("GET", "/health"): lambda _: {}}
 
 
 class _Ready:
     def synchronize(self) -> None:
         pass
-
-
-def handler(app: FakeVllm) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, status: int, obj: object) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200, {})
-            else:
-                self._send(404, {"error": {"message": "not found", "code": 404}})
-
-        def do_POST(self) -> None:
-            size = int(self.headers.get("content-length") or 0)
-            if self.path != "/v1/completions" or not 0 < size <= MAX_BODY:
-                self._send(400, {"error": {"message": "bad request", "code": 400}})
-                return
-            try:
-                body = json.loads(self.rfile.read(size))
-            except ValueError:
-                self._send(400, {"error": {"message": "malformed JSON", "code": 400}})
-                return
-            status, answer, save = app.complete(body if isinstance(body, dict) else {})
-            self._send(status, answer)
-            if save is not None:
-                app.pool.submit(save)  # after the answer, as vLLM's next engine step
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    return Handler
 
 
 def from_vllm_argv(argv: list[str]) -> tuple[Path, int, ConnectorConfig]:
@@ -189,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(app: FakeVllm, port: int, dump_dir: Path) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler(app))
+    server = ApiServer(("127.0.0.1", port), app.routes(), max_body_bytes=MAX_BODY)
     print(f"fake vLLM at http://127.0.0.1:{port}, dumping to {dump_dir}", flush=True)
     server.serve_forever()
 

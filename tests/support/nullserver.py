@@ -3,7 +3,7 @@
 Same HTTP API as the reference server for what a worker uses (POST /generate with
 input_ids and rid, GET /health, /server_info, /model_info; POST /admin/reset clears the
 counts and times /server_info reports), the readiness marker, and one
-valid dump per request written with hsq.protocol.write_dump at once: the hidden states are
+valid dump per request written with hsq.dump.write.write_dump at once: the hidden states are
 slices of one preallocated buffer of random, finite values of the chosen shape (H, k aux
 layers + the last state, dtype). Everything a worker checks holds: rid, fingerprint, token
 count, layers, model identity, shapes, dtype, finite values. `--dump-encoding fp8-e4m3`

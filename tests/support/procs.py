@@ -14,7 +14,9 @@ from tests.support.spawner import installed
 
 
 class ReferenceServer(procs.ReferenceServer):
-    """`hsq serve-reference`, forked from the installed zygote unless a spawner is given."""
+    """`hsq serve-reference`, forked from the installed zygote unless a spawner is given,
+    with its /admin/* endpoints on unless `admin` is False (tests pause it and set fault
+    rules)."""
 
     def __init__(
         self,
@@ -32,10 +34,9 @@ class ReferenceServer(procs.ReferenceServer):
             dump_dir,
             log_path,
             port=port,
-            args=args,
+            args=["--admin", *args] if admin and "--admin" not in args else args,
             env=env,
             parent_death_signal=parent_death_signal,
-            admin=admin,
             spawner=spawner or installed(),
         )
 

@@ -317,7 +317,10 @@ class ZygoteSpawner:
 
 
 def _module_of(argv: list[str]) -> tuple[str, list[str]] | None:
-    """(MODULE, ARGS) of `this-python -m MODULE ARGS`; None for any other command line."""
+    """(MODULE, ARGS) of `this-python [-P] -m MODULE ARGS`; None for any other command line.
+    (-P, hsq's own children: the zygote's sys.path comes from the test session, not a cwd.)"""
+    if argv[1:2] == ["-P"]:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or argv[2].startswith("-"):
         return None
     return argv[2], argv[3:]

@@ -34,7 +34,10 @@ class ExportFlags:
     dest: Path | None = setting(
         None, flag="--to", path="dir", help="destination directory (specforge, speculators)"
     )
-    jobs: int = setting(4, help="files written at once")
+    # Threads, as verify's --read-threads: `--jobs` is processes in verify and tokenize.
+    write_threads: int = setting(
+        4, minimum=1, deprecated=("--jobs",), help="threads writing files, at once"
+    )
     partial: bool = setting(False, help="export a run that is not complete yet")
     expect_layers: tuple[int, ...] | None = setting(
         None,
@@ -84,7 +87,7 @@ def export(**values: Any) -> None:
 
     \b
     Example:
-      hsq export --run q3 --format specforge --to /shared/specforge/q3 --jobs 8 \\
+      hsq export --run q3 --format specforge --to /shared/specforge/q3 --write-threads 8 \\
           --target-model /models/qwen3-8b --target-dir /shared/specforge/q3-target
       specforge train --config cfg.yaml   # docs/training.md
     """
@@ -108,6 +111,10 @@ def export(**values: Any) -> None:
         return
     if f.dest is None:
         raise ConfigError(f"--format {f.format} needs --to DIR")
+    if f.format == "speculators":  # before any progress: the run's record says it all
+        from hsq.ops.export.speculators import require_prenorm_run
+
+        require_prenorm_run(cfg.prenorm, st.run)
     if (f.target_model or f.target_dir or f.draft_vocab_size) and f.format != "specforge":
         raise ConfigError("--target-model, --target-dir and --draft-vocab-size are for specforge")
     if f.target_dir is not None and f.target_model is None:
@@ -123,7 +130,7 @@ def export(**values: Any) -> None:
         req = ExportRequest(
             root,
             f.dest,
-            jobs=f.jobs,
+            jobs=f.write_threads,
             partial=f.partial,
             expect_layers=list(f.expect_layers) if f.expect_layers else None,
             prune=f.prune,

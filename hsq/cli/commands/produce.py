@@ -9,10 +9,11 @@ from typing import Any
 import click
 
 from hsq import extras
-from hsq.cli.command import hsq_command
+from hsq.cli.command import hsq_argument, hsq_command
 from hsq.cli.dataset import dataset_options, take_dataset
 from hsq.cli.flags import RedisFlags, RunName
 from hsq.cli.options import settings_options, take
+from hsq.producer.chat import CHAT_SECTION
 from hsq.producer.settings import TokenizeSettings
 from hsq.settings import setting
 
@@ -27,8 +28,12 @@ class TokenizeFlags:
     no_progress: bool = setting(False, help="no progress bar")
 
 
-@hsq_command("tokenize")
-@click.argument("chats", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@hsq_command("tokenize", open_sections=(CHAT_SECTION,))
+@hsq_argument(
+    "chats",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL of chat rows: ShareGPT `conversations` or OpenAI `messages`",
+)
 @settings_options(TokenizeSettings)
 @settings_options(TokenizeFlags)
 def tokenize(chats: Path, **values: Any) -> None:
@@ -61,7 +66,11 @@ class EnqueueFlags:
 
 
 @hsq_command("enqueue")
-@click.argument("dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@hsq_argument(
+    "dataset",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL: token rows (input_ids, loss_mask), or chat rows with --tokenizer",
+)
 @settings_options(RunName)
 @settings_options(EnqueueFlags)
 @dataset_options

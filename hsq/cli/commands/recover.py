@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
-from hsq.cli.command import hsq_command
+from hsq.cli.command import hsq_argument, hsq_command
 from hsq.cli.flags import RedisFlags, RunName
 from hsq.cli.options import given, settings_options, take
 from hsq.runconfig import RunConfig
-from hsq.settings import setting
+from hsq.settings import int_list_or_none, setting
 
-RECOVER_SETTINGS = ("chunk_size", "store_dtype", "prenorm", "layer_ids", "model_id")
+RECOVER_SETTINGS = ("chunk_size", "store_dtype", "prenorm")
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,29 @@ class RecoverFlags:
         help="dump dir of one of the run's servers (repeatable): its readiness marker says "
         "the model and layers the run uses",
     )
+    layer_ids: list[int] | None = setting(
+        None,
+        flag="--layers",
+        parse=int_list_or_none,
+        metavar="IDS",
+        help="the run's aux layer ids (HF hidden_states indices), for a run Redis lost: files "
+        "with other layers are stale, enqueued again [default: the --server-dump-dir "
+        "markers', else what most files hold; a run Redis has: its own]",
+    )
+    model_id: str | None = setting(
+        None,
+        help="the run's model id (name@digest), for a run Redis lost: files of another "
+        "model are stale, enqueued again [default: as --layers]",
+    )
     no_progress: bool = setting(False, help="no progress bar")
 
 
 @hsq_command("recover")
-@click.argument(
-    "dataset", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+@hsq_argument(
+    "dataset",
+    required=False,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="the run's JSONL; needed when Redis lost the run [default: the recorded one]",
 )
 @settings_options(RunName)
 @settings_options(RecoverFlags)
@@ -67,9 +84,7 @@ def recover(dataset: Path | None, **values: Any) -> None:
     flags = take(RecoverFlags, values)
     redis = take(RedisFlags, values)
     store = RunStore(redis.client(), run)
-    hint = IdentityHint(
-        values["model_id"], values["layer_ids"], announced_identity(flags.server_dump_dirs)
-    )
+    hint = IdentityHint(flags.model_id, flags.layer_ids, announced_identity(flags.server_dump_dirs))
     req = RecoverRequest(
         run,
         dataset,

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from hsq import extras
-from hsq.cli.command import hsq_command
+from hsq.cli.command import hsq_argument, hsq_command
 from hsq.cli.dataset import dataset_options, take_dataset
 from hsq.cli.flags import RedisAccess
 from hsq.cli.options import as_argv, settings_options, take
@@ -21,56 +21,66 @@ from hsq.node.plan import NODE_ENGINES
 from hsq.settings import setting
 from hsq.workers.settings import WorkerTuning
 
+NODE = "Node"
+"""--help's heading of how this node's processes are named, kept and watched."""
+
 
 @dataclass(frozen=True)
 class RunFlags:
     out: Path = setting(path="dir", help="output root: files in OUT/RUN/, hsq's state in OUT/.hsq/")
-    run: str | None = setting(None, default_text="DATASET's name", help="run name")
+    run: str | None = setting(None, default_text="DATASET's name", metavar="NAME", help="run name")
     join: bool = setting(
         False,
         flag_only=True,
-        help="add this node's servers and workers to a run another node enqueued, in the "
-        "given Redis (enqueues nothing)",
+        help="add servers and workers to another node's run (its Redis: --redis-url-file)",
     )
     engine: str | None = setting(
         None,
         choices=NODE_ENGINES,
         deprecated=("--server",),
         deprecated_env=("HSQ_SERVER_KIND",),
-        default_text="sglang if importable and GPUs are visible, else reference",
-        help="the inference servers to start (each worker gets the API they speak)",
+        default_text="sglang on GPUs, else reference",
+        help="the inference servers to start",
     )
     model: str | None = setting(
-        None, default_text="reference: tiny", help="checkpoint the servers load"
+        None, default_text="reference: tiny", metavar="PATH", help="checkpoint to serve"
     )
     gpus: str | None = setting(
-        None,
-        default_text="every visible GPU",
-        help="GPUs for SGLang or vLLM servers, e.g. 0-7 or 0,2",
+        None, default_text="every visible one", metavar="LIST", help="GPUs: 0-7 or 0,2"
     )
-    tp: int = setting(1, minimum=1, help="GPUs per SGLang or vLLM server (servers = GPUs / TP)")
+    tp: int = setting(1, minimum=1, help="GPUs per server")
     servers: int | None = setting(
-        None, minimum=1, default_text="reference: 1; sglang: GPUs / TP", help="servers to start"
+        None,
+        minimum=1,
+        default_text="GPUs / TP; reference: 1",
+        help="servers, a worker each",
     )
     stay: bool = setting(
         False,
+        section=NODE,
         help="keep the workers waiting for more work once the queue is empty (a node of a "
         "long-lived cluster; stop it with Ctrl-C or SIGTERM)",
     )
     node_name: str | None = setting(
-        None, default_text="the short host name", help="names this node's workers NODE-i"
+        None,
+        default_text="the short host name",
+        section=NODE,
+        help="names this node's workers NODE-i",
     )
     max_server_restarts: int = setting(
-        3, minimum=0, help="times one server that exits is started again"
+        3, minimum=0, section=NODE, help="times one server that exits is started again"
     )
     metrics_port: int | None = setting(
-        None, help="worker i serves Prometheus metrics on this port + i [default: off]"
+        None,
+        section=NODE,
+        help="worker i serves Prometheus metrics on this port + i [default: off]",
     )
     json: bool = setting(False, help="one JSON summary on stdout at the end")
-    verify: bool = setting(False, help="read every output back (hsq verify --deep) at the end")
+    verify: bool = setting(False, help="read every output back (verify --deep) at the end")
     redis_only: bool = setting(
         False,
         flag_only=True,
+        section=NODE,
         help="serve OUT's own Redis until Ctrl-C (for hsq verify/export after a run)",
     )
     redis_url: str | None = setting(
@@ -78,13 +88,14 @@ class RunFlags:
         flag="--redis",
         env=("HSQ_REDIS_URL", "REDIS_URL"),
         default_text="OUT's own redis-server",
+        metavar="URL",
         help="use this Redis (auth through the environment or --redis-url-file, never a flag)",
     )
     listen: str | None = setting(
         None,
-        default_text="this host only (a Unix socket in OUT/.hsq/)",
-        help="HOST[:PORT]: serve OUT's own Redis to other hosts on HOST over TLS, as the "
-        "run's own ACL user; they join with --redis-url-file OUT/.hsq/join-url (docs/multinode.md)",
+        default_text="this host only",
+        metavar="HOST[:PORT]",
+        help="serve OUT's Redis to other hosts over TLS (docs/multinode.md)",
     )
     access: RedisAccess = field(default_factory=RedisAccess)
 
@@ -119,33 +130,39 @@ def split_args(args: tuple[str, ...], *, join: bool) -> tuple[Path | None, tuple
     if not args:
         raise click.UsageError("give DATASET (or --join --run RUN to join a run)")
     dataset = Path(args[0])
+    if not dataset.exists():
+        raise click.UsageError(f"DATASET {args[0]!r}: no such file")
     if not dataset.is_file():
         raise click.UsageError(f"DATASET {args[0]!r} is not a file")
     return dataset, args[1:]
 
 
 @hsq_command("run")
-@click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[DATASET] [-- SERVER_ARGS]")
+@hsq_argument(
+    "args",
+    nargs=-1,
+    type=click.UNPROCESSED,
+    metavar="[DATASET] [-- SERVER_ARGS]",
+    help="",
+    rows=(
+        ("DATASET", "JSONL: token rows, or chat rows with --tokenizer"),
+        ("SERVER_ARGS", "after `--`: given as they are to every server"),
+    ),
+)
 @settings_options(RunFlags)
 @settings_options(WorkerTuning)
 @dataset_options
 def run(args: tuple[str, ...], **values: Any) -> None:
-    """Run a whole node's share of a run: Redis, servers, workers, live view. Safe to rerun.
+    """Run a whole node's share of a run: Redis, servers, workers, live view.
 
-    Without a Redis (--redis-url-file, HSQ_REDIS_URL, REDIS_URL) it starts its own under
-    OUT/.hsq/ (AOF, a generated password), so a re-run after a crash resumes. One server
-    per GPU group (SGLang through `hsq launch-sglang`, vLLM through `hsq launch-vllm`) or
-    reference server on CPU, one worker each; arguments after `--` go to every server. Exit
-    0 all done, 1 some samples dead or left, 2 usage, 3 Redis, 130 after Ctrl-C (once: hand
-    back and stop; twice: now).
+    Starts a Redis in OUT (unless given one), a server per GPU group, a worker
+    each. Safe to rerun. Exit 0 done, 1 samples dead or left, 2 usage, 3 Redis.
 
     \b
     Example:
-      hsq run data.jsonl --out out/                       # CPU: the tiny reference model
-      hsq run data.jsonl --out /shared/hs --model /models/qwen3-8b          # 8 GPUs, TP 1
-      hsq run data.jsonl --out /shared/hs --model /models/kimi-k2.5 --tp 8  # one TP-8 server
-      hsq run data.jsonl --out /shared/hs --model /models/llama --engine vllm  # vLLM
-      hsq run --join --run data --out /scratch/n2 --redis-url-file F --model M  # 2nd node
+      hsq run data.jsonl --out out/  # CPU: the tiny reference model
+      hsq run data.jsonl --out /hs --model /m/qwen3-8b --tp 2  # 8 GPUs: 4 servers
+      hsq run --join --run data --out /n2 --redis-url-file F --model M  # node 2
     """
     import socket
 
@@ -154,7 +171,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         REFERENCE,
         persist_procs_each,
         plan_node,
-        server_args_for,
         sglang_importable,
         visible_gpus,
     )
@@ -166,7 +182,6 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     tuning.validate()
     data = take_dataset(values, "hsq run")
     dataset, server_args = split_args(args, join=f.join)
-    server_args = tuple(server_args_for(str(data.settings.get("store_dtype", "")), server_args))
     name = f.run or (run_name_of(dataset) if dataset is not None else None)
     if name is None:
         raise click.UsageError("--join needs --run")

@@ -67,11 +67,15 @@ def _exit_now(rc: int) -> None:
 
 @dataclass(frozen=True)
 class ExporterFlags:
-    exporter_port: int = setting(9640, flag="--port", help="port serving /metrics")
+    # `--metrics-port` and `--metrics-host`, as a worker's: one name per concept (the
+    # servers' --port and --host are where they serve requests).
+    exporter_port: int = setting(
+        9640, flag="--metrics-port", deprecated=("--port",), help="port serving /metrics"
+    )
     exporter_host: str = setting(
         "127.0.0.1",
         flag="--metrics-host",
-        aliases=("--host",),
+        deprecated=("--host",),
         help="address to bind; 0.0.0.0 to let Prometheus on another host scrape it",
     )
 
@@ -84,7 +88,7 @@ def exporter(**values: Any) -> None:
 
     \b
     Example:
-      hsq exporter --redis-url-file /run/secrets/redis_url --port 9640 --metrics-host 0.0.0.0
+      hsq exporter --redis-url-file /run/secrets/redis_url --metrics-host 0.0.0.0
     """
     from hsq.ops.prometheus import run_exporter
 

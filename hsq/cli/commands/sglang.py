@@ -10,8 +10,9 @@ from typing import Any
 import click
 
 from hsq.cli.command import hsq_command
-from hsq.cli.commands.launch import PASS_ON, LaunchCommon
+from hsq.cli.commands.launch import PASS_ON
 from hsq.cli.options import settings_options, take
+from hsq.engines.launch import LaunchCommon
 from hsq.settings import int_tuple_or_none, setting
 
 
@@ -69,6 +70,8 @@ def launch_sglang(ctx: click.Context, /, **values: Any) -> None:
             port=f.port,
             sglang_version=f.sglang_version,
             start_timeout=f.start_timeout_s,
-            **f.common.launcher_args(ctx),
+            common=f.common,
+            extra=list(ctx.args),
+            echo=click.echo,
         )
     )

@@ -63,7 +63,7 @@ def status(**values: Any) -> None:
     first = True
     while True:
         # Every run, listed again each round; one that cannot be read is skipped and
-        # reported, never hides the others (issue 33 D7).
+        # reported, never hides the others.
         listing = None if flags.run else scan_runs(client)
         runs = listing.runs if listing is not None else [flags.run] if flags.run else []
         reports, dead = [], []
@@ -88,7 +88,9 @@ def status(**values: Any) -> None:
             )
         else:
             out = "\n".join(
-                "\n".join(status_text(r) + (dead_text(ds) if flags.failed else []))
+                "\n".join(
+                    status_text(r, listed=flags.failed) + (dead_text(ds) if flags.failed else [])
+                )
                 for r, ds in zip(reports, dead, strict=True)
             )
             out = out or "no runs"

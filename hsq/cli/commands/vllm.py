@@ -10,8 +10,9 @@ from typing import Any
 import click
 
 from hsq.cli.command import hsq_command
-from hsq.cli.commands.launch import PASS_ON, LaunchCommon
+from hsq.cli.commands.launch import PASS_ON
 from hsq.cli.options import settings_options, take
+from hsq.engines.launch import LaunchCommon
 from hsq.settings import int_tuple_or_none, setting
 
 
@@ -67,6 +68,8 @@ def launch_vllm(ctx: click.Context, /, **values: Any) -> None:
             port=f.port,
             served_model_name=f.served_model_name,
             python=f.python,
-            **f.common.launcher_args(ctx),
+            common=f.common,
+            extra=list(ctx.args),
+            echo=click.echo,
         )
     )

@@ -8,8 +8,8 @@
     POST /admin/pause, /admin/resume   hold forwards so queued requests form one batch
 
 /admin/* is off (403) unless the server was started with --admin, and then answers only
-loopback peers, or, with --admin-token-file, only requests carrying that token (issue 33
-D10: a fault rule from another user made a run's states another sample's). Request bodies
+loopback peers, or, with --admin-token-file, only requests carrying that token (a fault
+rule from another local user made a run's states another sample's). Request bodies
 are bounded by what --max-tokens allows (body_limit), not by the generic 64 MiB.
 
 The HTTP side is hsq.engines.http_api's (routing, body limits, error replies): one
@@ -221,18 +221,7 @@ def dump_bytes_per_token(
 def ready_marker(engine: Engine) -> ReadyMarker:
     import hsq
 
-    m = engine.model
-    return ReadyMarker(
-        layer_ids=tuple(m.layer_ids),
-        model=m.identity,
-        server="hsq-reference",
-        server_version=hsq.__version__,
-        hook_version=hsq.__version__,
-        pid=os.getpid(),
-        created_unix=time.time(),
-        encoding=engine.encoding,
-        prenorm=m.prenorm,
-    )
+    return engine.ctx.ready_marker("hsq-reference", hsq.__version__)
 
 
 ADMIN_PREFIX = "/admin/"
@@ -243,7 +232,8 @@ BODY_BASE_BYTES = 64 * 1024
 
 
 def body_limit(max_tokens: int) -> int:
-    """The largest request body a server of --max-tokens can need (D16: 64 MiB before)."""
+    """The largest request body a server of --max-tokens can need, not 64 MiB for
+    every server."""
     return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_tokens
 
 
@@ -282,10 +272,30 @@ def admin_guard(settings: ReferenceSettings) -> Authorize:
     return authorize
 
 
+HOLD_START_ENV = "HSQ_TEST_HOLD_START_UNTIL"
+"""A test hook, off unless set: the server holds its start (in its `loading` phase, not
+listening, no ready marker) until the file this names exists, as a large model's load or
+SGLang's compile holds a real one for minutes (tests/test_run_starting.py)."""
+
+
+def hold_start_for_tests() -> None:
+    path = os.environ.get(HOLD_START_ENV)
+    if not path:
+        return
+    log.warning("start_held_by_test_hook", until=path)
+    while not os.path.exists(path):
+        time.sleep(0.1)
+
+
 def serve(settings: ReferenceSettings) -> None:
     """Load, warm up, then serve until SIGTERM/SIGINT; pending dumps are flushed on exit."""
     guard = admin_guard(settings)  # before the model loads: a bad token file fails fast
+    # The phases by name: `hsq run` shows a starting server's last one (loading, warming up).
+    log.info("loading_model", model=settings.model, device=settings.device)
+    hold_start_for_tests()
     engine = build_engine(settings)
+    if settings.warmup_shapes or settings.warmup:
+        log.info("warming_up", requests=settings.warmup, shapes=settings.warmup_shapes)
     if settings.warmup_shapes:
         engine.warmup_shapes()
     engine.warmup(settings.warmup)

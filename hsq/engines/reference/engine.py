@@ -26,9 +26,9 @@ from hsq.dump.format import (
     TMP_SUFFIX,
     DumpMeta,
     dtype_name,
-    expected_shapes,
     fingerprint,
 )
+from hsq.engines.common import DumpContext
 from hsq.engines.http_api import RequestError, prefill_answer
 from hsq.engines.reference.dumper import DumpPart, DumpWriter, HostBatch
 from hsq.engines.reference.faults import MIXING, FaultPlan, FaultRule, mix_sources
@@ -101,6 +101,8 @@ class Engine:
         self.writer = writer
         self.faults = faults
         self.encoding = encoding
+        self.ctx = DumpContext(model.identity, model.layer_ids, encoding, model.prenorm)
+        """What every dump of this server shares."""
         self.max_tokens = max_tokens
         self.max_batch_requests = max(1, max_batch_requests)
         self.max_batch_tokens = max_batch_tokens or max_tokens
@@ -288,21 +290,7 @@ class Engine:
 
     def _meta(self, index: int, rid: str, fp: str, n: int) -> DumpMeta:
         m = self.model
-        return DumpMeta(
-            rid=rid,
-            num_tokens=n,
-            input_fingerprint=fp,
-            layer_ids=m.layer_ids,
-            hidden_size=m.hidden_size,
-            dtype=dtype_name(m.dump_dtype),
-            model=m.identity,
-            tensors=expected_shapes(
-                n, len(m.layer_ids), m.hidden_size, encoding=self.encoding, prenorm=m.prenorm
-            ),
-            request_index=index,
-            encoding=self.encoding,
-            prenorm=m.prenorm,
-        )
+        return self.ctx.meta(index, rid, fp, n, m.hidden_size, dtype_name(m.dump_dtype))
 
     def _parts(
         self,

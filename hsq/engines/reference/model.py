@@ -8,8 +8,6 @@ A path loads a local HF checkpoint (no hub access at run time).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ import torch
 from torch import nn
 
 from hsq.dump.format import ModelIdentity
+from hsq.engines.common import config_digest
 from hsq.errors import ConfigError
 
 TINY = "tiny"
@@ -182,11 +181,6 @@ class HiddenStateModel:
         )
 
 
-def _digest(config: dict[str, Any], extra: str) -> str:
-    blob = json.dumps(config, sort_keys=True, default=str) + extra
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
 def _headless(auto: Any, config: Any) -> Any:
     """The decoder class AutoModel picks for `config`, told that a checkpoint's LM head is
     not its to load: a *ForCausalLM checkpoint's `lm_head.*` otherwise fills a `LOAD REPORT
@@ -247,7 +241,7 @@ def load_model(
         architecture=type(decoder).__name__,
         num_layers=num_layers,
         hidden_size=int(config.hidden_size),
-        config_digest=_digest(cfg_dict, f"seed={seed}" if not path.exists() else ""),
+        config_digest=config_digest(cfg_dict, f"seed={seed}" if not path.exists() else ""),
     )
     return HiddenStateModel(
         decoder,

@@ -10,6 +10,11 @@ from hsq.errors import ConfigError
 from hsq.settings import int_tuple, setting
 from hsq.states import ENCODINGS, PLAIN
 
+TUNING = "Batching and writing"
+"""--help's headings (hsq/cli/command.py): how the server batches and writes dumps, and
+what tests and demos drive it with."""
+TESTING = "Tests and demos"
+
 
 @dataclass(frozen=True)
 class ReferenceSettings:
@@ -49,40 +54,56 @@ class ReferenceSettings:
     max_tokens: int = setting(8192, help="longest request accepted, in tokens")
     max_batch_requests: int | None = setting(
         None,
+        section=TUNING,
         help="concurrent requests gathered into one forward (1: one request at a time)",
         default_text="8 on cuda, 1 on cpu, where a batch costs its rows and padding",
     )
     max_batch_tokens: int = setting(
-        16384, help="tokens per batched forward (a longer single request still runs, alone)"
+        16384,
+        section=TUNING,
+        help="tokens per batched forward (a longer single request still runs, alone)",
     )
     warmup_shapes: bool = setting(
-        False, help="on CUDA, run every padded batch shape once at start (first-use cost)"
+        False,
+        section=TUNING,
+        help="on CUDA, run every padded batch shape once at start (first-use cost)",
     )
-    warmup: int = setting(0, help="requests the server sends itself at start; each creates a dump")
+    warmup: int = setting(
+        0, section=TUNING, help="requests the server sends itself at start; each creates a dump"
+    )
     counter_start: int = setting(
-        0, help="first req_<N> index (simulates a counter moved by earlier requests)"
+        0,
+        section=TESTING,
+        help="first req_<N> index (simulates a counter moved by earlier requests)",
     )
     faults: tuple[str, ...] = setting(
         (),
+        section=TESTING,
         help="fault rule MODE[:key=value,...], repeatable; see docs/reference-server.md",
         flag="--fault",
     )
     admin: bool = setting(
         False,
+        section=TESTING,
         help="serve /admin/* (fault rules, pause/resume) for tests and demos; from loopback "
         "only, or from anywhere with --admin-token-file (then always with the token)",
     )
     admin_token_file: Path | None = setting(
         None,
         path="file",
+        section=TESTING,
         help="file holding the token /admin/* requests must send (X-Hsq-Admin-Token or "
         "Authorization: Bearer); a file, never a flag value",
     )
-    seed: int = setting(0, help="seed of the tiny model's weights")
-    writer_depth: int = setting(2, help="dumps queued for the writer thread before requests block")
-    writer_threads: int = setting(1, help="threads writing dumps (more only if one falls behind)")
-    fsync: bool = setting(True, help="fsync dumps (--no-fsync for tmpfs dump dirs)")
-    threads: int | None = setting(None, help="torch CPU threads")
+    seed: int = setting(0, section=TESTING, help="seed of the tiny model's weights")
+    writer_depth: int = setting(
+        2, section=TUNING, help="dumps queued for the writer thread before requests block"
+    )
+    writer_threads: int = setting(
+        1, section=TUNING, help="threads writing dumps (more only if one falls behind)"
+    )
+    fsync: bool = setting(True, section=TUNING, help="fsync dumps (--no-fsync for tmpfs dump dirs)")
+    threads: int | None = setting(None, section=TUNING, help="torch CPU threads")
     ready_marker: bool = setting(
         True,
         help="write hsq-ready.json at start-up; off only to test workers against a hookless server",

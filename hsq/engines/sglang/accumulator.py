@@ -29,7 +29,7 @@ class Chunk:
     input_ids: torch.Tensor
     """[n] token ids the forward computed: the fingerprint is taken from these."""
     tensors: dict[str, list[torch.Tensor]]
-    """The dump's tensors by hsq.protocol name, in file order, each as column pieces
+    """The dump's tensors by hsq.states name, in file order, each as column pieces
     [n, w] of this chunk's rows: the aux states come as one packed piece (DeepSeek) or one
     per layer (Llama), widths summing to k*H; fp8 values and their scales alike."""
     dtype: torch.dtype | None = None

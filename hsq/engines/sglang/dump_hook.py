@@ -13,9 +13,10 @@ from dataclasses import replace
 
 import torch
 
+from hsq.engines.common import DumpContext
 from hsq.engines.sglang.accumulator import Chunk
 from hsq.engines.sglang.config import HookConfig
-from hsq.engines.sglang.dump_writer import DumpContext, DumpSink, HostCopier
+from hsq.engines.sglang.dump_writer import DumpSink, HostCopier
 from hsq.engines.sglang.plan import BatchPlan, ReqLike, RidFilter, build_plan
 from hsq.quant import quantize_on_device
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name

@@ -19,25 +19,11 @@ from pathlib import Path
 
 import torch
 
-from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
-from hsq.dump.write import first_free_index, write_dump
+from hsq.engines.common import DumpContext, DumpFiles
 from hsq.engines.sglang.accumulator import Accumulator, Chunk, Complete
-from hsq.states import LAST_TENSOR, PLAIN
+from hsq.states import LAST_TENSOR
 
 log = logging.getLogger("hsq.sglang_hook")
-
-
-@dataclass(frozen=True)
-class DumpContext:
-    """What every dump of this server shares."""
-
-    model: ModelIdentity
-    layer_ids: list[int]
-    """Effective HF hidden_states indices, in the aux tensor's order."""
-    encoding: str = PLAIN
-    """`plain`, or `fp8-e4m3`: the chunks hold values quantized on the device plus scales."""
-    prenorm: bool = False
-    """The chunks hold last_hidden_state_prenorm too."""
 
 
 class HostCopier:
@@ -91,7 +77,12 @@ class _Item:
     nbytes: int
 
 
-class DumpSink:
+class DumpSink(DumpFiles):
+    """The writer thread's side of the queue, writing through DumpFiles (the next free
+    req_<N>, the readiness marker). The context's layer ids are the effective HF
+    hidden_states indices; for fp8 the chunks hold values quantized on the device plus
+    scales, with prenorm last_hidden_state_prenorm too."""
+
     def __init__(
         self,
         dump_dir: Path,
@@ -104,17 +95,12 @@ class DumpSink:
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = 5.0,
     ) -> None:
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        self.dump_dir = dump_dir
-        self.ctx = ctx
+        super().__init__(dump_dir, ctx, fsync=fsync, log=log, tag="hs_dump")
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self.fsync = fsync
         self.acc = Accumulator(evict_after_s, clock)
         self.written: list[Path] = []
-        self.errors = 0
         self._tick_s = tick_s
-        self._next_index = first_free_index(dump_dir)
         self._items: deque[_Item | None] = deque()
         self._bytes = 0
         self._busy = 0  # items taken by the writer and not finished
@@ -200,8 +186,7 @@ class DumpSink:
         last = tensors[LAST_TENSOR]
         total, hidden = int(ids.shape[0]), int(last.shape[1])
         k = len(self.ctx.layer_ids)
-        ctx = self.ctx
-        want = expected_shapes(total, k, hidden, encoding=ctx.encoding, prenorm=ctx.prenorm)
+        want = self.ctx.shapes(total, hidden)
         got = {name: list(t.shape) for name, t in tensors.items()}
         if got != want or ids.dim() != 1:
             self.errors += 1
@@ -217,32 +202,6 @@ class DumpSink:
             )
             return
         dtype = done.chunks[0].dtype or last.dtype  # fp8: what the states were quantized from
-        for _ in range(1000):
-            index = self._next_index
-            self._next_index += 1
-            meta = DumpMeta(
-                rid=done.rid,
-                num_tokens=int(total),
-                input_fingerprint=fingerprint(ids),
-                layer_ids=list(self.ctx.layer_ids),
-                hidden_size=hidden,
-                dtype=dtype_name(dtype),
-                model=self.ctx.model,
-                tensors=want,
-                request_index=index,
-                encoding=ctx.encoding,
-                prenorm=ctx.prenorm,
-            )
-            try:
-                path = write_dump(self.dump_dir, index, meta, tensors, fsync=self.fsync)
-            except FileExistsError:
-                continue  # another writer (or an old run) holds this index
-            except OSError as exc:
-                # The dump never appears; the client sees no_dump and retries the sample.
-                self.errors += 1
-                log.error("hs_dump: writing %s failed: %s", done.rid, exc)
-                return
+        path = self.store(done.rid, ids, tensors, hidden_size=hidden, dtype=dtype)
+        if path is not None:
             self.written.append(path)
-            return
-        self.errors += 1
-        log.error("hs_dump: no free req_<N> index for %s", done.rid)

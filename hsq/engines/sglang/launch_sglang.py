@@ -9,7 +9,7 @@ its hook is not active.
 from __future__ import annotations
 
 import importlib.metadata
-import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from hsq.dump.ready import READY_FILE, ReadyMarker, read_ready
+from hsq.engines.launch import LaunchCommon, prepare_dump_dir, read_local_config
 from hsq.engines.sglang import compat
 from hsq.engines.sglang.launch_args import (
     check_model_config,
@@ -28,7 +29,6 @@ from hsq.engines.sglang.launch_args import (
     launch_command,
 )
 from hsq.errors import ConfigError, HookInactiveError
-from hsq.states import PLAIN
 
 EXIT_BAD_SERVER = 2
 
@@ -67,13 +67,8 @@ def local_config_problems(
 ) -> list[str]:
     """What a local checkpoint's config.json says against the settings (empty for a hub
     id or an unreadable config: the plugin checks again once SGLang has loaded it)."""
-    path = Path(model_path) / "config.json"
-    try:
-        with open(path, "rb") as f:
-            config = json.loads(f.read(4 * 2**20))
-    except (OSError, ValueError):
-        return []
-    if not isinstance(config, dict):
+    config = read_local_config(model_path)
+    if config is None:
         return []
     return check_model_config(
         config, layers, deepseek_first_id_rule=compat.deepseek_first_id_rule(version)
@@ -85,17 +80,12 @@ def run_checked(
     model_path: str,
     dump_dir: Path,
     layers: tuple[int, ...] | None,
-    host: str,
     port: int,
-    tp_size: int,
     sglang_version: str | None,
-    extra: list[str],
-    encoding: str = PLAIN,
-    prenorm: bool = False,
-    print_only: bool,
     start_timeout: float,
+    common: LaunchCommon,
+    extra: list[str],
     echo: Callable[[str], None],
-    quote: Callable[[list[str]], str],
 ) -> int:
     version = sglang_version or installed_sglang_version()
     try:
@@ -104,12 +94,12 @@ def run_checked(
             dump_dir,
             sglang_version=version,
             layer_ids=layers,
-            host=host,
+            host=common.host,
             port=port,
-            tp_size=tp_size,
+            tp_size=common.tp,
             python=sys.executable,
-            encoding=encoding,
-            prenorm=prenorm,
+            encoding=common.dump_encoding,
+            prenorm=common.prenorm,
             extra_args=extra,
         )
     except ValueError as exc:
@@ -117,13 +107,13 @@ def run_checked(
     problems = local_config_problems(model_path, layers, version)
     if problems:
         raise ConfigError("refusing to start SGLang: " + "; ".join(problems))
-    echo(quote(cmd))
-    if print_only:
+    echo(shlex.join(cmd))
+    if common.print_only:
         return 0
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    dump_dir.chmod(0o700)  # private to the one worker that owns it
+    prepare_dump_dir(dump_dir)
     proc = subprocess.Popen(cmd)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    host = common.host
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     deadline = time.monotonic() + start_timeout
     while proc.poll() is None and time.monotonic() < deadline:

@@ -3,7 +3,7 @@
 - AROUND ``ModelRunner.load_model``: before the weights load, refuse settings and layer
   ids that break capture; after, turn aux capture on (before attention backends and
   CUDA graphs are set up), check the layers the model will capture, build DumpHook and
-  write the readiness marker (hsq.protocol.ReadyMarker) that workers wait for.
+  write the readiness marker (hsq.dump.ready.ReadyMarker) that workers wait for.
 - AROUND ``Scheduler.run_batch``: snapshot the batch plan of a prefill batch.
 - AROUND ``LogitsProcessor.forward``: the one point where every token's final (post-norm)
   and aux states are visible for every model; hand them to DumpHook.
@@ -23,17 +23,13 @@ import logging
 import os
 import pkgutil
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
-import hsq
-from hsq.dump.ready import READY_FILE, ReadyMarker, write_ready
+from hsq.engines.common import DumpContext, forget_marker, model_identity
 from hsq.engines.sglang import compat
 from hsq.engines.sglang.config import ENV_LAYER_IDS, ENV_PRENORM, HookConfig
 from hsq.engines.sglang.dump_hook import DumpHook, batch_input_ids
-from hsq.engines.sglang.dump_writer import DumpContext
-from hsq.engines.sglang.identity import model_identity
 from hsq.engines.sglang.launch_args import SERVER_ARG_KEYS, refusals
 from hsq.engines.sglang.layers import (
     PRENORM_FAMILIES,
@@ -137,7 +133,7 @@ def around_load_model(orig: Callable[..., Any], runner: Any, *args: Any, **kwarg
     predicted = preflight(runner, cfg, version)
     if _attn_tp_rank() == 0:
         # A marker left by an earlier server must not vouch for this one while it loads.
-        (cfg.dump_dir / READY_FILE).unlink(missing_ok=True)
+        forget_marker(cfg.dump_dir)
     result = orig(runner, *args, **kwargs)
     _install(runner, cfg, predicted, version)
     return result
@@ -192,19 +188,8 @@ def _install(runner: Any, cfg: HookConfig, predicted: list[int] | None, version:
             )
         norm.register_forward_hook(_tap_prenorm, with_kwargs=True)  # type: ignore[attr-defined]
     _hook = hook
-    if _hook.is_writer:
-        marker = ReadyMarker(
-            layer_ids=tuple(effective),
-            model=ident,
-            server="sglang",
-            server_version=version,
-            hook_version=hsq.__version__,
-            pid=os.getpid(),
-            created_unix=time.time(),
-            encoding=cfg.encoding,
-            prenorm=cfg.prenorm,
-        )
-        write_ready(cfg.dump_dir, marker, fsync=cfg.fsync)
+    if _hook.sink is not None:  # the writer announces what its dumps hold
+        _hook.sink.announce("sglang", version)
     log.info(
         "hs_dump: %s layers %s -> %s (writer=%s)", ident.model_id, ids, effective, _hook.is_writer
     )

@@ -32,9 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
+from hsq.engines.common import model_identity
 from hsq.engines.vllm.config import ConnectorConfig
 from hsq.engines.vllm.core import ConnectorCore, prompt_computed, rid_of
-from hsq.engines.vllm.identity import model_identity
 from hsq.engines.vllm.refusals import ServingFacts
 
 log = logging.getLogger("hsq.engines.vllm")

@@ -14,12 +14,12 @@ from typing import Protocol
 import torch
 
 from hsq.dump.format import ModelIdentity
-from hsq.dump.ready import READY_FILE
+from hsq.engines.common import DumpContext, forget_marker
 from hsq.engines.vllm.checkpoint import FinalNorm, read_final_norm
 from hsq.engines.vllm.config import RID_PARAM, ConnectorConfig
 from hsq.engines.vllm.layers import vllm_aux_ids
 from hsq.engines.vllm.refusals import ServingFacts, refusals
-from hsq.engines.vllm.writer import DumpContext, DumpWriter
+from hsq.engines.vllm.writer import SERVER, DumpWriter
 from hsq.errors import ConfigError
 
 log = logging.getLogger("hsq.engines.vllm")
@@ -70,23 +70,18 @@ class ConnectorCore:
 
     def forget_marker(self) -> None:
         """A marker an earlier server left must not vouch for this one while it loads."""
-        (self.cfg.dump_dir / READY_FILE).unlink(missing_ok=True)
+        forget_marker(self.cfg.dump_dir)
 
     def start_writer(self, server_version: str, norm: FinalNorm | None = None) -> DumpWriter:
         """The writer (TP rank 0 only), then the readiness marker the worker waits for."""
         if norm is None:
             model_dir = Path(self.model_path)
             norm = read_final_norm(model_dir, self.facts.hidden_size)
-        ctx = DumpContext(
-            model=self.model,
-            layer_ids=self.cfg.layer_ids,
-            captured=self.captured,
-            norm=norm,
-            encoding=self.cfg.encoding,
-            prenorm=self.cfg.prenorm,
+        ctx = DumpContext(self.model, self.cfg.layer_ids, self.cfg.encoding, self.cfg.prenorm)
+        self.writer = DumpWriter(
+            self.cfg.dump_dir, ctx, captured=self.captured, norm=norm, fsync=self.cfg.fsync
         )
-        self.writer = DumpWriter(self.cfg.dump_dir, ctx, fsync=self.cfg.fsync)
-        self.writer.announce(server_version)
+        self.writer.announce(SERVER, server_version)
         return self.writer
 
     def remember(self, key: str, rid: str) -> None:

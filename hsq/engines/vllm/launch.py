@@ -5,10 +5,11 @@ code). The worker then checks the connector's readiness marker before its first 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hsq.dump.ready import READY_FILE
+from hsq.engines.launch import LaunchCommon, prepare_dump_dir
 from hsq.engines.vllm.launch_args import (
     config_problems,
     default_layer_ids,
@@ -16,7 +17,6 @@ from hsq.engines.vllm.launch_args import (
     read_local_config,
 )
 from hsq.errors import ConfigError
-from hsq.states import PLAIN
 
 
 def plan(
@@ -46,17 +46,12 @@ def run(
     dump_dir: Path,
     layers: Sequence[int] | None,
     num_layers: int | None,
-    host: str,
     port: int,
-    tp_size: int,
     served_model_name: str | None,
     python: str,
+    common: LaunchCommon,
     extra: Sequence[str],
-    encoding: str = PLAIN,
-    prenorm: bool = False,
-    print_only: bool,
     echo: Callable[[str], None],
-    quote: Callable[[list[str]], str],
 ) -> int:
     ids, total = plan(model_path, layers, num_layers)
     try:
@@ -65,24 +60,21 @@ def run(
             dump_dir,
             ids,
             total,
-            host=host,
+            host=common.host,
             port=port,
-            tp_size=tp_size,
+            tp_size=common.tp,
             served_model_name=served_model_name,
-            encoding=encoding,
-            prenorm=prenorm,
+            encoding=common.dump_encoding,
+            prenorm=common.prenorm,
             python=python,
             extra_args=extra,
         )
     except ValueError as exc:
         raise ConfigError(f"refusing to start vLLM: {exc}") from exc
-    echo(quote(cmd))
+    echo(shlex.join(cmd))
     echo(f"pin the layers with: hsq enqueue --layers {','.join(map(str, ids))}")
-    if print_only:
+    if common.print_only:
         return 0
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    dump_dir.chmod(0o700)  # private to the one worker that owns it
-    # A marker an earlier server left must not vouch for this one while it loads.
-    (dump_dir / READY_FILE).unlink(missing_ok=True)
+    prepare_dump_dir(dump_dir)
     os.execvp(cmd[0], cmd)
     return 1  # pragma: no cover - execvp does not return

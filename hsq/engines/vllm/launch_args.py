@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hsq.engines.launch import read_local_config as read_config_json
 from hsq.engines.vllm.config import ConnectorConfig
 from hsq.engines.vllm.layers import layer_problems, vllm_aux_ids
 from hsq.engines.vllm.refusals import ACCEPTED_CACHE_DTYPES
@@ -45,15 +46,9 @@ def default_layer_ids(num_layers: int) -> tuple[int, ...]:
 def read_local_config(model_path: str) -> dict[str, Any] | None:
     """A local checkpoint's config.json (its text config for a multimodal wrapper); None
     for a hub id or an unreadable file (the connector checks again in vLLM)."""
-    try:
-        with open(Path(model_path) / "config.json", "rb") as f:
-            config = json.loads(f.read(4 * 2**20))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config")
-    if isinstance(text, dict):
+    config = read_config_json(model_path)
+    text = config.get("text_config") if config is not None else None
+    if config is not None and isinstance(text, dict):
         return {**text, "architectures": config.get("architectures")}
     return config
 

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from hsq.runstore import RunStore
 
 CKPT = ".ckpt"
-SPECFORGE_KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 KIND = "specforge-bf16-v1"
 """The ledger's format tag: a change to what a .ckpt holds must change it."""
 

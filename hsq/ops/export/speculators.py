@@ -105,13 +105,19 @@ def _require_prenorm(root: Path, entries: list[tuple[str, ManifestEntry]], run: 
         names = read_header(root / entry.path).tensors
     except (OSError, ValueError, OutputError) as exc:
         raise ConfigError(f"cannot read {root / entry.path}: {exc}") from exc
-    if PRENORM_TENSOR not in names:
+    require_prenorm_run(PRENORM_TENSOR in names, run)
+
+
+def require_prenorm_run(prenorm: bool, run: str) -> None:
+    """A run without the pre-norm state cannot become a speculators dataset: say so, and
+    how to extract one, before anything is written."""
+    if not prenorm:
         raise ConfigError(
             f"run {run!r} has no pre-norm final state ({PRENORM_TENSOR}): speculators trains on "
             "the last layer BEFORE the norm, which hsq's post-norm last_hidden_state cannot "
-            "give back. Extract a new run with `hsq enqueue --prenorm` and every server "
-            "started with --prenorm (`hsq serve-reference --prenorm`, `hsq launch-sglang "
-            "--prenorm`), see docs/training.md"
+            "give back. Extract a new run with `hsq run DATASET --out OUT --prenorm` (its "
+            "servers get --prenorm; with servers of your own: `hsq enqueue --prenorm` and "
+            "each server started with --prenorm), see docs/training.md"
         )
 
 

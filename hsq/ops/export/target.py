@@ -176,7 +176,8 @@ def _refuse_the_checkpoint(checkpoint: Path, target_dir: Path) -> None:
     """ConfigError if target_dir is (or, once made, would be) the checkpoint's directory.
 
     Compared by identity (device and inode), not by resolved paths: a bind mount, a second
-    mount of the same filesystem resolves to another path (issue 33 D11).
+    mount of the same filesystem resolves to another path, and a check by path let an
+    export through such an alias replace the checkpoint's own weights.
     A target that does not exist yet is a new directory, unless the part still to be made
     climbs back up with `..`: refused, since what it names is known only after mkdir."""
     ckpt = os.stat(checkpoint)

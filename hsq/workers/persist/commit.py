@@ -12,7 +12,7 @@ batch (a purged run, Redis unreachable): the ack stage decides as it did for one
 A worker killed with samples waiting here redoes them: the redo finds each file at its
 name, adopts it (hsq/outputs/publish.py: no writer replaces a file) and marks it once.
 
-Marks are fenced by ownership (issue 33 D4): the script marks a sample only while its job
+Marks are fenced by ownership: the script marks a sample only while its job
 is still in this worker's wip list. A worker stopped (SIGSTOP, a partition) with written
 samples waiting here, whose jobs a reaper gave to another worker meanwhile, marks none of
 them when it wakes: the other worker's files and marks stand. Such a sample is settled

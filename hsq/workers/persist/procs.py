@@ -1,9 +1,10 @@
 """Persist processes: the per-sample CPU work of the persist stage (validate, read, finite
 check, checksum, quantize, write, fsync) in N child processes of the worker, so a worker is
-not bound by one interpreter's GIL (issue 35; BENCHMARKS.md has the measurement).
+not bound by one interpreter's GIL (BENCHMARKS.md has the measurement).
 
 What stays in the worker's main process, single-owner: the dispatcher and rid matching, the
-pins, the done look and lease check before a rename (the D4 fence), and every Redis write.
+pins, the done look and lease check before a rename (the fence that keeps a woken worker
+from replacing a sample another worker redid), and every Redis write.
 A child writes its sample's temp file and fsyncs it, then asks its parent whether it may
 rename (`before_rename`); only on "go" does the file take its name, and only after the
 child answered the result does the parent hand the sample to the committer. So a child
@@ -182,7 +183,9 @@ class PersistProcs:
     """N persist processes; each call takes a free one (a persist thread drives it)."""
 
     def __init__(self, n: int, *, direct_io: bool, torch_threads: int = 1) -> None:
-        argv = [sys.executable, "-m", "hsq.workers.persist.procs"]
+        # -P: the current directory (a clone named hsq/ beside where `hsq run` started)
+        # cannot shadow the installed package (hsq.node.procs.python_module says more).
+        argv = [sys.executable, "-P", "-m", "hsq.workers.persist.procs"]
         argv += ["--direct-io", "1" if direct_io else "0", "--torch-threads", str(torch_threads)]
         self.children = [_Child(argv) for _ in range(max(1, n))]
         self._free: queue.Queue[_Child] = queue.Queue()
@@ -267,7 +270,7 @@ class _Serve:
             finally:
                 # The staged dump is used up whatever happened (a retry asks the server
                 # again). Removed here, before the answer: freeing ~9 MB of tmpfs pages cost
-                # the worker's own process ~1.9 ms of CPU a short sample (issue 35); the
+                # the worker's own process ~1.9 ms of CPU a short sample; the
                 # worker's removal after the answer is then a no-op.
                 shutil.rmtree(job.staged, ignore_errors=True)
         except _Refused:

@@ -196,15 +196,16 @@ class PersistStage:
 
         def before_rename() -> None:
             # The dump's every value has passed by now: only a fully valid dump pins the
-            # run's model, layers, dtype and hidden size (D11), and one that disagrees
+            # run's model, layers, dtype and hidden size (a bad first dump once pinned its model and
+            # failed every later sample), and one that disagrees
             # with them leaves no file.
             item.view.confirm(item.meta, self.store)
             # A worker that was stopped (SIGSTOP, a partition, a long pause) past its
             # heartbeat must not replace the file of a sample another worker redid and
-            # marked done meanwhile (issue 23, item 5): look right before the rename,
+            # marked done meanwhile: look right before the rename,
             # unless the lease shows no one can have taken the sample.
             # Past a break, the sample's job must still be ours too: once a reaper took it,
-            # this worker never renames (nor marks: commit.py) for it again (issue 33 D4).
+            # this worker never renames (nor marks: commit.py) for it again.
             held = self._lease is not None and self._lease.held()
             if not held and (
                 item.item.job_id not in self.store.held_job_ids(self.worker_id)
@@ -213,7 +214,7 @@ class PersistStage:
                 raise _DoneElsewhere(sid)
 
         if item.confirm_single is not None:
-            item.confirm_single()  # a second dump for the rid fails the attempt (item 12)
+            item.confirm_single()  # a second dump for the rid fails the attempt
         t1 = time.perf_counter()
         self.metrics.observe("validate", t1 - t0)
         rel = output_relpath(sid)

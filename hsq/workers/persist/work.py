@@ -45,7 +45,8 @@ def write_staged(
 ) -> tuple[int, str]:
     """Write `sample`'s output from its staged dump; (bytes, checksum)."""
     # The header against the meta here; the values (finite) in the one pass that copies
-    # them, so the bytes checked are the bytes written (issue 23, item 6).
+    # them, so the bytes checked are the bytes written (a dump rewritten between a check and
+    # the copy must not reach the output).
     tensors = open_dump_tensors(staged, meta, check_finite=False, mapped=False)
     try:
         return write_output(

@@ -1,5 +1,6 @@
-"""HTTP client for an inference server (SGLang or the reference server; vLLM:
-hsq/workers/send/vllm_client.py, the same errors over its completions API).
+"""HTTP clients for an inference server: SGLang's /generate (SGLang, the reference server)
+and stock vLLM's completions API with hsq's connector (VllmClient), the same errors and the
+same answer from both.
 
 The transport (hsq/workers/send/http.py: http.client in production, any httpx transport in
 tests) maps the connection's errors into hsq's: a server that cannot be reached is
@@ -22,12 +23,19 @@ from hsq.workers.send.http import HttpxTransport, MidRequestFailure, StdlibTrans
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["MAX_ANSWER_BYTES", "MidRequestFailure", "PrefillAnswer", "ServerClient"]
+__all__ = [
+    "MAX_ANSWER_BYTES",
+    "MidRequestFailure",
+    "PrefillAnswer",
+    "ServerClient",
+    "VllmClient",
+]
 
 # A prefill answer (max_new_tokens=0) is a few hundred bytes; a body far larger is not one.
 MAX_ANSWER_BYTES = 1 << 20
 # The request body is encoded by msgspec: json.dumps of 300 token ids costs ~80 us of the
-# worker's interpreter, msgspec ~2.5 us (issue 35).
+# worker's interpreter, msgspec ~2.5 us, and
+# one interpreter is the worker's ceiling on short samples.
 _encode = msgspec.json.Encoder().encode
 
 
@@ -105,13 +113,59 @@ class ServerClient:
         return status == 200
 
 
+# ---------------------------------------------------------------------------- vLLM
+# One prefill is a ``/v1/completions`` request: the prompt as token ids, ``max_tokens: 1``
+# (vLLM requires at least one sampled token: prefill plus one decode step, whose state is
+# never dumped), and the worker's rid both as the request id and in ``kv_transfer_params``,
+# where the connector reads it (vLLM's own request id gets a prefix and a random suffix, so
+# the connector cannot take it from there).
+
+RID_PARAM = "hsq_rid"
+"""The key of ``kv_transfer_params`` the connector reads (hsq.engines.vllm.config.RID_PARAM;
+the worker imports no other service, so the name is pinned by tests/test_vllm_client.py)."""
+
+
+class VllmClient(ServerClient):
+    def __init__(self, base_url: str, *, model: str | None = None, **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self.model = model
+
+    def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
+        body: dict[str, Any] = {
+            "prompt": input_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "request_id": rid,
+            "kv_transfer_params": {RID_PARAM: rid},
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        answer = self._post_json("/v1/completions", body)
+        return parse_completion(answer)
+
+
+def parse_completion(answer: Any) -> PrefillAnswer:
+    """``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens`` of a
+    completions answer. Without ``--enable-prompt-tokens-details`` vLLM sends no details:
+    the cached count is then 0 by construction, since the connector refuses to start with
+    prefix caching on."""
+    try:
+        usage = answer["usage"]
+        prompt = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") or 0
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (prompt, cached)):
+            raise TypeError(f"token counts {prompt!r}, {cached!r} are not integers")
+        return PrefillAnswer(prompt, cached, answer)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ServerRejectedError(f"unexpected answer from /v1/completions: {exc!r}", 502) from exc
+
+
 def make_client(
     kind: str, base_url: str, *, request_timeout: float, model: str | None = None
 ) -> ServerClient:
     """The client for an engine's API (EngineApi.engine): same errors, same answer."""
     if kind == "vllm":
-        from hsq.workers.send.vllm_client import VllmClient
-
         return VllmClient(base_url, model=model, request_timeout=request_timeout)
     if kind != "sglang":
         raise ValueError(f"unknown server kind {kind!r}")

@@ -119,7 +119,7 @@ class Dispatcher:
                 raise InternalError(self.failed)
             if self.broken is not None:
                 raise DumpDirError(self.broken)
-            self._matcher.add(rid, num_tokens, time.monotonic())
+            self._matcher.add(rid, num_tokens)
             self._tickets[rid] = ticket
             self._cond.notify_all()
         return ticket
@@ -145,8 +145,8 @@ class Dispatcher:
         taken (docs/dump-protocol.md: two dumps for one rid fail the attempt).
 
         The look is the dispatcher's next poll, which every caller waiting meanwhile shares
-        (a poll of its own per sample cost the worker's interpreter ~0.5 ms a sample: issue
-        35's profile). A poll runs whole under the lock, so one completed after this call
+        (a poll of its own per sample cost the worker's interpreter ~0.5 ms a sample,
+        profiled). A poll runs whole under the lock, so one completed after this call
         read the count began after it. Without a live dispatcher thread it polls itself."""
         with self._cond:
             seen = self._polls

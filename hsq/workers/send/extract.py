@@ -15,8 +15,9 @@ import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from hsq.dataset.jsonl import read_sample
+from hsq.dataset.read import read_sample
 from hsq.dump.find import remove_dump
 from hsq.dump.read import check_meta
 from hsq.errors import CachedTokensError, WrongLengthError
@@ -29,22 +30,17 @@ from hsq.workers.send.client import ServerClient
 from hsq.workers.send.dispatch import Dispatcher
 
 
+@dataclass(eq=False)
 class SendStage:
-    def __init__(
-        self,
-        client: ServerClient,
-        dispatcher: Dispatcher,
-        persist: PersistStage,
-        events: queue.Queue[Event],
-        metrics: WorkerMetrics,
-        inflight: int,
-    ) -> None:
-        self.client = client
-        self.dispatcher = dispatcher
-        self.persist = persist
-        self.events = events
-        self.metrics = metrics
-        self._pool = ThreadPoolExecutor(2 * max(1, inflight), thread_name_prefix="send")
+    client: ServerClient
+    dispatcher: Dispatcher
+    persist: PersistStage
+    events: queue.Queue[Event]
+    metrics: WorkerMetrics
+    inflight: int
+
+    def __post_init__(self) -> None:
+        self._pool = ThreadPoolExecutor(2 * max(1, self.inflight), thread_name_prefix="send")
 
     def submit(self, item: WorkItem, view: RunView) -> None:
         self._pool.submit(self._run, item, view)

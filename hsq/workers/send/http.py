@@ -3,8 +3,8 @@ library's http.client, a connection per request in flight.
 
 Why not httpx here: a prefill's POST cost ~1,190 us of the worker interpreter's CPU through
 httpx (its client layer ~350, httpcore and h11 the rest) against ~330 us through
-http.client, measured against the null server on the 2-core machine (issue 35: the worker's
-one interpreter is its ceiling on short samples). httpx stays for tests, as a transport
+http.client, measured against the null server on the 2-core machine (the worker's one
+interpreter is its ceiling on short samples). httpx stays for tests, as a transport
 (`HttpxTransport`, e.g. over httpx.MockTransport), and for hsq's other commands.
 
 Errors are hsq's: a connection that cannot be made is `ServerUnavailableError` (not the

@@ -27,7 +27,6 @@ class Wanted:
 
     rid: str
     num_tokens: int
-    added_at: float
     answered_at: float | None = None
     discards_at_add: int = 0
     held: FoundDump | None = None
@@ -98,10 +97,10 @@ class RidMatcher:
         self.proven = False
         """A dump writer made something in the dump dir since the last reset_proof()."""
 
-    def add(self, rid: str, num_tokens: int, now: float) -> None:
+    def add(self, rid: str, num_tokens: int) -> None:
         if rid in self.wanted or rid in self._gone:
             raise ValueError(f"rid {rid!r} was used before: every attempt needs a fresh rid")
-        self.wanted[rid] = Wanted(rid, num_tokens, now, discards_at_add=self._discards)
+        self.wanted[rid] = Wanted(rid, num_tokens, discards_at_add=self._discards)
 
     def answered(self, rid: str, now: float) -> None:
         w = self.wanted.get(rid)
