@@ -515,6 +515,31 @@ def test_no_dump_while_nothing_was_ever_written_is_hook_inactive_not_the_samples
         d.stop()
 
 
+@pytest.mark.parametrize("order", ["delivered_then_failed", "failed_before_delivery"])
+def test_a_dump_matched_to_a_request_that_then_failed_is_removed_not_left_staged(
+    dump_dir: Path, order: str
+) -> None:
+    """A server may write a request's dump and then fail the request (close the connection
+    under it): the dump was matched and moved to staging before the worker knew. Whether
+    its delivery came before the worker gave the request up or after, it is removed."""
+    staging = dump_dir / STAGING
+    staging.mkdir()
+    d = Dispatcher(dump_dir, staging, timeout_s=5.0)  # no thread: polled by hand
+    t = d.register("r", len(IDS))
+    make(dump_dir, 1, IDS, "r")
+    if order == "delivered_then_failed":
+        d._poll_once()
+        assert t.match is not None and t.match.dump is not None
+        d.abandon(t)
+    else:
+        with d._cond:
+            decided, dropped = d._poll_locked()
+        d.abandon(t)  # between the decision (under the lock) and the delivery
+        d._deliver(decided, dropped)
+    assert list(staging.iterdir()) == []
+    assert list(dump_dir.glob("req_*")) == []
+
+
 @pytest.mark.parametrize("change", ["removed", "recreated", "link"])
 def test_a_replaced_dump_dir_fails_waiting_requests_as_the_environments_fault(
     tmp_path: Path, change: str

@@ -62,8 +62,9 @@ class ExchangeTuning:
     request_timeout_s: float = setting(
         600.0,
         section=TUNING,
-        help="seconds one request to the server may take (the audit also waits this long for "
-        "a server that answers to become healthy)",
+        help="seconds one request to the server may take, all of it (connect, send, the "
+        "whole answer: a server that trickles its answer cannot stretch it; the audit also "
+        "waits this long for a server that answers to become healthy)",
     )
     dump_dir_force: bool = setting(
         False,

@@ -14,6 +14,7 @@ the sample, the meta the worker already checked against its request, and the pat
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,35 +135,53 @@ class PersistChildError(Exception):
     (a bug): classified as any unexpected exception of a stage (retried, then dead)."""
 
 
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""What a `reason` looks like (it names a dead letter, a pause, a metrics label)."""
+
+
 def encode_error(exc: BaseException) -> dict[str, Any]:
-    """An exception as JSON, for the persist process's answer."""
+    """An exception as JSON, for the persist process's answer: its type, message, errno,
+    its `reason` (read-only, disk full, dataset unreadable: each its own reason, which the
+    failure policy turns into its own pause) and the errno of the OSError that caused it."""
     out: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
     if isinstance(exc, OSError):
         out["errno"] = exc.errno
         out["strerror"] = exc.strerror
-    if isinstance(exc, errors_mod.DatasetError):
-        out["reason"] = exc.reason
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str):
+        out["reason"] = reason
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and isinstance(cause.errno, int):
+        out["cause"] = {"errno": cause.errno, "strerror": str(cause.strerror or cause)}
     return out
 
 
 def decode_error(raw: dict[str, Any]) -> BaseException:
     """The exception a persist process reported, rebuilt as its own class where that is
-    one of hsq.errors' (so the failure policy classifies it as in a thread), an OSError
-    with its errno, else PersistChildError. Never builds any other type."""
+    one of hsq.errors' (so the failure policy classifies it as in a thread, by type and
+    `reason`), an OSError with its errno, else PersistChildError. Never builds any other
+    type; a `reason` that does not look like one is left out."""
     name = str(raw.get("type", ""))
     msg = str(raw.get("message", ""))
     cls = getattr(errors_mod, name, None)
+    exc: BaseException
     if isinstance(cls, type) and issubclass(cls, HsqError):
         try:
-            if issubclass(cls, errors_mod.DatasetError):
-                return cls(msg, str(raw.get("reason", "bad_line")))
-            return cls(msg)
+            exc = cls(msg)
         except TypeError:  # a constructor of another shape: keep the message
             return PersistChildError(f"{name}: {msg}")
-    if "errno" in raw:
+        reason = raw.get("reason")
+        if isinstance(reason, str) and _REASON.fullmatch(reason):
+            exc.reason = reason  # type: ignore[attr-defined]
+    elif "errno" in raw:
         code = raw["errno"] if isinstance(raw["errno"], int) else errno.EIO
         return OSError(code, str(raw.get("strerror") or msg))
-    return PersistChildError(f"{name}: {msg}")
+    else:
+        return PersistChildError(f"{name}: {msg}")
+    cause = raw.get("cause")
+    if isinstance(cause, dict) and isinstance(cause.get("errno"), int):
+        exc.__cause__ = OSError(cause["errno"], str(cause.get("strerror") or ""))
+    return exc
 
 
 _encode = msgspec.json.Encoder().encode

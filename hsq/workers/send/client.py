@@ -7,6 +7,10 @@ tests) maps the connection's errors into hsq's: a server that cannot be reached 
 unavailable (not the sample's fault); one that died after the request was sent is
 unavailable *mid-request* (counted per sample, so a sample that kills the server ends in the
 dead letter instead of killing it forever). 4xx/5xx answers are the sample's, here.
+
+A request that meets a kept-alive connection the server had just closed fails with
+StaleConnection: /health is then asked again here, a prefill by its caller, which gives
+the new request a new rid (hsq/workers/send/extract.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ import msgspec
 
 from hsq import jsonsafe
 from hsq.errors import ServerRejectedError, ServerUnavailableError
-from hsq.workers.send.http import HttpxTransport, MidRequestFailure, StdlibTransport, Transport
+from hsq.workers.send.http import (
+    HttpxTransport,
+    MidRequestFailure,
+    StaleConnection,
+    StdlibTransport,
+    Transport,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -28,6 +38,7 @@ __all__ = [
     "MidRequestFailure",
     "PrefillAnswer",
     "ServerClient",
+    "StaleConnection",
     "VllmClient",
 ]
 
@@ -73,9 +84,10 @@ class ServerClient:
     def close(self) -> None:
         self._http.close()
 
-    def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
+    def prefill(self, input_ids: list[int], rid: str, *, fresh: bool = False) -> PrefillAnswer:
+        """One prefill with ``rid``; ``fresh``: on a new connection (after StaleConnection)."""
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "rid": rid}
-        answer = self._post_json("/generate", body)
+        answer = self._post_json("/generate", body, fresh=fresh)
         try:
             info = answer["meta_info"]
             return PrefillAnswer(
@@ -84,10 +96,10 @@ class ServerClient:
         except (KeyError, TypeError, ValueError) as exc:
             raise ServerRejectedError(f"unexpected answer from /generate: {exc!r}", 502) from exc
 
-    def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+    def _post_json(self, path: str, body: dict[str, Any], *, fresh: bool = False) -> Any:
         """POST ``body``; the parsed answer, or hsq's error for what went wrong."""
         status, data = self._http.request(
-            "POST", path, _encode(body), timeout=None, limit=MAX_ANSWER_BYTES
+            "POST", path, _encode(body), timeout=None, limit=MAX_ANSWER_BYTES, fresh=fresh
         )
         if status == 503:
             raise ServerUnavailableError(f"{self.base_url} is not ready (503)")
@@ -105,9 +117,14 @@ class ServerClient:
 
     def healthy(self) -> bool:
         try:
-            status, _ = self._http.request(
-                "GET", "/health", None, timeout=5.0, limit=MAX_ANSWER_BYTES
-            )
+            try:
+                status, _ = self._http.request(
+                    "GET", "/health", None, timeout=5.0, limit=MAX_ANSWER_BYTES
+                )
+            except StaleConnection:  # the idle close crossed the request: ask once more
+                status, _ = self._http.request(
+                    "GET", "/health", None, timeout=5.0, limit=MAX_ANSWER_BYTES, fresh=True
+                )
         except ServerUnavailableError:
             return False
         return status == 200
@@ -130,7 +147,7 @@ class VllmClient(ServerClient):
         super().__init__(base_url, **kwargs)
         self.model = model
 
-    def prefill(self, input_ids: list[int], rid: str) -> PrefillAnswer:
+    def prefill(self, input_ids: list[int], rid: str, *, fresh: bool = False) -> PrefillAnswer:
         body: dict[str, Any] = {
             "prompt": input_ids,
             "max_tokens": 1,
@@ -140,7 +157,7 @@ class VllmClient(ServerClient):
         }
         if self.model is not None:
             body["model"] = self.model
-        answer = self._post_json("/v1/completions", body)
+        answer = self._post_json("/v1/completions", body, fresh=fresh)
         return parse_completion(answer)
 
 

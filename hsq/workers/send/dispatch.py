@@ -60,11 +60,24 @@ class Ticket:
     def __init__(self, rid: str) -> None:
         self.rid = rid
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._given_up = False
         self.match: Match | None = None
 
-    def _set(self, match: Match) -> None:
-        self.match = match
+    def _set(self, match: Match) -> bool:
+        """False if the request gave up meanwhile: the dump is then the caller's to remove."""
+        with self._lock:
+            if self._given_up:
+                return False
+            self.match = match
         self._event.set()
+        return True
+
+    def _give_up(self) -> Match | None:
+        """No match is taken from now on; the one set already, if any."""
+        with self._lock:
+            self._given_up = True
+            return self.match
 
     def wait(self, timeout: float) -> bool:
         return self._event.wait(timeout)
@@ -128,11 +141,17 @@ class Dispatcher:
         with self._cond:
             self._matcher.answered(rid, time.monotonic())
 
-    def abandon(self, rid: str) -> None:
-        """The request failed: a dump that still comes for it is discarded as late."""
+    def abandon(self, ticket: Ticket) -> None:
+        """The request failed: a dump that still comes for it is discarded as late, and one
+        matched to it already (a server may dump a request and then fail it, e.g. close
+        the connection under it) is removed, never left in staging."""
         with self._cond:
-            self._matcher.abandon(rid)
-            self._tickets.pop(rid, None)
+            self._matcher.abandon(ticket.rid)
+            self._tickets.pop(ticket.rid, None)
+        match = ticket._give_up()
+        if match is not None and match.dump is not None:
+            self.release(ticket.rid)
+            remove_dump(match.dump.path)
 
     def release(self, rid: str) -> None:
         """The dump handed out for ``rid`` failed validation: it will not be used."""
@@ -199,10 +218,10 @@ class Dispatcher:
         hard_deadline = time.monotonic() + self.timeout_s + 30.0  # if the poller stalls
         while not ticket.wait(1.0):
             if not server_alive():
-                self.abandon(ticket.rid)
+                self.abandon(ticket)
                 raise ServerUnavailableError("the server went away before the dump was complete")
             if time.monotonic() > hard_deadline:
-                self.abandon(ticket.rid)
+                self.abandon(ticket)
                 raise NoDumpError(f"no decision on rid {ticket.rid!r}: the dump poller stalled")
         match = ticket.match
         assert match is not None
@@ -321,7 +340,7 @@ class Dispatcher:
             if self._on_discard is not None:
                 self._on_discard(why)
         for ticket, match in tickets:
-            if ticket is not None:
-                ticket._set(match)
-            elif match.dump is not None:  # abandoned meanwhile: nobody will take it
+            if ticket is not None and ticket._set(match):
+                continue
+            if match.dump is not None:  # abandoned meanwhile: nobody will take it
                 remove_dump(match.dump.path)

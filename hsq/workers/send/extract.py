@@ -5,6 +5,17 @@ K answered ones waiting for their dumps (hsq/workers/inflight.py); the dispatche
 their dumps. A validated dump is handed to the persist
 stage, whose bounded queue blocks this thread when it is full: backpressure reaches the
 server instead of memory growing.
+
+A request that fails on a reused keep-alive connection before any answer byte came
+(StaleConnection: the server closed the idle connection as the request went out) is sent
+again once, on a fresh connection, under a new rid, and charged to nothing. The first try
+may still have reached the server and may still cause a dump, so its rid is given up
+(the dispatcher discards that dump as late): dumps are attributed by their rid alone
+(hsq/workers/send/ridmatch.py) and checked against it (check_meta), and the new rid is
+one the dispatcher never saw (it refuses a rid used before), so the first try's dump can
+never pass for the second's. If the server cannot be reached at all for the second try,
+the first failure stands as what it looked like: a mid-request failure (a sample that
+crashes its server is counted, whichever connection it went out on).
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import structlog
+
 from hsq.dataset.read import read_sample
 from hsq.dump.find import remove_dump
 from hsq.dump.read import check_meta
@@ -26,8 +39,19 @@ from hsq.workers.events import Event, EventKind
 from hsq.workers.metrics import WorkerMetrics
 from hsq.workers.persist.stage import PersistStage, StagedSample
 from hsq.workers.runview import RunView
-from hsq.workers.send.client import ServerClient
+from hsq.workers.send.client import MidRequestFailure, PrefillAnswer, ServerClient
 from hsq.workers.send.dispatch import Dispatcher
+from hsq.workers.send.http import ConnectFailure, StaleConnection
+
+log = structlog.get_logger("hsq.worker")
+
+
+def new_rid(sid: str, attempt: int, *, not_: str | None = None) -> str:
+    """A fresh rid for one request of sample ``sid`` (never ``not_``)."""
+    while True:
+        rid = f"hsq-{sid}-a{attempt}-{secrets.token_hex(4)}"
+        if rid != not_:
+            return rid
 
 
 @dataclass(eq=False)
@@ -70,11 +94,18 @@ class SendStage:
         sid, entry = item.ref
         sample = read_sample(view.dataset, sid, entry)
         n = len(sample.input_ids)
-        rid = f"hsq-{sid}-a{item.attempt}-{secrets.token_hex(4)}"
+        rid = new_rid(sid, item.attempt)
         t0 = time.perf_counter()
         ticket = self.dispatcher.register(rid, n)
         try:
-            answer = self.client.prefill(sample.input_ids, rid)
+            try:
+                answer = self.client.prefill(sample.input_ids, rid)
+            except StaleConnection as stale:
+                self.dispatcher.abandon(ticket)  # a dump the first try still causes is late
+                first, rid = rid, new_rid(sid, item.attempt, not_=rid)
+                ticket = self.dispatcher.register(rid, n)
+                log.info("request_sent_again", sample=sid, rid=first, new_rid=rid, why=str(stale))
+                answer = self._again(sample.input_ids, rid, stale)
             self.dispatcher.answered(rid)
             t1 = time.perf_counter()
             if on_answer is not None:
@@ -89,7 +120,7 @@ class SendStage:
                 )
             found = self.dispatcher.wait(ticket, self.client.healthy)
         except BaseException:
-            self.dispatcher.abandon(rid)
+            self.dispatcher.abandon(ticket)
             raise
         t2 = time.perf_counter()
         try:
@@ -110,3 +141,10 @@ class SendStage:
             timings,
             confirm_single=functools.partial(self.dispatcher.confirm_single, rid),
         )
+
+    def _again(self, input_ids: list[int], rid: str, stale: StaleConnection) -> PrefillAnswer:
+        """The second and last try after ``stale``, on a fresh connection."""
+        try:
+            return self.client.prefill(input_ids, rid, fresh=True)
+        except ConnectFailure as exc:  # the server is gone: the first try looked like it
+            raise MidRequestFailure(f"{stale}; then {exc}") from exc
