@@ -44,10 +44,12 @@ bench:
 	$(PY) -m bench.pipeline
 	$(PY) -m bench.ceiling --small
 	$(PY) -m bench.scale --preset ci
+	$(PY) -m bench.stream
 
 # Seconds, no figures asserted: CI runs it so the benchmarks cannot rot unnoticed.
 bench-smoke:
 	$(PY) -m bench.ceiling --smoke
+	$(PY) -m bench.stream --smoke
 	$(PY) -m bench.pipeline --samples 6 --min-len 16 --max-len 64 --capacity-inflight 2 \
 		--disk-mb 64
 

@@ -41,6 +41,9 @@ Per run R (a name matching RUN_NAME_RE):
                                         removed and reservation released (idempotent)
     hsq:run:R:consumed            SET   sample ids whose file was removed after every group
                                         committed it (done, trained, no file by design)
+    hsq:run:R:consumer-stats      HASH  "<group>/<rank>" -> a trainer's data wait (JSON:
+                                        wait_s, elapsed_s, wait_share, items, time), written
+                                        with each commit (the live view, the metrics)
     rq:queue:hsq-R                LIST  RQ queue of chunk jobs (main)
     rq:queue:hsq-R-retry          LIST  RQ queue of single-sample retry jobs
     rq:job:hsq-R-<16 hex>-n<count> HASH RQ job (JSON serializer): the chunk's samples; the
@@ -211,6 +214,10 @@ class RunKeys:
     def consumed(self) -> str:
         return self._prefix + "consumed"
 
+    @property
+    def consumer_stats(self) -> str:
+        return self._prefix + "consumer-stats"
+
     def worker(self, worker_id: str) -> str:
         return self._prefix + "worker:" + worker_id
 
@@ -274,6 +281,7 @@ class RunKeys:
             self.acks,
             self.spool_gc,
             self.consumed,
+            self.consumer_stats,
             rq_queue_key(self.main_queue),
             rq_queue_key(self.retry_queue),
         ]

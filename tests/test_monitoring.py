@@ -46,7 +46,12 @@ def test_promtool_checks_config_and_rules() -> None:
         capture_output=True,
         text=True,
     ).stdout
-    assert "8 rules found" in out
+    assert "9 rules found" in out
+    # The alerts' logic on synthetic series (the stuck-trainer alert of a streamed run).
+    test = subprocess.run(
+        [promtool, "test", "rules", str(PROM / "alerts_test.yml")], capture_output=True, text=True
+    )
+    assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
 
 
 def test_dashboard_json_is_generated_from_the_builder() -> None:
@@ -201,7 +206,8 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
     httpx.post(srv.url + "/admin/faults", json={"rules": rules}).raise_for_status()
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 80, seed=4, min_len=4, max_len=64)
-    enqueue(ds, "mon", tmp_path / "out", redis_url, "--chunk-size", "4")
+    # Streamed (a budget it never fills), so the stream's panels have data too.
+    enqueue(ds, "mon", tmp_path / "out", redis_url, "--chunk-size", "4", "--spool-budget", "1G")
     wport, eport = free_port(), free_port()
     prom = prometheus(wport, eport)  # first, so it scrapes the whole run
     worker = spawn_worker(
@@ -254,7 +260,9 @@ def test_real_prometheus_scrapes_a_live_run_and_every_panel_has_data(
         assert up and query(prom, 'up{job="hsq-exporter"} == 1')
         assert query(prom, 'hsq_worker_mismatches_total{reason="stale_dump"} >= 1')
         rules_api = httpx.get(prom + "/api/v1/rules").json()["data"]["groups"][0]["rules"]
-        assert {r["name"] for r in rules_api} >= {"HsqQueueNotDraining", "HsqWorkerDown"}
+        assert {r["name"] for r in rules_api} >= {
+            "HsqQueueNotDraining", "HsqWorkerDown", "HsqStreamTrainerStuck"
+        }  # fmt: skip
         assert all(r["health"] == "ok" for r in rules_api), rules_api
         # Labels stay low-cardinality: no sample ids anywhere.
         names = httpx.get(prom + "/api/v1/labels").json()["data"]

@@ -202,18 +202,23 @@ def test_a_corrupt_file_is_dead_lettered_extracted_again_and_delivered(
 
 
 def spool_matches_disk(out: Path) -> None:
-    """The accounting invariant, read while nothing runs: every output file on disk holds
-    a reservation that covers it (exactly its size once the sample is done; the estimate,
-    at least its size, for a file renamed into place by a worker killed before its done
-    mark, which the next worker adopts); every done sample's reservation is its file; what
-    else is reserved is in flight (not done)."""
+    """The accounting invariant, read while nothing runs: every output file on disk of a
+    done sample has a reservation of exactly its size; a file of a sample not done (its
+    worker killed between the file's rename and the done mark: in flight, extracted again
+    later) is covered by its reservation, the estimate, which is never below the file;
+    every done sample's reservation is its file."""
     st = run_store(out, "data")
     reserved = st.spool.reserved()
     files = {p.name.removesuffix(".safetensors"): p.stat().st_size
              for p in (out / "data").rglob("*.safetensors")}  # fmt: skip
     done = set(st.iter_hash_keys(st.keys.done))
     consumed = {text(x) for x in st.client.smembers(st.keys.consumed)}
-    assert all(reserved.get(sid, -1) >= size for sid, size in files.items()), (files, reserved)
+
+    def covered(sid: str, size: int) -> bool:
+        return reserved.get(sid) == size if sid in done else reserved.get(sid, -1) >= size
+
+    wrong = {sid: (n, reserved.get(sid)) for sid, n in files.items() if not covered(sid, n)}
+    assert not wrong, (wrong, files, reserved)
     in_files = {sid: n for sid, n in reserved.items() if sid in done}
     assert in_files == {sid: files[sid] for sid in in_files}, (in_files, files)
     assert not set(files) & consumed

@@ -125,6 +125,44 @@ PANELS: list[dict[str, Any]] = [
         "unit": "bytes",
         "targets": {"{{worker}}": f"min by (worker) (hsq_worker_output_free_bytes{{{R}}})"},
     },
+    # A streamed run (--spool-budget): docs/training.md, "Train while extracting".
+    {
+        "title": "Stream: spool against its budget",
+        "unit": "bytes",
+        "targets": {
+            "{{run}} spool": f"sum by (run) (hsq_spool_bytes{{{R}}})",
+            "{{run}} budget": f"sum by (run) (hsq_spool_budget_bytes{{{R}}})",
+        },
+    },
+    {
+        "title": "Stream: entries per group (delivered / committed / pending)",
+        "unit": "short",
+        "targets": {
+            "{{run}} {{group}} {{state}}": f"sum by (run, group, state) "
+            f'(hsq_stream_group_entries{{{R}, state=~"delivered|committed|pending"}})'
+        },
+    },
+    {
+        "title": "Stream: oldest pending entry (a trainer not committing)",
+        "unit": "s",
+        "targets": {
+            "{{run}} {{group}}": f"max by (run, group) "
+            f"(hsq_stream_group_oldest_pending_seconds{{{R}}})"
+        },
+    },
+    {
+        "title": "Stream: producer paused share / trainer data-wait share",
+        "unit": "percentunit",
+        "targets": {
+            # Seconds held back per second, over the live workers (the producer's
+            # paused share; high: the trainers are the limit).
+            "{{run}} producer paused": f"sum by (run) (deriv(hsq_spool_paused_seconds{{{R}}}"
+            f"[5m])) / clamp_min(sum by (run) (hsq_run_workers{{{R}}}), 1)",
+            # As of each trainer's last commit (high: extraction is the limit).
+            "{{run}} {{group}} data wait": f"max by (run, group) "
+            f"(hsq_stream_group_data_wait_ratio{{{R}}})",
+        },
+    },
 ]
 
 

@@ -32,8 +32,19 @@ queued again (retry queue, leaving the dead letter); its new extraction is publi
 new entry and delivered later. An entry whose sample was re-done since (its stored entry
 is no longer the done mark) is stale: acked, skipped, never trained.
 
-Iteration ends when the run's extraction is finished (every sample done or dead) and the
-group has nothing more for this consumer. Ranks end independently (docs/training.md).
+A restart with another number of DataLoader workers or ranks: consumers of the old
+layout that still hold pending entries (XINFO CONSUMERS) are adopted, each by one live
+consumer (by a hash of its name): it re-reads the old consumer's pending entries after the
+state's position for it, in order, under the old name, before its own. So each is
+delivered again exactly once, in order per old consumer, and commits ack it there.
+
+Iteration ends when the run's extraction is finished (every sample done or dead, and no
+consumer's reject left unqueued) and the group has nothing more for this consumer. Ranks
+end independently (docs/training.md).
+
+The trainer's data wait (seconds blocked in the iterator's next: Redis and file reads, or
+the DataLoader's queue) is measured where the trainer waits: `wait_stats()`, and written
+with each commit to the run's consumer-stats hash (the live view's `consumer wait`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import functools
 import inspect
 import json
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,20 +68,41 @@ from hsq.outputs.check import read_checked
 from hsq.outputs.format import remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.runconfig import DEFAULT_GROUP, RunConfig
-from hsq.runstore import RunStore, remove_committed
+from hsq.runstore import (
+    REJECTED_BY,
+    RunStore,
+    finish_rejects,
+    remove_committed,
+    requeue_rejected,
+    unfinished_rejects,
+)
 from hsq.store import Delivery, connect
 from hsq.store.ledger import dead_entry
+from hsq.store.spool import REJECT_REASON
 
 log = structlog.get_logger("hsq.data.stream")
 
 STATE_VERSION = 1
 POSITION = "_hsq_stream_position"
 """The key StreamingDataLoader's workers put on each item (taken off before it is yielded)."""
-REJECT_REASON = "output_corrupt"
 READ_BATCH = 2
 """Entries one XREADGROUP takes: few, so that one consumer (a DataLoader worker, a rank)
 does not hold entries another one could be handing to the trainer."""
 MAX_BACKOFF_S = 5.0
+
+
+class PlainDataLoaderError(ConfigError):
+    """A plain DataLoader with worker processes. Its one line survives torch's re-raise in
+    the trainer's process (which builds the exception again from the worker's traceback)."""
+
+    LINE = (
+        "a StreamingHiddenStateDataset in DataLoader worker processes needs "
+        "hsq.data.StreamingDataLoader (a plain DataLoader would count prefetched items as "
+        "trained)"
+    )
+
+    def __init__(self, *_torch_message: object) -> None:
+        super().__init__(self.LINE)
 
 
 def _retrying(what: str, fn: Callable[[], Any]) -> Any:
@@ -131,6 +164,9 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         """Set by StreamingDataLoader: items carry their position to the main process."""
         self._store: RunStore | None = None
         self._cfg: RunConfig | None = None
+        self._wait_s = 0.0
+        self._items = 0
+        self._t0: float | None = None
         cfg = self._config()
         if group not in cfg.groups:
             raise ConfigError(
@@ -207,6 +243,27 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
             args = (self.group, consumer, last, len(cfg.groups), cfg.keep_after_commit)
             _retrying("commit", functools.partial(spool.commit, *args))
         _retrying("remove committed files", lambda: remove_committed(self.store, self.run_dir))
+        _retrying("record the data wait", self._publish_wait)
+
+    # ------------------------------------------------------------------ data wait
+    def waited(self, seconds: float, items: int = 1) -> None:
+        """The trainer waited `seconds` for `items` (the loader's next, or our own)."""
+        now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now - seconds
+        self._wait_s += seconds
+        self._items += items
+
+    def wait_stats(self) -> dict[str, float]:
+        """Seconds the trainer waited for data, seconds since its first item was asked
+        for, their share (high: extraction is the limit), and items received."""
+        elapsed = time.monotonic() - self._t0 if self._t0 is not None else 0.0
+        share = self._wait_s / elapsed if elapsed > 0 else 0.0
+        return {"wait_s": round(self._wait_s, 3), "elapsed_s": round(elapsed, 3),
+                "wait_share": round(share, 4), "items": self._items}  # fmt: skip
+
+    def _publish_wait(self) -> None:
+        self.store.spool.note_consumer(self.group, self.rank, self.wait_stats())
 
     def record(self, consumer: str, entry_id: str) -> None:
         """An item of `consumer`'s `entry_id` was handed to the trainer."""
@@ -218,46 +275,74 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         if info is not None and not self._marking:
-            raise ConfigError(
-                "a StreamingHiddenStateDataset in DataLoader worker processes needs "
-                "hsq.data.StreamingDataLoader (a plain DataLoader would count prefetched "
-                "items as trained)"
-            )
-        wid = 0 if info is None else info.id
-        consumer = f"rank{self.rank}-worker{wid}"
-        after = self._positions.get(consumer, "0")
-        for d in self._deliveries(consumer, after):
+            raise PlainDataLoaderError()
+        wid, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        consumer = consumer_name(self.rank, wid)
+        mine = [(c, self._positions.get(c, "0")) for c in self._adopted(wid, workers)]
+        mine.append((consumer, self._positions.get(consumer, "0")))
+        asked = time.monotonic()
+        for owner, d in self._deliveries(consumer, mine):
             item = self._item(d)
             if item is None:
                 continue
             if self._marking:
-                item[POSITION] = (consumer, d.entry_id)
+                item[POSITION] = (owner, d.entry_id)
             else:
-                self.record(consumer, d.entry_id)
+                self.record(owner, d.entry_id)
+                self.waited(time.monotonic() - asked)
             yield item
+            asked = time.monotonic()
 
-    def _deliveries(self, consumer: str, after: str) -> Iterator[Delivery]:
+    def _adopted(self, wid: int, workers: int) -> list[str]:
+        """Consumers of another layout (worker count, ranks) with entries still pending:
+        the ones this consumer re-reads (each old one has exactly one adopter)."""
+        live = {consumer_name(r, w) for r in range(self.world_size) for w in range(workers)}
+        pending = _retrying("list consumers", lambda: self.store.spool.consumers(self.group))
+        me = self.rank * workers + wid
+        total = self.world_size * workers
+        out = sorted(c for c in pending if c not in live and zlib.crc32(c.encode()) % total == me)
+        if out:
+            log.info("stream_adopting", consumer=consumer_name(self.rank, wid), old=out)
+        return out
+
+    def _deliveries(
+        self, consumer: str, replay: list[tuple[str, str]]
+    ) -> Iterator[tuple[str, Delivery]]:
+        """(the consumer it is pending to, entry): first each replayed consumer's pending
+        entries after its position, in order, then new ones for `consumer`."""
         spool, group = self.store.spool, self.group
-        while True:  # first this consumer's own pending entries after `after`, in order
-            got = _retrying(
-                "read", functools.partial(spool.read, group, consumer, READ_BATCH, None, after)
-            )
-            if not got:
-                break
-            yield from got
-            after = got[-1].entry_id
+        for owner, after in replay:
+            while True:
+                read = functools.partial(spool.read, group, owner, READ_BATCH, None, after)
+                got = _retrying("read", read)
+                if not got:
+                    break
+                for d in got:
+                    yield owner, d
+                after = got[-1].entry_id
         block_ms = max(1, int(self.poll_s * 1000))
         while True:
-            finished = _retrying("look at the run", spool.extraction_finished)
+            finished = _retrying("look at the run", self._finished)
             wait = None if finished else block_ms
             got = _retrying(
                 "read", functools.partial(spool.read, group, consumer, READ_BATCH, wait, None)
             )
             if got:
-                yield from got
+                for d in got:
+                    yield consumer, d
             elif finished:
                 log.info("stream_ended", run=self.run, group=group, consumer=consumer)
                 return
+
+    def _finished(self) -> bool:
+        """Every sample done or dead, and no reject left dead by a killed consumer (such
+        a one is queued again here once it is older than the grace)."""
+        if not self.store.spool.extraction_finished():
+            return False
+        if not unfinished_rejects(self.store):
+            return True
+        finish_rejects(self.store, self.run_dir)
+        return False
 
     def _item(self, d: Delivery) -> dict[str, Any] | None:
         """The delivery's item, or None: stale (skipped) or rejected (requeued)."""
@@ -280,31 +365,19 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
     def _reject(self, d: Delivery, entry: Any, why: str) -> None:
         store = self.store
         totals = MANIFEST_CODEC.totals(entry) if entry is not None else (0, 0)
-        dead = json.dumps(dead_entry(REJECT_REASON, why, 0, f"consumer:{self.group}"))
+        dead = json.dumps(dead_entry(REJECT_REASON, why, 0, REJECTED_BY + self.group))
         log.error("stream_output_rejected", sample=d.sample_id, reason=REJECT_REASON, error=why)
         if not _retrying(
             "reject", lambda: store.spool.reject(self.group, d, totals, dead, REJECT_REASON)
         ):
             return  # stale meanwhile: re-done by someone else
         remove_output(self.run_dir, d.sample_id)
-        requeue_rejected(store, d.sample_id)
+        if _retrying("requeue", lambda: requeue_rejected(store, d.sample_id)):
+            log.info("stream_output_requeued", sample=d.sample_id)
 
 
-def requeue_rejected(store: RunStore, sample_id: str) -> bool:
-    """Queue a rejected sample again (retry queue), leaving the dead letter in the same
-    transaction; False if it is no longer there (another consumer or `hsq run` did it)."""
-    ci = store.config_index
-    index = _retrying("read the index", lambda: ci.get_index([sample_id]))
-    _, done, dead = _retrying("look the sample up", lambda: ci.presence([sample_id]))
-    if sample_id not in index or done[0] or not dead[0]:
-        return False
-    ref = (sample_id, index[sample_id])
-    _retrying(
-        "requeue",
-        lambda: store.enqueue([[ref]], retry=True, reason=REJECT_REASON, clear_failures=True),
-    )
-    log.info("stream_output_requeued", sample=sample_id)
-    return True
+def consumer_name(rank: int, worker: int) -> str:
+    return f"rank{rank}-worker{worker}"
 
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -352,7 +425,14 @@ class StreamingDataLoader(DataLoader[Any]):
         self.stream = dataset
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        for marked in super().__iter__():
+        it = super().__iter__()
+        while True:
+            asked = time.monotonic()
+            try:
+                marked = next(it)
+            except StopIteration:
+                return
             for consumer, entry_id in marked.positions:
                 self.stream.record(consumer, entry_id)
+            self.stream.waited(time.monotonic() - asked, len(marked.positions))
             yield marked.value

@@ -2,8 +2,10 @@
 group committed (a consumer killed between its commit and the removal leaves them to
 whoever comes next: this loop, or the consumer's next commit), and the stream's lines in
 the live view and the summary: spool bytes against the budget, delivered / committed /
-pending per group, and the producer's paused share (the workers' seconds held back by a
-full spool over their time).
+pending per group, the producer's paused share (the workers' seconds held back by a
+full spool over their time) and each group's data-wait share (its trainers' seconds
+blocked waiting for data over their time, written with each commit). Each pass also
+finishes a reject a consumer was killed in the middle of (queued again).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 from hsq.errors import HsqError
 from hsq.runconfig import RunConfig
-from hsq.runstore import RunStore, remove_committed
+from hsq.runstore import RunStore, finish_rejects, remove_committed
 
 EVERY_S = 10.0
 
@@ -40,6 +42,7 @@ class StreamView:
         between, or while Redis cannot be read: the next tick tries again)."""
         try:
             self.removed += remove_committed(self.store, self.run_dir)
+            finish_rejects(self.store, self.run_dir)  # a consumer killed mid-reject
         except HsqError:
             return None
         now = time.monotonic()
@@ -69,10 +72,12 @@ class StreamView:
             for g in spool.groups()
         )
         used, budget = size_text(spool.spool_bytes()), size_text(self.cfg.spool_budget or 0)
+        waits = spool.consumer_waits()
+        wait = "  ".join(f"{g} {100 * w['wait_share']:.0f}%" for g, w in sorted(waits.items()))
         return (
             f"stream   spool {used}/{budget}"
             f"  published {spool.published()}  {groups}  producer paused "
-            f"{100 * self.paused_share():.0f}%"
+            f"{100 * self.paused_share():.0f}%  consumer wait {wait or '-'}"
         )
 
     def summary(self) -> str:

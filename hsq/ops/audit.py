@@ -63,13 +63,17 @@ class AuditReport:
     mismatched: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     requeued: int = 0
+    consumed: int = 0
+    """Done samples of a streamed run whose file was removed by design (not audited)."""
     seed: int = 0
     worst_cosine: float = 1.0
     worst_abs_over_norm: float = 0.0
 
     def lines_out(self) -> list[str]:
+        consumed = [f"consumed        {self.consumed} (trained, files removed)"]
         return [
             f"done samples    {self.done}",
+            *(consumed if self.consumed else []),
             f"audited         {self.audited} of {self.selected} chosen (seed {self.seed})",
             f"match           {self.ok} (worst row cosine {self.worst_cosine:.5f}, "
             f"max |diff| {self.worst_abs_over_norm:.3%} of norm)",
@@ -112,7 +116,7 @@ def run_audit(
         raise ConfigError("--sample-fraction must be within (0, 1]")
     cfg = store.require_config()
     report = AuditReport(seed=secrets.randbits(32) if seed is None else seed)
-    done = dict(store.ledger.iter_done())
+    done = _with_files(store, dict(store.ledger.iter_done()), report)
     report.done = len(done)
     rng = random.Random(report.seed)
     chosen = rng.sample(sorted(done), min(len(done), math.ceil(fraction * len(done))))
@@ -189,6 +193,16 @@ def run_audit(
     if do_requeue and bad:
         report.requeued = _requeue(store, out_root, bad)
     return report
+
+
+def _with_files(store: RunStore, done: dict[str, bytes], report: AuditReport) -> dict[str, bytes]:
+    """The done samples less a streamed run's consumed ones (their files removed once
+    every group committed them: nothing to compare with), counted in the report."""
+    if not store.require_config().streamed:
+        return done
+    gone = store.spool.consumed_of(list(done))
+    report.consumed = sum(gone)
+    return {sid: raw for (sid, raw), g in zip(done.items(), gone, strict=True) if not g}
 
 
 def _require_reachable(server: str, timeout_s: float) -> None:

@@ -100,9 +100,12 @@ class RedisCollector(Collector):
             "Free bytes on the run's output filesystem, where the exporter can see it",
             labels=["run"],
         )
+        stream = StreamFamilies()
         for run in listing.runs:
             try:
-                fig = run_figures(RunStore(self.client, run))
+                rs = RunStore(self.client, run)
+                fig = run_figures(rs)
+                stream.add(run, rs)
             except ConfigError as exc:  # purged meanwhile, or its config cannot be read
                 listing.skip(f"run {run!r}: {exc}")
                 continue
@@ -130,6 +133,81 @@ class RedisCollector(Collector):
         if listing.skipped:
             log.warning("runs_skipped", count=listing.skipped_total, first=listing.skipped[:3])
         yield from (jobs, samples, tokens, written, workers, held, free, skipped)
+        yield from stream.families()
+
+
+class StreamFamilies:
+    """A streamed run's metrics (docs/training.md, "Train while extracting"): the spool
+    against its budget, the workers held back by it, and per consumer group what was
+    delivered, committed and is pending, the oldest pending entry's age and the trainers'
+    data-wait share. A few commands a streamed run (XINFO GROUPS, an XPENDING summary
+    per group with pending entries, the worker records, one HGETALL); nothing for an
+    offline run."""
+
+    def __init__(self) -> None:
+        self.spool = GaugeMetricFamily(
+            "hsq_spool_bytes", "Bytes reserved in a streamed run's spool", labels=["run"]
+        )
+        self.budget = GaugeMetricFamily(
+            "hsq_spool_budget_bytes", "A streamed run's spool budget", labels=["run"]
+        )
+        self.paused = GaugeMetricFamily(
+            "hsq_spool_paused_seconds",
+            "Seconds the live workers of a streamed run were held back by a full spool "
+            "(summed over them; a restarted worker starts again from 0)",
+            labels=["run"],
+        )
+        self.full = GaugeMetricFamily(
+            "hsq_spool_full_workers",
+            "Live workers of a streamed run paused by its spool now (full, or a sample "
+            "above the budget)",
+            labels=["run"],
+        )
+        self.entries = GaugeMetricFamily(
+            "hsq_stream_group_entries",
+            "Stream entries of a consumer group by state (published, delivered, committed, "
+            "pending)",
+            labels=["run", "group", "state"],
+        )
+        self.oldest = GaugeMetricFamily(
+            "hsq_stream_group_oldest_pending_seconds",
+            "Age of a consumer group's oldest delivered, not committed entry (0: none)",
+            labels=["run", "group"],
+        )
+        self.wait = GaugeMetricFamily(
+            "hsq_stream_group_data_wait_ratio",
+            "Share of its time a consumer group's trainers waited for data, as of their "
+            "last commit (0 until one committed)",
+            labels=["run", "group"],
+        )
+
+    def add(self, run: str, store: RunStore) -> None:
+        cfg = store.require_config()
+        if not cfg.streamed:
+            return
+        spool = store.spool
+        self.spool.add_metric([run], spool.spool_bytes())
+        self.budget.add_metric([run], cfg.spool_budget or 0)
+        held = full = 0.0
+        for info in store.workers.workers_info().values():
+            with contextlib.suppress(ValueError):
+                held += float(info.get("spool_paused_s", 0) or 0)
+            full += info.get("cause") in ("spool_full", "spool_too_small")
+        self.paused.add_metric([run], held)
+        self.full.add_metric([run], full)
+        published = spool.published()
+        waits = spool.consumer_waits()
+        for g in spool.groups():
+            self.entries.add_metric([run, g.name, "published"], published)
+            self.entries.add_metric([run, g.name, "delivered"], g.delivered)
+            self.entries.add_metric([run, g.name, "committed"], g.committed)
+            self.entries.add_metric([run, g.name, "pending"], g.pending)
+            self.oldest.add_metric([run, g.name], g.oldest_pending_s)
+            self.wait.add_metric([run, g.name], waits.get(g.name, {}).get("wait_share", 0.0))
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.spool, self.budget, self.paused, self.full, self.entries)
+        yield from (self.oldest, self.wait)
 
 
 def run_exporter(redis_url: str, host: str, port: int) -> None:

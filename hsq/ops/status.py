@@ -101,6 +101,7 @@ _CAUSE_WORDS = {
     "hook_inactive": "server's dump hook not live",
     "worker_internal_error": "worker bug (stopping)",
     "spool_full": "spool full (waiting for the consumers to commit)",
+    "spool_too_small": "spool budget below a sample (raise --spool-budget)",
 }
 
 

@@ -35,6 +35,9 @@ class VerifyResult:
     checked: int = 0
     ok: int = 0
     missing: list[str] = field(default_factory=list)
+    consumed: int = 0
+    """Done samples of a streamed run whose file was removed by design: every consumer
+    group committed them (trained). Neither missing nor a problem."""
     corrupt: dict[str, list[str]] = field(default_factory=dict)
     orphans: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
@@ -182,9 +185,22 @@ def _merge(into: VerifyResult, part: VerifyResult) -> None:
     into.checked += part.checked
     into.ok += part.ok
     into.missing += part.missing
+    into.consumed += part.consumed
     into.corrupt.update(part.corrupt)
     into.refused.update(part.refused)
     into.entries.update(part.entries)
+
+
+def _drop_consumed(store: RunStore, part: VerifyResult) -> None:
+    """A streamed run's missing files that every group committed are consumed, not lost."""
+    if not part.missing:
+        return
+    gone = store.spool.consumed_of(part.missing)
+    consumed = {sid for sid, c in zip(part.missing, gone, strict=True) if c}
+    part.consumed += len(consumed)
+    part.missing = [sid for sid in part.missing if sid not in consumed]
+    for sid in consumed:
+        part.entries.pop(sid, None)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -240,6 +256,7 @@ def verify(
         pool = stack.enter_context(ProcessPoolExecutor(n_jobs)) if n_jobs > 1 else None
         pages = _pages(store.ledger.iter_done(stored=True), VERIFY_PAGE)
         for part in _mapped(pool, n_jobs, check, pages):
+            _drop_consumed(store, part)
             _merge(res, part)
             if on_progress is not None:
                 on_progress(part.checked)

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hsq import logs
-from hsq.errors import DatasetError, EmptyDatasetError
+from hsq.errors import ConfigError, DatasetError, EmptyDatasetError
 from hsq.producer.chat import looks_like_chat
 from hsq.producer.fastscan import scan_batches
 from hsq.producer.report import (
@@ -39,6 +39,7 @@ from hsq.producer.report import (
     count_bad,
     dead_letter_bad,
     lock_holder,
+    log,
     prune,
     refuse_conflicts,
 )
@@ -151,6 +152,8 @@ def _enqueue_streaming(
         kept = {name: getattr(existing, name) for name in FOLLOW_RUN if name in defaulted}
         cfg = replace(cfg, **kept)
     refuse_conflicts(existing, cfg)
+    if existing is not None:
+        _change_budget(store, existing, cfg)
     path = Path(cfg.dataset)
     report = EnqueueReport()
     if strict:  # refuse before writing anything: a first pass that only validates
@@ -212,6 +215,21 @@ def _enqueue_streaming(
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
     store.lifecycle.end_enqueue()
     return report
+
+
+def _change_budget(store: RunStore, existing: RunConfig, cfg: RunConfig) -> None:
+    """A re-enqueue's --spool-budget replaces a streamed run's budget (raised so a sample
+    larger than the old one fits: its workers' pause cause names the number needed). An
+    offline run cannot become streamed, nor a streamed one offline."""
+    if not cfg.spool_budget or cfg.spool_budget == existing.spool_budget:
+        return
+    if not existing.streamed:
+        raise ConfigError(
+            f"run {cfg.run!r} was enqueued without --spool-budget: it cannot be streamed now "
+            "(a new run, or `hsq purge` first)"
+        )
+    store.spool.set_budget(cfg.spool_budget)
+    log.info("spool_budget_changed", run=cfg.run, old=existing.spool_budget, new=cfg.spool_budget)
 
 
 def _enqueue_chunks(

@@ -39,7 +39,7 @@ from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
 from hsq.store.roles import BatchMarker, Claimer, DoneMarker, StatsKeeper, WorkerStore
-from hsq.store.spool import Delivery, GroupInfo, Spool
+from hsq.store.spool import Delivery, GroupInfo, SampleOverBudget, Spool
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "MemoryStore",
     "RunListing",
     "RunStats",
+    "SampleOverBudget",
     "SampleRef",
     "Spool",
     "Stats",

@@ -82,6 +82,7 @@ class Store(Generic[E]):
         self.delete_fields = ledger.delete_fields
         self.record_crash = ledger.record_crash
         self.reserve_spool = self.spool.reserve  # a streamed run's byte budget (spool.py)
+        self.release_spool = self.spool.release
         self.spool_settled = self.spool.settled
         workers = self.workers  # registration, heartbeats
         self.register = workers.register

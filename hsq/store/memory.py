@@ -39,6 +39,7 @@ from hsq.store.config import required
 from hsq.store.counters import RunStats
 from hsq.store.jobs import AnyRef, ChunkJob, SampleRef
 from hsq.store.ledger import dead_entry
+from hsq.store.spool import SampleOverBudget
 
 E = TypeVar("E")
 PINS = ("model_id", "layer_ids", "dump_dtype", "hidden_size")
@@ -332,12 +333,21 @@ class MemoryStore(Generic[E]):
             budget = cfg.spool_budget if cfg is not None else None
             if not budget or sample_id in self.state.spool:
                 return True
+            if nbytes is not None and nbytes > budget:
+                raise SampleOverBudget(budget, nbytes)
             n = budget if nbytes is None else nbytes
             total = sum(self.state.spool.values())
             if total > 0 and total + n > budget:
                 return False
             self.state.spool[sample_id] = n
             return True
+
+    def release_spool(self, sample_id: str) -> int:
+        with self._lock:
+            self._fence()
+            if sample_id in self.state.done:
+                return 0
+            return self.state.spool.pop(sample_id, 0)
 
     def record_crash(self, sample_id: str) -> int:
         with self._lock:

@@ -153,8 +153,9 @@ return 1
 # Reserves a sample's output bytes in the spool before it is dispatched, atomically against
 # the budget. KEYS: config, spool, stats; ARGV: generation, sample id, bytes (-1: not known
 # yet, the whole budget). 1: reserved (or already: a re-dispatch counts once; or no
-# stream), 0: the spool is full. A sample always fits an empty spool (enqueue refuses a
-# budget below the largest sample where it can know it).
+# stream), 0: the spool is full, -budget - 1: the sample alone is larger than the budget
+# (never fits: the worker pauses, naming the number needed, until the budget is raised).
+# A sample of known size within the budget always fits an empty spool.
 RESERVE = (
     _FENCE
     + """
@@ -163,10 +164,37 @@ if budget <= 0 then return 1 end
 if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 1 end
 local total = tonumber(redis.call('HGET', KEYS[3], 'spool_bytes') or '0') or 0
 local n = tonumber(ARGV[3])
+if n > budget then return -budget - 1 end
 if n < 0 then n = budget end
 if total > 0 and total + n > budget then return 0 end
 redis.call('HSET', KEYS[2], ARGV[2], n)
 redis.call('HINCRBY', KEYS[3], 'spool_bytes', n)
+return 1
+"""
+)
+
+# A sample sent to the retry queue leaves the worker without a file: its reservation is
+# released (a reservation of the whole budget, made before the size was known, would
+# otherwise hold the spool full while the sample waits in the retry queue). A done
+# sample's reservation is its file's and stays. KEYS: config, spool, stats, done; ARGV:
+# generation, sample id. The bytes released.
+RELEASE_UNDONE = _FENCE + _with_release(
+    """
+if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then return 0 end
+return release(ARGV[2])
+""",
+    2,
+    3,
+)
+
+# A streamed run's new byte budget. KEYS: config; ARGV: generation, bytes. Refused (0) for
+# a run without a stream: a budget cannot turn an offline run into a streamed one.
+SET_BUDGET = (
+    _FENCE
+    + """
+local budget = tonumber(redis.call('HGET', KEYS[1], 'spool_budget') or '0') or 0
+if budget <= 0 then return 0 end
+redis.call('HSET', KEYS[1], 'spool_budget', ARGV[2])
 return 1
 """
 )

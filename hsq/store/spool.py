@@ -17,10 +17,12 @@ fenced on the run's generation, like the worker's.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from hsq import jsonsafe
 from hsq.errors import StoreError
 from hsq.keys import rq_queue_key
 from hsq.store import scripts
@@ -29,6 +31,21 @@ from hsq.store.fence import Fence
 
 COMMIT_BATCH = 500
 """Pending entries one COMMIT script call acks at most (then it is called again)."""
+
+
+REJECT_REASON = "output_corrupt"
+"""The dead-letter reason of a streamed file that failed its checks when a consumer read
+it: the consumer queues it again (hsq.runstore.finish_rejects when it was killed first)."""
+
+
+class SampleOverBudget(Exception):
+    """The sample alone is larger than the spool's budget: it can never be reserved until
+    the budget is raised (`hsq enqueue --spool-budget` on the run)."""
+
+    def __init__(self, budget: int, needed: int) -> None:
+        super().__init__(f"a sample of {needed} bytes is above the spool budget of {budget}")
+        self.budget = budget
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,8 @@ class Spool:
         self._commit = reg(scripts.COMMIT)
         self._removed = reg(scripts.RELEASE_REMOVED)
         self._reject = reg(scripts.REJECT)
+        self._set_budget = reg(scripts.SET_BUDGET)
+        self._release_undone = reg(scripts.RELEASE_UNDONE)
 
     # ------------------------------------------------------------------ producers
     def ensure_groups(self, groups: list[str]) -> None:
@@ -77,10 +96,25 @@ class Spool:
 
     def reserve(self, sample_id: str, nbytes: int | None) -> bool:
         """Reserve a sample's output bytes (None: size not known yet, the whole budget);
-        False when the spool is full. A run without a stream always says True."""
+        False when the spool is full. A run without a stream always says True. Raises
+        SampleOverBudget when the sample alone is larger than the budget."""
         k = self.keys
         n = -1 if nbytes is None else nbytes
-        return bool(self.fence.count(self._reserve, [k.spool, k.stats], [sample_id, n]))
+        got = self.fence.count(self._reserve, [k.spool, k.stats], [sample_id, n])
+        if got < 0:
+            raise SampleOverBudget(-got - 1, n)
+        return bool(got)
+
+    def release(self, sample_id: str) -> int:
+        """A sample leaves the worker without a file (sent to the retry queue): its
+        reservation is released unless it is done. The bytes released."""
+        k = self.keys
+        return self.fence.count(self._release_undone, [k.spool, k.stats, k.done], [sample_id])
+
+    def set_budget(self, budget: int) -> None:
+        """A new byte budget for a streamed run (raised so a sample larger than the old one
+        fits, or lowered); read by every reservation from now on."""
+        self.fence.call(self._set_budget, [], [budget])
 
     # ------------------------------------------------------------------ consumers
     def read(
@@ -156,6 +190,48 @@ class Spool:
         keys = [k.spool_gc, k.spool, k.stats, k.consumed]
         return bool(self.fence.count(self._removed, keys, [sample_id]))
 
+    def consumed_of(self, ids: list[str]) -> list[bool]:
+        """For each id: its file was removed by design (every group committed it: in the
+        consumed set, or in the removal set while its removal finishes)."""
+        if not ids:
+            return []
+        p = self.client.pipeline(transaction=False)
+        p.smismember(self.keys.consumed, ids)
+        p.smismember(self.keys.spool_gc, ids)
+        a, b = p.execute()
+        return [bool(x) or bool(y) for x, y in zip(a, b, strict=True)]
+
+    def consumers(self, group: str) -> dict[str, int]:
+        """The group's consumers with entries pending to them: name -> pending."""
+        try:
+            infos: list[dict[str, Any]] = self.client.xinfo_consumers(self.keys.ready, group)
+        except Exception as exc:
+            if "no such key" in str(exc).lower():
+                return {}
+            raise
+        return {text(i["name"]): int(i.get("pending") or 0) for i in infos if i.get("pending")}
+
+    def note_consumer(self, group: str, rank: int, stats: dict[str, float]) -> None:
+        """A trainer's data wait, as of its last commit (one HSET)."""
+        record = json.dumps({**stats, "time": round(time.time(), 1)})
+        self.client.hset(self.keys.consumer_stats, f"{group}/{rank}", record)
+
+    def consumer_waits(self) -> dict[str, dict[str, float]]:
+        """group -> its trainers' data wait summed over ranks: wait_s, elapsed_s, share."""
+        out: dict[str, dict[str, float]] = {}
+        for k, v in self.client.hgetall(self.keys.consumer_stats).items():
+            group = text(k).rpartition("/")[0]
+            try:
+                rec: Any = jsonsafe.loads(v) if len(v) < 4096 else {}
+                wait, elapsed = float(rec["wait_s"]), float(rec["elapsed_s"])
+            except (ValueError, TypeError, KeyError):
+                continue  # Redis is untrusted: an unreadable record is skipped
+            g = out.setdefault(group, {"wait_s": 0.0, "elapsed_s": 0.0, "wait_share": 0.0})
+            g["wait_s"] += wait
+            g["elapsed_s"] += elapsed
+            g["wait_share"] = g["wait_s"] / g["elapsed_s"] if g["elapsed_s"] > 0 else 0.0
+        return out
+
     # ------------------------------------------------------------------ reading the state
     def spool_bytes(self) -> int:
         return int(self.client.hget(self.keys.stats, "spool_bytes") or 0)
@@ -198,8 +274,14 @@ class Spool:
 
     def settled(self) -> bool:
         """Nothing reserved: every output published was committed by every group and
-        removed (or, keep_after_commit, committed); True for a run without a stream."""
-        return self.spool_bytes() <= 0 and not self.client.scard(self.keys.spool_gc)
+        removed (or, keep_after_commit, committed), and no consumer's reject is waiting
+        to be queued again; True for a run without a stream."""
+        p = self.client.pipeline(transaction=False)
+        p.hget(self.keys.stats, "spool_bytes")
+        p.scard(self.keys.spool_gc)
+        p.hget(self.keys.dead_reasons, REJECT_REASON)  # a reject still to be queued again
+        used, gc, rejects = p.execute()
+        return int(used or 0) <= 0 and not gc and not int(rejects or 0)
 
     def published(self) -> int:
         return int(self.client.xlen(self.keys.ready))

@@ -64,6 +64,7 @@ class Outcomes:
             log.error("sample_dead", sample=sid, reason=d.reason, attempts=d.attempts, error=msg)
         else:
             self.store.enqueue([[item.ref]], retry=True, attempt=d.attempts, reason=d.reason)
+            self.store.release_spool(sid)  # no file: a streamed run's reservation goes
             log.warning("sample_retry", sample=sid, reason=d.reason, attempt=d.attempts, error=msg)
             if d.pause is Pause.SERVER_ERRORS:  # a 5xx: give the server a moment
                 self.pauses.server_error()

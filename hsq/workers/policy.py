@@ -92,6 +92,9 @@ class Pause(enum.Enum):
     SPOOL_FULL = "spool_full"
     """A streamed run's spool holds its byte budget: no sample is sent until consumers
     commit (hsq/workers/spool.py; never handed back, never the sample's fault)."""
+    SPOOL_TOO_SMALL = "spool_too_small"
+    """A sample alone is larger than the spool's budget: nothing is sent (no dead letter)
+    until the budget is raised to the number the cause names."""
     INTERNAL_ERROR = "worker_internal_error"
     """A bug in the worker outside any one sample (the dump matcher raised): it stops
     (exit 1) once its work is handed back."""

@@ -18,7 +18,7 @@ import time
 import structlog
 
 from hsq.outputs.manifest import ManifestEntry
-from hsq.store import WorkerStore
+from hsq.store import SampleOverBudget, WorkerStore
 from hsq.workers.chunks import WorkItem
 from hsq.workers.pauses import Pauses
 from hsq.workers.policy import Pause
@@ -56,7 +56,11 @@ class SpoolGate:
         )
         nbytes = pinned.spool_estimate(item.tokens)
         now = time.monotonic()
-        if self.store.reserve_spool(item.sample_id, nbytes):
+        try:
+            reserved = self.store.reserve_spool(item.sample_id, nbytes)
+        except SampleOverBudget as exc:
+            return self._too_small(item, exc, now)
+        if reserved:
             if self._full_since is not None:
                 self.paused_s += now - self._full_since
                 log.info("spool_has_room", paused_s=round(now - self._full_since, 3))
@@ -69,6 +73,24 @@ class SpoolGate:
             Pause.SPOOL_FULL,
             f"the spool holds its budget of {cfg.spool_budget} bytes: waiting for the "
             "consumers to commit",
+        )
+        self._retry_at = now + RETRY_S
+        return False
+
+    def _too_small(self, item: WorkItem, exc: SampleOverBudget, now: float) -> bool:
+        """The sample can never fit the budget: pause (the sample stays queued with this
+        worker, nothing is dead-lettered) and say the number needed, until it is raised."""
+        if self._full_since is None:
+            self._full_since = now
+            log.error(
+                "spool_budget_too_small", budget=exc.budget, needed=exc.needed,
+                sample=item.sample_id,
+            )  # fmt: skip
+        self.pauses.note(
+            Pause.SPOOL_TOO_SMALL,
+            f"sample {item.sample_id} needs {exc.needed} bytes, above the spool budget of "
+            f"{exc.budget}: raise it to at least {exc.needed} (`hsq enqueue DATASET --run "
+            f"RUN --spool-budget {exc.needed}`)",
         )
         self._retry_at = now + RETRY_S
         return False

@@ -4,9 +4,11 @@ model state and the dataset's state_dict, written atomically), then commits. Sta
 again after a kill -9 it restores its last checkpoint (load_state_dict) and goes on.
 
     python -m tests.support.streamtrainer --run R --redis-url-file F --ckpt C.json \\
-        [--group train] [--every 3] [--workers 0] [--progress P]
+        [--group train] [--every 3] [--workers 0] [--progress P] [--die-after N]
 
 --progress gets one line per item received (no fsync: what the test waits on).
+--die-after N: the process kills itself with SIGKILL once it received N items in this
+life (a kill -9 at a known point, its DataLoader workers with it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from pathlib import Path
 
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--progress", type=Path)
+    ap.add_argument("--die-after", type=int)
     a = ap.parse_args()
     ds = StreamingHiddenStateDataset(a.run, redis_url_file=a.redis_url_file, group=a.group)
     trained: list[str] = []
@@ -47,13 +51,15 @@ def main() -> None:
     loader = StreamingDataLoader(ds, batch_size=None, num_workers=a.workers)
     progress = open(a.progress, "a") if a.progress else None  # noqa: SIM115
     since = 0
-    for item in loader:
+    for got, item in enumerate(loader, 1):
         assert item["aux_hidden_states"].shape[0] == item["input_ids"].shape[0]
         trained.append(str(item["id"]))
         if progress is not None:
             progress.write(item["id"] + "\n")
             progress.flush()
         since += 1
+        if a.die_after is not None and got >= a.die_after:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         if since >= a.every:
             state = ds.state_dict()
             save(a.ckpt, {"trained": trained, "data": state})

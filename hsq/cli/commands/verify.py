@@ -67,8 +67,9 @@ def verify(**values: Any) -> None:
         res = do_verify(
             st, root, deep=f.deep, on_progress=bar.update, jobs=f.jobs, threads=f.read_threads
         )
+    consumed = f", consumed {res.consumed} (trained, files removed)" if res.consumed else ""
     click.echo(
-        f"checked {res.checked}: ok {res.ok}, missing {len(res.missing)}, "
+        f"checked {res.checked}: ok {res.ok}{consumed}, missing {len(res.missing)}, "
         f"corrupt {len(res.corrupt)}, orphans {len(res.orphans)}, refused {len(res.refused)}"
     )
     for sid in res.missing[:20]:

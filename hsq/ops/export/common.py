@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,42 @@ class ExportReport:
     @property
     def ok(self) -> bool:
         return not self.failed and not self.stale
+
+
+CONSUMED_PAGE = 1000
+
+
+def without_consumed(
+    store: RunStore, report: ExportReport | None = None
+) -> Iterator[tuple[str, ManifestEntry | None]]:
+    """The run's manifest less a streamed run's consumed samples (every consumer group
+    committed them and their files were removed by design: trained, not lost), counted in
+    the report's notes; a page of ids is looked up at a time."""
+    streamed = store.require_config().streamed
+    page: list[tuple[str, ManifestEntry | None]] = []
+    gone = 0
+
+    def flush() -> Iterator[tuple[str, ManifestEntry | None]]:
+        nonlocal gone
+        flags = store.spool.consumed_of([sid for sid, _ in page]) if streamed else []
+        for item, consumed in zip(page, flags or [False] * len(page), strict=True):
+            if consumed:
+                gone += 1
+            else:
+                yield item
+        page.clear()
+
+    for item in store.iter_manifest():
+        page.append(item)
+        if len(page) >= CONSUMED_PAGE:
+            yield from flush()
+    yield from flush()
+    if gone:
+        log.info("export_consumed_skipped", run=store.run, samples=gone)
+        if report is not None:
+            report.notes.append(
+                f"{gone} samples consumed by the stream (trained, files removed): not exported"
+            )
 
 
 def check_complete(store: RunStore, partial: bool) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from hsq.data import MANIFEST
 from hsq.errors import OutputError
 from hsq.fsio import write_durably
-from hsq.ops.export.common import check_complete, checked_entry, log
+from hsq.ops.export.common import check_complete, checked_entry, log, without_consumed
 
 if TYPE_CHECKING:
     from hsq.runstore import RunStore
@@ -21,7 +21,7 @@ def export_manifest(store: RunStore, root: Path, *, partial: bool = False) -> in
     """Write `root/manifest.jsonl` (sorted by path) from the run's manifest; returns lines."""
     check_complete(store, partial)
     rows = []
-    for sid, raw in store.iter_manifest():
+    for sid, raw in without_consumed(store):
         try:
             e = checked_entry(sid, raw)
         except OutputError as exc:

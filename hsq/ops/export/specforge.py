@@ -22,6 +22,7 @@ from hsq.ops.export.common import (
     checked_entry,
     log_exported,
     run_files,
+    without_consumed,
 )
 from hsq.ops.export.passes import Exported, export_pass, save_in, write_all
 from hsq.outputs.format import OutputSample, output_relpath
@@ -124,7 +125,7 @@ def export_specforge(store: RunStore, req: ExportRequest) -> ExportReport:
         write_all(
             report,
             ledger,
-            store.iter_manifest(),
+            without_consumed(store, report),
             one,
             lambda item: item[0],
             jobs=req.jobs,

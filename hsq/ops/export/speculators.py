@@ -39,6 +39,7 @@ from hsq.ops.export.common import (
     log_exported,
     run_files,
     save_file,
+    without_consumed,
 )
 from hsq.ops.export.passes import Exported, export_pass, save_in, write_all
 from hsq.outputs.format import OutputSample, read_header
@@ -132,7 +133,7 @@ def export_speculators(store: RunStore, req: ExportRequest) -> ExportReport:
     files = run_files(store, req)
     entries: list[tuple[str, ManifestEntry]] = []
     report = ExportReport()
-    for sid, raw in store.iter_manifest():
+    for sid, raw in without_consumed(store, report):
         try:
             entries.append((sid, checked_entry(sid, raw)))
         except OutputError as exc:

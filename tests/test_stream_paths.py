@@ -1,0 +1,269 @@
+"""Train while extracting: the paths around the main loop (tests/test_stream.py has the loop
+itself under `hsq run`). Each test extracts a small dataset with a real worker and the
+reference server (tiny model) on the session's redis-server, and reads it with
+StreamingHiddenStateDataset in this process or in tests/support/streamtrainer.py (killed
+with a real SIGKILL where the test says so).
+
+- verify, audit and export count committed-and-removed samples as consumed, not missing;
+- a reject left by a consumer killed before it queued the sample again is finished: the
+  sample is extracted again and delivered, nothing stays dead;
+- a restart with fewer DataLoader workers delivers the old workers' pending entries again,
+  each once, in order;
+- a budget below a sample pauses the worker (no dead letter) naming the bytes needed, and
+  a re-enqueue with a bigger budget lets it go on;
+- --keep-after-commit keeps the files and releases the reservations (never blocks);
+- states of another run or group are refused, a plain DataLoader with workers too (one
+  line each);
+- a stale entry (its sample re-done since) is acked and skipped, the new one trained once.
+Waits for events, never for time.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader
+
+from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
+from hsq.errors import ConfigError
+from hsq.node.procs import ManagedProcess
+from hsq.outputs.manifest import MANIFEST_CODEC
+from hsq.producer.synthetic import write_synthetic
+from hsq.runstore import RunStore
+from hsq.store.ledger import dead_entry
+from tests.helpers import enqueue, hsq, start_worker, store, wait_until
+from tests.support.procs import ReferenceServer
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="process groups"),
+    pytest.mark.timeout(90),
+]
+
+SAMPLES = 8
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: Any) -> ReferenceServer:
+    return server_factory("--warmup", "2", name="streamsrv").wait_ready()  # type: ignore[no-any-return]
+
+
+WORKERS: list[ManagedProcess] = []
+
+
+@pytest.fixture(autouse=True)
+def no_worker_left() -> Iterator[None]:
+    """A failed test's worker is stopped: the next one's worker needs the dump dir."""
+    yield
+    while WORKERS:
+        WORKERS.pop().stop()
+
+
+class Run:
+    """A streamed run extracted by one worker (--burst: it stays until every output is
+    committed, then exits 0)."""
+
+    def __init__(
+        self, tmp: Path, server: ReferenceServer, redis_url: str, name: str, *flags: str,
+        samples: int = SAMPLES,
+    ) -> None:  # fmt: skip
+        self.tmp, self.name, self.url = tmp, name, redis_url
+        self.dataset = tmp / f"{name}.jsonl"
+        write_synthetic(self.dataset, samples, seed=5, min_len=4, max_len=24)
+        self.ids = {json.loads(x)["id"] for x in self.dataset.read_text().splitlines() if x}
+        self.out = tmp / "out"
+        enqueue(self.dataset, name, self.out, redis_url, "--chunk-size", "2", *flags)
+        self.st: RunStore = store(redis_url, name)
+        self.worker: ManagedProcess = start_worker(tmp, name, server, redis_url, "--burst")
+        WORKERS.append(self.worker)
+
+    def ds(self, group: str = "train", **kw: Any) -> StreamingHiddenStateDataset:
+        return StreamingHiddenStateDataset(self.name, redis_url=self.url, group=group, **kw)
+
+    def wait_published(self, n: int) -> None:
+        wait_until(lambda: self.st.spool.published() >= n, 120, interval=0.05)
+
+    def files(self) -> list[Path]:
+        return sorted((self.out / self.name).rglob("*.safetensors"))
+
+    def worker_exits_0(self) -> None:
+        assert self.worker.proc.wait(120) == 0, self.worker.log_tail()
+        assert self.st.spool.settled()
+
+
+def consume(ds: StreamingHiddenStateDataset, every: int = 2) -> list[str]:
+    """A trainer in this process: checkpoint (state) and commit every `every` items."""
+    got: list[str] = []
+    for item in DataLoader(ds, batch_size=None):
+        got.append(str(item["id"]))
+        if len(got) % every == 0:
+            ds.commit(ds.state_dict())
+    ds.commit(ds.state_dict())
+    return got
+
+
+def trainer(tmp: Path, run: Run, tag: str, *extra: str) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable, "-m", "tests.support.streamtrainer", "--run", run.name,
+        "--redis-url-file", str(write_url(tmp, run.url)), "--ckpt", str(tmp / f"{tag}.json"),
+        "--progress", str(tmp / f"{tag}.progress"), *extra,
+    ]  # fmt: skip
+    with open(tmp / f"{tag}.log", "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+
+
+def write_url(tmp: Path, url: str) -> Path:
+    path = tmp / "redis-url"
+    path.write_text(url)
+    path.chmod(0o600)
+    return path
+
+
+def trained(tmp: Path, tag: str) -> list[str]:
+    ckpt = json.loads((tmp / f"{tag}.json").read_text())
+    assert ckpt.get("finished"), ckpt
+    return list(ckpt["trained"])
+
+
+def test_verify_audit_and_export_count_committed_removed_files_as_consumed(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "gone", "--spool-budget", "1M")
+    run.wait_published(SAMPLES)
+    assert Counter(consume(run.ds())) == Counter(run.ids)
+    run.worker_exits_0()
+    assert not run.files()  # every file removed once committed
+    common = ["--run", "gone", "--redis", redis_url]
+    v = hsq("verify", *common, "--deep", "--no-progress")
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert f"ok 0, consumed {SAMPLES} (trained, files removed), missing 0" in v.stdout
+    e = hsq("export", *common, "--format", "specforge", "--to", str(tmp_path / "sf"),
+            "--no-progress")  # fmt: skip
+    assert e.returncode == 0, e.stdout + e.stderr
+    assert f"{SAMPLES} samples consumed by the stream" in e.stdout and "failed    0" in e.stdout
+    a = hsq("audit", *common, "--server", server.url, "--dump-dir", str(tmp_path / "ad"),
+            "--sample-fraction", "1")  # fmt: skip
+    assert a.returncode == 0, a.stdout + a.stderr
+    assert f"consumed        {SAMPLES}" in a.stdout and "not audited     0" in a.stdout
+
+
+def test_a_reject_left_by_a_killed_consumer_is_queued_again_and_delivered(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "rej", "--spool-budget", "1M")
+    run.wait_published(SAMPLES)
+    # What a consumer killed right after its reject script leaves: the sample un-marked,
+    # dead-lettered (output_corrupt) and released; its file still there, nothing queued.
+    [d] = run.st.spool.read("train", "rank0-worker0", 1, None, None)
+    entry = MANIFEST_CODEC.decode(d.sample_id, d.stored)
+    assert entry is not None
+    dead = json.dumps(dead_entry("output_corrupt", "checksum mismatch", 0, "consumer:train"))
+    totals = MANIFEST_CODEC.totals(entry)
+    assert run.st.spool.reject("train", d, totals, dead, "output_corrupt")
+    assert run.st.ledger.dead_reasons() == {"output_corrupt": 1}
+    proc = trainer(tmp_path, run, "t", "--every", "3")
+    assert proc.wait(180) == 0, (tmp_path / "t.log").read_text()
+    assert Counter(trained(tmp_path, "t")) == Counter(run.ids)  # the rejected one too, once
+    run.worker_exits_0()
+    assert not run.st.ledger.dead_reasons()
+    assert run.st.count(run.st.keys.done) == SAMPLES
+
+
+def test_a_restart_with_fewer_dataloader_workers_delivers_the_old_ones_pending_once(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "fewer", "--spool-budget", "1M", samples=12)
+    run.wait_published(12)
+    first = trainer(tmp_path, run, "t", "--workers", "2", "--every", "3", "--die-after", "5")
+    assert first.wait(120) == -signal.SIGKILL
+    consumers = run.st.spool.consumers("train")
+    assert "rank0-worker1" in consumers, consumers  # entries pending to a worker now gone
+    again = trainer(tmp_path, run, "t", "--workers", "0", "--every", "3")
+    assert again.wait(180) == 0, (tmp_path / "t.log").read_text()
+    assert Counter(trained(tmp_path, "t")) == Counter(run.ids)  # each once
+    run.worker_exits_0()
+    assert not run.st.spool.consumers("train")  # nothing left pending anywhere
+
+
+def test_a_budget_below_a_sample_pauses_the_worker_until_it_is_raised(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "small", "--spool-budget", "1K")
+
+    def cause() -> dict[str, Any]:
+        infos = run.st.workers.workers_info().values()
+        return next((i for i in infos if i.get("cause") == "spool_too_small"), {})
+
+    # The first sample goes alone (its size is known only once a dump pinned the hidden
+    # size); every later one is larger than 1 KiB: the worker pauses, says the number.
+    try:
+        wait_until(lambda: bool(cause()), 60, interval=0.1)
+    except AssertionError:
+        raise AssertionError((run.st.workers.workers_info(), run.worker.log_tail(60))) from None
+    message = str(cause()["cause_message"])
+    needed = int(message.split(" needs ")[1].split()[0])
+    assert needed > 1024 and "raise it to at least" in message, message
+    assert not run.st.ledger.dead_reasons()  # nothing dead-lettered
+    status = hsq("status", "--run", "small", "--redis", redis_url)
+    assert "spool budget below a sample" in status.stdout, status.stdout
+    enqueue(run.dataset, "small", run.out, redis_url, "--spool-budget", "1M")
+    assert run.st.require_config().spool_budget == 1024 * 1024
+    assert Counter(consume(run.ds())) == Counter(run.ids)
+    run.worker_exits_0()
+    assert not run.st.ledger.dead_reasons()
+
+
+def test_keep_after_commit_keeps_files_releases_reservations_and_refuses_foreign_states(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    # A budget of about two samples (a commit each item): were commits not releasing the
+    # reservations of the files kept, the worker would stall.
+    run = Run(tmp_path, server, redis_url, "keep", "--spool-budget", "16K",
+              "--keep-after-commit")  # fmt: skip
+    train = run.ds()
+    assert Counter(consume(train, every=1)) == Counter(run.ids)
+    assert sum(p.stat().st_size for p in run.files()) > 16 * 1024
+    run.worker_exits_0()
+    assert len(run.files()) == SAMPLES  # every file kept
+    assert run.st.spool.reserved() == {} and run.st.spool.spool_bytes() == 0
+    v = hsq("verify", "--run", "keep", "--redis", redis_url, "--deep", "--no-progress")
+    assert v.returncode == 0 and f"ok {SAMPLES}, missing 0" in v.stdout, v.stdout
+    # A state of another group, or another run: refused in one line.
+    with pytest.raises(ConfigError, match="the state is of run 'keep' group 'ablate'"):
+        train.load_state_dict({**train.state_dict(), "group": "ablate"})
+    with pytest.raises(ConfigError, match="the state is of run 'other' group 'train'"):
+        train.load_state_dict({**train.state_dict(), "run": "other"})
+    # A plain DataLoader with worker processes: one line, naming the loader to use.
+    with pytest.raises(ConfigError) as err:
+        next(iter(DataLoader(run.ds(), batch_size=None, num_workers=1)))
+    assert str(err.value).count("\n") == 0 and "StreamingDataLoader" in str(err.value)
+
+
+def test_a_stale_entry_is_acked_and_skipped_and_the_new_one_trained_once(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "stale", "--spool-budget", "1M",
+              "--consumers", "a,b")  # fmt: skip
+    run.wait_published(SAMPLES)
+    first = sorted(run.files())[0]
+    with open(first, "r+b") as f:  # same size, other bytes: the checksum tells
+        f.seek(first.stat().st_size - 8)
+        f.write(b"\xff" * 8)
+    # Group a rejects it (re-extracted, published again); b still has the old entry unread.
+    assert Counter(consume(run.ds("a"))) == Counter(run.ids)
+    assert run.st.spool.published() == SAMPLES + 1
+    b = run.ds("b")
+    got = [str(item["id"]) for item in StreamingDataLoader(b, batch_size=None, num_workers=2)]
+    b.commit(b.state_dict())
+    assert Counter(got) == Counter(run.ids)  # the stale entry skipped, the new one once
+    [info] = [g for g in run.st.spool.groups() if g.name == "b"]
+    assert info.delivered == SAMPLES + 1 and info.pending == 0  # the stale one acked
+    run.worker_exits_0()
+    assert not run.files()
