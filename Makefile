@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: dist constraints lower-bounds
-.PHONY: setup test test-slow lint fmt clean demo bench bench-smoke sglang-sources pip-check
+.PHONY: setup test test-fresh test-slow lint fmt clean demo bench bench-smoke sglang-sources pip-check
 .PHONY: setup-deploy compose-test slurm-test compose-demo
 
 setup:
@@ -22,6 +22,12 @@ pip-check:
 test:
 	$(PY) -m compileall -q hsq > /dev/null
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The real-process tier (tests marked realproc: signals, kills, os._exit, starts, readiness)
+# once more with every server, worker and `hsq` process a fresh exec instead of a fork of
+# the test zygote, so a behaviour only a fork has cannot hide a bug. CI runs it once.
+test-fresh:
+	HSQ_TEST_SPAWNER=fresh $(PY) -m pytest -m realproc -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # The two end-to-end checks that take minutes each, kept out of `make test` so the suite
 # stays under ten minutes: the built wheel in a fresh venv, and SpecForge's own trainer

@@ -56,7 +56,7 @@ def generate(url: str, ids: list[int], rid: str, timeout: float = 30.0) -> httpx
 @pytest.fixture(scope="session", autouse=True)
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
     """One zygote per test session (per xdist worker), started at the first fork: each
-    dump server, each worker of tests/helpers.py and each of its `hsq()` commands is then a
+    dump server, each worker of tests/helpers.py and each of its `hsq_process()` commands is a
     fork of a process that has imported torch, transformers and hsq (seconds of CPU a
     start), not a fresh interpreter. HSQ_TEST_SPAWNER=fresh: no zygote."""
     if os.environ.get(SPAWNER_ENV, "zygote") == "fresh":

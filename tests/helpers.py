@@ -16,6 +16,7 @@ from hsq.node.procs import ManagedProcess, worker_process
 from hsq.runstore import RunStore
 from hsq.store import connect
 from hsq.workers.settings import EngineApi, ExchangeTuning, WorkerSettings, WorkerTuning
+from tests.support import inproc
 from tests.support.procs import ReferenceServer
 from tests.support.spawner import ZygoteSpawner, installed
 
@@ -26,6 +27,19 @@ def hsq_argv(*args: str) -> list[str]:
 
 
 def hsq(
+    *args: str, check: bool = False, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`hsq ARGS` called in this process (tests.support.inproc), JSON logs on stderr, no
+    terminal on stdin (prompts refuse), output captured as a subprocess's would be. For the
+    tests that check a command's output and exit code; `hsq_process` where the process
+    itself is the point (and for the commands that serve or end in os._exit)."""
+    proc = inproc.call(["--log-format", "json", *args], env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hsq {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def hsq_process(
     *args: str,
     timeout: float = 120,
     check: bool = False,
@@ -52,7 +66,7 @@ def hsq(
 
 
 def enqueue(dataset: Path, run: str, out: Path, redis_url: str, *extra: str) -> str:
-    """`hsq enqueue` as a subprocess; its stdout (the counts)."""
+    """`hsq enqueue` (in process); its stdout (the counts)."""
     args = ["enqueue", str(dataset), "--run", run, "--out", str(out), "--redis", redis_url]
     return hsq(*args, "--no-progress", *extra, check=True).stdout
 

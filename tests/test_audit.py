@@ -212,7 +212,7 @@ def test_the_audit_checks_each_dump_as_the_worker_does(
         srv.writer = HostileServer.good if prenorm else fp8_dump
         res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
                   "--server", srv.url, "--dump-dir", str(srv.dump_dir), "--no-progress",
-                  "--requeue", timeout=120)  # fmt: skip
+                  "--requeue")  # fmt: skip
     finally:
         srv.stop()
     text = res.stdout + res.stderr
@@ -227,8 +227,8 @@ def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_messa
 ) -> None:
     """Against a closed port the audit waited for a hook marker for 30
     minutes (`waiting_for_hook`, timeout_s 1800). Now: exit 2 naming the server, and
-    nothing of the run changes. (The subprocess limit is only a guard: the audit's own
-    bound is its --request-timeout.)"""
+    nothing of the run changes. (The test's timeout is only a guard: the audit's own bound
+    is its --request-timeout.)"""
     from hsq.node.procs import free_port
 
     run = "unreach"
@@ -246,7 +246,7 @@ def test_an_audit_against_an_unreachable_server_fails_at_once_with_a_clear_messa
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
               "--server", closed, "--dump-dir", str(tmp_path / "audit-dumps"),
-              "--request-timeout", "30", "--requeue", "--no-progress", timeout=110)  # fmt: skip
+              "--request-timeout", "30", "--requeue", "--no-progress")  # fmt: skip
     text = res.stdout + res.stderr
     assert res.returncode == 2, text
     assert f"the audit server {closed} cannot be reached" in text, text

@@ -96,6 +96,7 @@ def test_verify_reads_crc32_manifests_of_older_files(tmp_path: Path) -> None:
     assert not checksum_matches(p, d.text) and not checksum_matches(p, "md5:00")
 
 
+@pytest.mark.realproc
 def test_a_woken_worker_does_not_replace_a_file_redone_by_another(
     tmp_path: Path, redis_url: str
 ) -> None:

@@ -21,7 +21,7 @@ from hsq.cli import main as cli
 from hsq.cli.options import DeprecatedAlias
 from hsq.producer.synthetic import write_synthetic
 from hsq.store import connect, list_runs
-from tests.helpers import enqueue, hsq
+from tests.helpers import enqueue, hsq, hsq_process
 
 FLAG_ONLY = {
     # Per-invocation choices that delete, rewrite or requeue, or change what the input is:
@@ -116,7 +116,7 @@ def test_demo_uses_the_redis_hsq_redis_url_names(tmp_path: Path, redis_url: str)
     redis-server anyway."""
     before = set(list_runs(connect(redis_url)))
     env = _env_without_redis()
-    res = hsq("demo", "--samples", "3", "--out", str(tmp_path / "demo"), timeout=300,
+    res = hsq_process("demo", "--samples", "3", "--out", str(tmp_path / "demo"), timeout=300,
               env={**env, "HSQ_REDIS_URL": redis_url})  # fmt: skip
     assert res.returncode == 0 and "demo OK" in res.stdout, res.stdout + res.stderr[-2000:]
     assert "redis-server" not in res.stdout  # none started: the given Redis is used
@@ -131,7 +131,7 @@ def test_demo_reads_redis_url_file(tmp_path: Path) -> None:
     url_file = tmp_path / "url"
     url_file.write_text("redis://127.0.0.1:1/0\n")  # nothing listens there
     url_file.chmod(0o600)
-    down = hsq("demo", "--samples", "1", "--out", str(tmp_path / "demo"),
+    down = hsq_process("demo", "--samples", "1", "--out", str(tmp_path / "demo"),
                "--redis-url-file", str(url_file), timeout=300, env=env)  # fmt: skip
     assert down.returncode == 3 and "cannot reach Redis" in down.stderr, down.stderr[-2000:]
     assert "redis-server" not in down.stdout
@@ -283,14 +283,15 @@ def test_export_jobs_is_write_threads_with_a_warning(
     assert bad.exit_code == 2, bad.output
 
 
+@pytest.mark.realproc
 def test_a_bad_tuning_value_stops_hsq_run_before_anything_starts(tmp_path: Path) -> None:
     """`hsq run` checks every worker's settings itself (it once built a WorkerSettings with
     placeholders to do it): one line, exit 2, nothing made under --out."""
     ds = tmp_path / "d.jsonl"
     write_synthetic(ds, 2)
     out = tmp_path / "out"
-    res = hsq("run", str(ds), "--out", str(out), "--inflight", "0")
+    res = hsq_process("run", str(ds), "--out", str(out), "--inflight", "0")
     assert res.returncode == 2 and res.stderr == "error: --inflight must be within [1, 256]\n"
     assert res.stdout == "" and not out.exists()
-    res = hsq("run", str(ds), "--out", str(out), "--request-timeout", "0")
+    res = hsq_process("run", str(ds), "--out", str(out), "--request-timeout", "0")
     assert res.returncode == 2 and res.stderr == "error: --request-timeout must be > 0\n"

@@ -26,7 +26,15 @@ from hsq.dump.ready import READY_FILE, read_ready, write_ready
 from hsq.dump.write import write_dump
 from hsq.ops import verify
 from hsq.producer.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, log_events, spawn_worker, start_worker, store, wait_until
+from tests.helpers import (
+    enqueue,
+    hsq_process,
+    log_events,
+    spawn_worker,
+    start_worker,
+    store,
+    wait_until,
+)
 from tests.hostile import HostileServer, meta_for, once_per_sample, tensors_for
 from tests.support.procs import ReferenceServer
 
@@ -65,6 +73,7 @@ def started(log: Path) -> Callable[[], bool]:
 # ------------------------------------------------------------------------------------------- fifos
 
 
+@pytest.mark.realproc
 def test_fifos_in_the_dump_dir_block_nothing_and_sigterm_still_stops_the_worker(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -250,6 +259,7 @@ def other_user() -> pwd.struct_passwd:
     return pwd.getpwnam(OTHER_USER)
 
 
+@pytest.mark.realproc
 def test_a_dump_dir_writable_by_other_users_is_refused(
     fresh: ReferenceServer, redis_url: str, tmp_path: Path
 ) -> None:
@@ -273,13 +283,13 @@ def test_a_dump_dir_writable_by_other_users_is_refused(
         as_other("mkfifo", str(d / "req_5" / META_FILE))
         enqueue(dataset(tmp_path, 2, seed=75), "open", tmp_path / "out", redis_url)
         args = ["worker", "--run", "open", "--server", fresh.url, "--redis", redis_url]
-        refused = hsq(*args, "--dump-dir", str(d), "--burst", timeout=60)
+        refused = hsq_process(*args, "--dump-dir", str(d), "--burst", timeout=60)
         assert refused.returncode == 2, refused.stderr
         assert "writable by other users (mode 0777)" in refused.stderr
         assert f"chmod 700 {d}" in refused.stderr and "Traceback" not in refused.stderr
         assert stat.S_IMODE(d.stat().st_mode) == 0o777
         assert stat.S_ISFIFO(os.lstat(d / "req_5" / META_FILE).st_mode)  # nothing touched
-        forced = hsq(*args, "--dump-dir", str(d), "--burst", "--dump-dir-force", timeout=60)
+        forced = hsq_process(*args, "--dump-dir", str(d), "--burst", "--dump-dir-force", timeout=60)
         assert forced.returncode == 2 and "not a regular file (a FIFO)" in forced.stderr
         st = store(redis_url, "open")
         assert st.count(st.keys.done) == 0 and len(st.outstanding_samples()) == 2
@@ -290,6 +300,7 @@ def test_a_dump_dir_writable_by_other_users_is_refused(
 # ---------------------------------------------------------------------- a dump dir swapped mid-run
 
 
+@pytest.mark.realproc
 def test_a_dump_dir_removed_recreated_or_swapped_mid_run_sends_nothing_to_the_dead_letter(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:

@@ -22,7 +22,7 @@ from hsq.node.procs import ManagedProcess
 from hsq.ops import run_status, verify
 from hsq.producer.synthetic import write_synthetic
 from tests.conftest import generate
-from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, hsq, hsq_process, log_events, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
@@ -175,6 +175,7 @@ def test_two_dumps_for_one_rid_fail_that_sample_with_multiple_dumps(
     assert verify(st, tmp_path / "out" / "split", deep=True).ok == 16
 
 
+@pytest.mark.realproc
 def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:
@@ -200,6 +201,7 @@ def test_a_server_killed_with_k_in_flight_sends_none_to_the_dead_letter(
     assert verify(st, tmp_path / "out" / "skill", deep=True).ok == 40
 
 
+@pytest.mark.realproc
 def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:
@@ -232,6 +234,7 @@ def test_a_worker_sigkilled_with_k_in_flight_redoes_at_most_those(
     assert verify(st, out / "wkill", deep=True).ok == 40
 
 
+@pytest.mark.realproc
 def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -242,20 +245,21 @@ def test_a_shared_dump_dir_is_refused_before_anything_is_touched(
     os.chmod(shared, 0o1777)
     (shared / "req_7").mkdir()  # someone else's
     args = ["--server", fresh.url, "--dump-dir", str(shared), "--redis", redis_url]
-    gone = hsq("worker", "--run", "nope", *args)
+    gone = hsq_process("worker", "--run", "nope", *args)
     assert gone.returncode == 2 and "does not exist" in gone.stderr
     ds = dataset(tmp_path, 2, seed=38)
     enqueue(ds, "shared", tmp_path / "out", redis_url)
-    refused = hsq("worker", "--run", "shared", *args)
+    refused = hsq_process("worker", "--run", "shared", *args)
     assert refused.returncode == 2 and "--dump-dir-force" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777 and (shared / "req_7").is_dir()
     assert not (tmp_path / "never").exists()
-    missing = hsq("worker", "--run", "nope", "--server", fresh.url, "--dump-dir",
+    missing = hsq_process("worker", "--run", "nope", "--server", fresh.url, "--dump-dir",
                   str(tmp_path / "never"), "--redis", redis_url)  # fmt: skip
     assert missing.returncode == 2 and not (tmp_path / "never").exists()
 
 
+@pytest.mark.realproc
 def test_a_mistyped_dump_dir_creates_nothing(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -264,7 +268,7 @@ def test_a_mistyped_dump_dir_creates_nothing(
     there). Now a missing dump dir is refused first, named, and nothing is created."""
     enqueue(dataset(tmp_path, 2, seed=40), "typo", tmp_path / "out", redis_url)
     typo = tmp_path / "nonexistent" / "dir"
-    proc = hsq("worker", "--run", "typo", "--server", fresh.url, "--dump-dir", str(typo),
+    proc = hsq_process("worker", "--run", "typo", "--server", fresh.url, "--dump-dir", str(typo),
                "--redis", redis_url, "--burst")  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert f"--dump-dir {typo} does not exist" in proc.stderr

@@ -30,6 +30,7 @@ from tests.support.procs import ReferenceServer
 Factory = Callable[..., ReferenceServer]
 
 
+@pytest.mark.realproc
 def test_redis_restart_with_aof_keeps_the_queue_and_workers_carry_on(
     tmp_path: Path, server_factory: Factory
 ) -> None:

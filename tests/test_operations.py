@@ -288,6 +288,7 @@ def first_worker(run: str, redis_url: str, key: str) -> object:
     return ws[0].get(key) if ws else None
 
 
+@pytest.mark.realproc
 def test_status_names_a_dead_server_and_a_killed_worker(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:

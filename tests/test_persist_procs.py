@@ -199,6 +199,7 @@ def test_a_persist_process_removes_the_staged_dump_it_used(tmp_path: Path) -> No
         procs.close()
 
 
+@pytest.mark.realproc
 @pytest.mark.timeout(400)
 def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_disk(
     tmp_path: Path, redis_url: str
@@ -252,6 +253,7 @@ def test_persist_processes_killed_mid_write_leave_nothing_marked_that_is_not_on_
     assert_every_done_file_is_on_disk("pk", redis_url, n, out)
 
 
+@pytest.mark.realproc
 def test_a_server_whose_port_another_server_answers_on_is_refused_at_once(
     tmp_path: Path,
 ) -> None:
@@ -274,6 +276,7 @@ def test_a_server_whose_port_another_server_answers_on_is_refused_at_once(
         sa.stop()
 
 
+@pytest.mark.realproc
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("procs", ["0", "2"])
 def test_a_woken_worker_never_marks_or_renames_what_a_reaper_gave_away(

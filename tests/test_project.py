@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from tests.helpers import hsq
+from tests.helpers import hsq, hsq_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,8 +28,9 @@ def test_cli_help_lists_commands() -> None:
     assert "serve-reference" in out
 
 
+@pytest.mark.realproc
 def test_cli_bad_flag_is_a_usage_error() -> None:
-    proc = hsq("serve-reference", "--dump-dir", "/tmp/x", "--port", "x")
+    proc = hsq_process("serve-reference", "--dump-dir", "/tmp/x", "--port", "x")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
 

@@ -63,6 +63,7 @@ def worker(
     return ManagedProcess(argv, log, env=env, new_session=True, spawner=installed())
 
 
+@pytest.mark.realproc
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("procs", ["0", "1"])
 def test_a_worker_stopped_between_its_look_and_its_rename_replaces_nothing(

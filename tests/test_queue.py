@@ -20,7 +20,7 @@ from hsq.dump.format import fingerprint
 from hsq.engines.reference.model import load_model
 from hsq.ops import verify
 from hsq.producer.synthetic import write_synthetic
-from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
+from tests.helpers import enqueue, hsq, hsq_process, log_events, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
 
 Factory = Callable[..., ReferenceServer]
@@ -235,6 +235,7 @@ def test_transient_faults_succeed_on_retry_and_permanent_ones_reach_the_dead_let
     assert poison["id"] not in names and len(names) == 11
 
 
+@pytest.mark.realproc
 def test_kill_9_mid_sample_completes_within_60s(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -265,6 +266,7 @@ def test_kill_9_mid_sample_completes_within_60s(
     assert log_events(b.log_path, "recovered_dead_worker_jobs")
 
 
+@pytest.mark.realproc
 def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:
@@ -292,6 +294,7 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     assert log_events(w.log_path, "waiting_for_server")
 
 
+@pytest.mark.realproc
 def test_a_second_worker_on_the_same_dump_dir_is_refused(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -301,7 +304,7 @@ def test_a_second_worker_on_the_same_dump_dir_is_refused(
     a = start_worker(tmp_path, "lock", fresh, redis_url, name="holder")
     try:
         wait_until(lambda: bool(log_events(a.log_path, "worker_started")), 60)
-        proc = hsq(
+        proc = hsq_process(
             "worker",
             "--run",
             "lock",
@@ -318,6 +321,7 @@ def test_a_second_worker_on_the_same_dump_dir_is_refused(
         a.stop()
 
 
+@pytest.mark.realproc
 def test_sigterm_hands_back_and_loses_nothing(
     tmp_path: Path, fresh: ReferenceServer, redis_url: str
 ) -> None:
@@ -348,10 +352,11 @@ def test_sigterm_hands_back_and_loses_nothing(
     assert st.workers.worker_ids() == []
 
 
+@pytest.mark.realproc
 def test_worker_errors_are_plain_words_with_exit_codes(tmp_path: Path, redis_url: str) -> None:
     cases = [(redis_url, 2, "does not exist"), ("redis://127.0.0.1:1/0", 3, "cannot reach Redis")]
     for i, (url, code, message) in enumerate(cases):
-        proc = hsq(
+        proc = hsq_process(
             "worker",
             "--run",
             "nope",

@@ -185,6 +185,7 @@ def plain(server_factory: Factory) -> ReferenceServer:
     return srv
 
 
+@pytest.mark.realproc
 def test_reference_server_writes_the_marker_before_it_is_healthy(plain: ReferenceServer) -> None:
     srv = plain
     marker = read_ready(srv.dump_dir)
@@ -194,6 +195,7 @@ def test_reference_server_writes_the_marker_before_it_is_healthy(plain: Referenc
     assert marker.model.model_id == info["model_id"]
 
 
+@pytest.mark.realproc
 def test_worker_refuses_a_server_without_an_active_hook(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:
@@ -212,6 +214,7 @@ def test_worker_refuses_a_server_without_an_active_hook(
     assert len(st.outstanding_samples()) == 6
 
 
+@pytest.mark.realproc
 def test_worker_refuses_a_server_capturing_other_layers(
     tmp_path: Path, plain: ReferenceServer, redis_url: str
 ) -> None:

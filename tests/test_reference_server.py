@@ -261,6 +261,7 @@ def test_two_processes_give_bit_identical_states(
     assert torch.equal(a.last_hidden_state, b.last_hidden_state)
 
 
+@pytest.mark.realproc
 def test_sigterm_stops_the_server_cleanly(server_factory: Factory) -> None:
     # A fresh exec: the signal handling as `hsq serve-reference` sets it up from nothing.
     srv = server_factory(name="term", spawner=FRESH).wait_ready()

@@ -21,7 +21,7 @@ from hsq import open_output
 from hsq.engines.reference.app import HOLD_START_ENV
 from hsq.node.procs import hsq_command, python_module
 from hsq.producer.synthetic import write_synthetic
-from tests.helpers import hsq, wait_until
+from tests.helpers import hsq, hsq_process, wait_until
 from tests.run_helpers import Node, no_node_left, run_store
 
 pytestmark = [
@@ -98,11 +98,16 @@ def test_hsqs_children_start_from_a_directory_holding_a_clone_named_hsq(tmp_path
     assert "-P" in Path(procs.__file__).read_text()
 
 
+@pytest.mark.realproc
 def test_a_missing_or_empty_dataset_is_a_usage_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.endswith("REDIS_URL")}
-    missing = hsq("run", str(tmp_path / "nonexistent.jsonl"), "--out", str(tmp_path / "o"), env=env)
+    missing = hsq_process(
+        "run", str(tmp_path / "nonexistent.jsonl"), "--out", str(tmp_path / "o"), env=env
+    )
     assert missing.returncode == 2 and "no such file" in missing.stderr, missing.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    res = hsq("run", str(empty), "--out", str(tmp_path / "o"), "--engine", "reference", env=env)
+    res = hsq_process(
+        "run", str(empty), "--out", str(tmp_path / "o"), "--engine", "reference", env=env
+    )
     assert res.returncode == 2 and "no valid sample" in res.stderr, res.stderr

@@ -47,7 +47,7 @@ from hsq.engines.sglang.layers import (
 from hsq.engines.sglang.plan import RidFilter, build_plan
 from hsq.errors import ConfigError
 from hsq.states import AUX_TENSOR, LAST_TENSOR
-from tests.helpers import hsq
+from tests.helpers import hsq_process
 from tests.support.fakesglang import (
     GOOD_ARGS,
     IDENT,
@@ -873,6 +873,7 @@ def test_launcher_refuses_bad_settings_with_a_message(tmp_path: Path) -> None:
         (["--layers", "1,3,9"], "out of range for a model of 8 layers"),
     ],
 )
+@pytest.mark.realproc
 def test_launch_sglang_refuses_before_starting_anything(
     tmp_path: Path, extra: list[str], says: str
 ) -> None:
@@ -884,7 +885,7 @@ def test_launch_sglang_refuses_before_starting_anything(
     (model / "config.json").write_text(
         json.dumps({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 8})
     )
-    proc = hsq(
+    proc = hsq_process(
         "launch-sglang",
         "--model-path",
         str(model),

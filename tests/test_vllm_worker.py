@@ -98,9 +98,9 @@ def test_a_run_through_the_vllm_client(
     # hsq audit speaks vLLM's API too: each sample re-extracted alone through the connector.
     audit = ["audit", "--run", "v", "--redis", redis_url, "--sample-fraction", "1", "--out",
              str(out), "--server", server.url, "--dump-dir", str(server.dump_dir)]  # fmt: skip
-    wrong = hsq(*audit, timeout=300)  # SGLang's client: refused before any request
+    wrong = hsq(*audit)  # SGLang's client: refused before any request
     assert wrong.returncode == 2 and "--engine vllm" in wrong.stderr, wrong.stderr
-    res = hsq(*audit, "--engine", "vllm", timeout=300)
+    res = hsq(*audit, "--engine", "vllm")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "audited         10 of 10" in res.stdout and "match           10" in res.stdout
     assert "mismatched      0" in res.stdout

@@ -238,7 +238,7 @@ def test_what_the_zygote_cannot_start_as_a_fresh_start_would_is_started_fresh(
 def test_run_captures_stdout_and_stderr_apart_as_subprocess_run_does(
     light: ZygoteSpawner, tmp_path: Path
 ) -> None:
-    """ZygoteSpawner.run (tests/helpers.py's `hsq()`): the same CompletedProcess as
+    """ZygoteSpawner.run (tests/helpers.py's `hsq_process()`): the same CompletedProcess as
     subprocess.run with capture_output, text and stdin DEVNULL, the child forked here."""
     argv = [sys.executable, "-m", "zygote_probe", "speak", "5"]
     env = {**os.environ, "HSQ_PROBE": "1"}

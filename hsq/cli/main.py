@@ -12,6 +12,7 @@ Exit codes (hsq/errors.py): 0 ok, 1 problems found, 2 usage or configuration err
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -129,9 +130,12 @@ _EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
 )
 
 
-def main() -> None:
+def main(args: Sequence[str] | None = None, prog_name: str | None = None) -> None:
+    """`hsq ARGS` (sys.argv's by default), ending in SystemExit for any exit code but 0.
+    The tests call it in process too (tests/support/inproc.py), with the program name a
+    `python -m hsq` would show."""
     try:
-        cli(standalone_mode=False)
+        cli(args, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(EXIT_PROBLEMS)

@@ -83,7 +83,7 @@ def audit(run: str, server: ReferenceServer, redis_url: str, *extra: str,
           progress: bool = False) -> tuple[int, str]:  # fmt: skip
     res = hsq("audit", "--run", run, "--redis", redis_url, "--sample-fraction", "1",
               "--server", server.url, "--dump-dir", str(server.dump_dir),
-              *([] if progress else ["--no-progress"]), *extra, timeout=300)  # fmt: skip
+              *([] if progress else ["--no-progress"]), *extra)  # fmt: skip
     return res.returncode, res.stdout + res.stderr
 
 

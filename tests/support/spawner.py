@@ -3,8 +3,9 @@ a zygote that has imported torch and transformers once (tests.support.zygote).
 
 The tests install a ZygoteSpawner for their session (tests/conftest.py); the dump servers
 (hsq.node.procs.DumpServer: reference, null, fake vLLM) use the installed one, and the
-tests' helpers pass it for `hsq worker` and run their `hsq` commands through
-ZygoteSpawner.run. Nothing else installs one: `hsq run`, `hsq demo` and the benchmarks
+tests' helpers pass it for `hsq worker` and run the `hsq` commands that must be processes
+through ZygoteSpawner.run (tests/helpers.py `hsq_process`; `hsq` calls the others in
+process). Nothing else installs one: `hsq run`, `hsq demo` and the benchmarks
 start every process fresh. HSQ_TEST_SPAWNER=fresh turns the zygote off for a test run.
 
 A forked child is the zygote's child, not this process's: ForkedChild gives what Popen
