@@ -34,7 +34,3 @@ _WHERE = {
 }
 if not TYPE_CHECKING:
     __getattr__ = lazy_attributes(__name__, _WHERE, globals())
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -27,7 +27,7 @@ from hsq.errors import StoreError
 from hsq.keys import rq_queue_key
 from hsq.store import scripts
 from hsq.store.connection import Client, text, translate_public
-from hsq.store.fence import Fence
+from hsq.store.fence import Aggregate, Fence
 
 COMMIT_BATCH = 500
 """Pending entries one COMMIT script call acks at most (then it is called again)."""
@@ -76,11 +76,9 @@ class GroupInfo:
 
 
 @translate_public
-class Spool:
+class Spool(Aggregate):
     def __init__(self, fence: Fence) -> None:
-        self.fence = fence
-        self.client = fence.client
-        self.keys = fence.keys
+        super().__init__(fence)
         reg = self.client.register_script
         self._reserve = reg(scripts.RESERVE)
         self._commit = reg(scripts.COMMIT)
