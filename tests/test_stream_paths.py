@@ -38,6 +38,7 @@ from hsq.node.procs import ManagedProcess
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
+from hsq.store import connect
 from hsq.store.ledger import dead_entry
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
@@ -267,3 +268,27 @@ def test_a_stale_entry_is_acked_and_skipped_and_the_new_one_trained_once(
     assert info.delivered == SAMPLES + 1 and info.pending == 0  # the stale one acked
     run.worker_exits_0()
     assert not run.files()
+
+
+def test_a_stopped_or_reaped_worker_s_jobs_go_back_without_their_reservations(
+    redis_url: str,
+) -> None:
+    """A worker killed with samples in flight leaves their byte reservations behind; its
+    jobs go back to the queue (reaped, or released at its next start) and so must the
+    bytes, or the worker that claims next can wait for room forever (a first sample, whose
+    size is not known yet, reserves the whole budget). Done samples keep theirs."""
+    from hsq.dataset.jsonl import IndexEntry
+    from hsq.runconfig import RunConfig
+
+    st = RunStore(connect(redis_url), "rw")
+    st.create_config(RunConfig(run="rw", dataset="/d.jsonl", out="/o", spool_budget=1000))
+    st.require_config()
+    entry = IndexEntry(0, 10, 0, 3)
+    st.enqueue([[("a", entry), ("b", entry)]])
+    job = st.claim("dead", 0.05)
+    assert job is not None
+    assert st.spool.reserve("a", None)  # the whole budget: its size is not known yet
+    assert not st.spool.reserve("c", 10)  # full
+    assert st.release_wip("dead") == 1
+    assert st.spool.reserved() == {} and st.spool.spool_bytes() == 0
+    assert st.spool.reserve("c", 10)  # room again

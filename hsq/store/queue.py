@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from rq import Queue
@@ -216,14 +216,28 @@ class JobQueue(Aggregate):
         ]
         return bool(self.fence.count(self._give_back, keys, [job.job_id, which]))
 
+    on_released: Callable[[list[str]], object] | None = None
+    """Told the samples of the jobs release_wip moved back (the store's spool releases
+    their byte reservations: a dead worker's in-flight samples must not hold a streamed
+    run's spool, where the worker that claims their jobs next may wait for room first)."""
+
     def release_wip(self, worker_id: str) -> int:
         """Move every job a worker holds back to the front of the main queue."""
-        n = 0
+        moved: list[str] = []
         k = self.keys
         keys = [k.wip(worker_id), rq_queue_key(k.main_queue), k.stats, k.config, k.job_sizes]
-        while self._release_one(keys=keys) is not None:
-            n += 1
-        return n
+        while (job_id := self._release_one(keys=keys)) is not None:
+            moved.append(text(job_id))
+        if moved and self.on_released is not None:
+            queues = (k.main_queue, k.retry_queue)
+            samples = [
+                sid
+                for job in fetch_jobs(self.client, moved)
+                if job is not None and (parsed := parse_job(job, queues)) is not None
+                for sid, _ in parsed.samples
+            ]
+            self.on_released(samples)
+        return len(moved)
 
     def reap(self) -> dict[str, int]:
         """Hand the jobs of workers whose heartbeat expired back to the queue front.

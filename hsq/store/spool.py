@@ -109,6 +109,15 @@ class Spool(Aggregate):
         k = self.keys
         return self.fence.count(self._release_undone, [k.spool, k.stats, k.done], [sample_id])
 
+    def release_all(self, sample_ids: list[str]) -> int:
+        """Samples whose jobs went back to the queue (a worker stopped or was reaped): each
+        one's reservation released unless it is done; a streamed run's only. The next
+        claim reserves again. The bytes released."""
+        cfg = self.client.hget(self.keys.config, "spool_budget")
+        if not sample_ids or cfg is None or not int(cfg or 0):
+            return 0
+        return sum(self.release(sid) for sid in sample_ids)
+
     def set_budget(self, budget: int) -> None:
         """A new byte budget for a streamed run (raised so a sample larger than the old one
         fits, or lowered); read by every reservation from now on."""
