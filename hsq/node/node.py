@@ -126,6 +126,17 @@ class Clock:
         return 0.0 if self.first_work is None else end - self.first_work
 
 
+def _note_causes(st: RunStatus, ours: set[str], causes: dict[str, str]) -> None:
+    """Why each worker of this node last waited, for the summary; cleared once it works."""
+    for w in st.workers:
+        if w.name in ours:
+            text = getattr(w, "cause_text", None)
+            if text:
+                causes[w.name] = text
+            elif w.state == "working":
+                causes.pop(w.name, None)
+
+
 def _supervise(
     store: RunStore,
     sup: Supervisor,
@@ -140,6 +151,7 @@ def _supervise(
     clock = Clock(t0)
     done0 = run_status(store).done
     handed_back = False
+    now = t0
     while True:
         if stop.count >= 2:
             screen.event("second interrupt: killing every server and worker now")
@@ -154,13 +166,7 @@ def _supervise(
         tend()
         st = run_status(store)
         ours = {p.name for p in sup.pairs}
-        for w in st.workers:
-            if w.name in ours:
-                text = getattr(w, "cause_text", None)
-                if text:
-                    causes[w.name] = text
-                elif w.state == "working":
-                    causes.pop(w.name, None)
+        _note_causes(st, ours, causes)
         now = time.monotonic()
         sup.observe({w.name: w.state for w in st.workers if w.name in ours and w.alive})
         if st.done > done0 or any(p.answered for p in sup.pairs):
@@ -175,6 +181,10 @@ def _supervise(
         screen.event(event)
     clock.end = time.monotonic()
     st = run_status(store)
+    if st.done > done0:
+        # Samples done between the last look and the workers' end (a short run can go
+        # from loading to finished within one poll): they worked since that look at most.
+        clock.working(now)
     screen.show(st, _pairs(sup), clock.end - t0, final=True)
     return st, clock
 
