@@ -276,7 +276,10 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     out = tmp_path / "out"
     enqueue(ds, "restart", out, redis_url, "--chunk-size", "4", "--max-attempts", "1")
     st = store(redis_url, "restart")
-    w = start_worker(tmp_path, "restart", srv, redis_url, "--burst")
+    # A dump timeout below the wait below: a request the server answered before the kill
+    # waits for its dump (never written) that long before the worker sends again and finds
+    # the server down (seen once under load, with the default 60 s).
+    w = start_worker(tmp_path, "restart", srv, redis_url, "--burst", "--dump-timeout", "10")
     wait_until(lambda: st.count(st.keys.done) >= 5, 60, interval=0.05)
     srv.signal(signal.SIGKILL)
     srv.proc.wait(10)
