@@ -25,6 +25,7 @@ from hsq.stfile.engine import WriteEngine
 from tests.support.netns import netns  # noqa: F401  (the fixture, for the tests of hosts)
 from tests.support.procs import ReferenceServer
 from tests.support.spawner import SPAWNER_ENV, ZygoteSpawner, install
+from tests.support.trainers import no_trainer_left  # noqa: F401  (the fixture)
 
 # The repository root first on every child's path: tests/support's servers and the zygote
 # start as `python -m tests.support.X`, and some tests start them from another directory.

@@ -12,7 +12,6 @@ committed. Waits for events, never for time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -21,18 +20,18 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from hsq.node.spawn import on_parent_death
 from hsq.producer.synthetic import write_synthetic
 from hsq.store.connection import text
 from tests.helpers import wait_until
 from tests.run_helpers import Node, no_node_left, run_store
+from tests.support.trainers import start_trainer
 
 pytestmark = [
+    pytest.mark.usefixtures("no_trainer_left"),  # tests/support/trainers.py
     pytest.mark.skipif(sys.platform != "linux", reason="process groups"),
     pytest.mark.timeout(300),
     pytest.mark.usefixtures(no_node_left.__name__),
@@ -41,21 +40,6 @@ pytestmark = [
 SAMPLES = 24
 BUDGET = 44 * 1024
 """The tiny model's outputs of these samples are about 4x this (checked below)."""
-
-
-TRAINERS: list[subprocess.Popen[bytes]] = []
-"""Every trainer started: a failed test kills what it left (a trainer waits for its
-stream through Redis outages, so an orphan would wait for ever)."""
-
-
-@pytest.fixture(autouse=True)
-def no_trainer_left() -> Iterator[None]:
-    yield
-    while TRAINERS:
-        proc = TRAINERS.pop()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 class Trainer:
@@ -74,13 +58,7 @@ class Trainer:
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen[bytes]:
-        with open(self.log, "ab") as log:
-            proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=on_parent_death(signal.SIGKILL),
-            )  # fmt: skip
-        TRAINERS.append(proc)
-        return proc
+        return start_trainer(self.argv, self.log)
 
     def received(self) -> int:
         return len(self.progress.read_text().split()) if self.progress.exists() else 0

@@ -20,9 +20,7 @@ Waits for events, never for time.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -37,7 +35,6 @@ from torch.utils.data import DataLoader
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
 from hsq.errors import ConfigError
 from hsq.node.procs import ManagedProcess
-from hsq.node.spawn import on_parent_death
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
@@ -45,8 +42,10 @@ from hsq.store import connect
 from hsq.store.ledger import dead_entry
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
+from tests.support.trainers import start_trainer
 
 pytestmark = [
+    pytest.mark.usefixtures("no_trainer_left"),  # tests/support/trainers.py
     pytest.mark.skipif(sys.platform != "linux", reason="process groups"),
     pytest.mark.timeout(90),
 ]
@@ -119,28 +118,7 @@ def trainer(tmp: Path, run: Run, tag: str, *extra: str) -> subprocess.Popen[byte
         "--redis-url-file", str(write_url(tmp, run.url)), "--ckpt", str(tmp / f"{tag}.json"),
         "--progress", str(tmp / f"{tag}.progress"), *extra,
     ]  # fmt: skip
-    with open(tmp / f"{tag}.log", "ab") as log:
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=log, start_new_session=True,
-            preexec_fn=on_parent_death(signal.SIGKILL),
-        )  # fmt: skip
-    TRAINERS.append(proc)
-    return proc
-
-
-TRAINERS: list[subprocess.Popen[bytes]] = []
-"""Every trainer started: a failed test kills what it left (a trainer waits for its
-stream through Redis outages, so an orphan would wait for ever)."""
-
-
-@pytest.fixture(autouse=True)
-def no_trainer_left() -> Iterator[None]:
-    yield
-    while TRAINERS:
-        proc = TRAINERS.pop()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    return start_trainer(argv, tmp / f"{tag}.log")
 
 
 def write_url(tmp: Path, url: str) -> Path:
