@@ -59,7 +59,8 @@ def test_a_held_server_is_starting_then_prenorm_reaches_it_and_a_rerun_starts_no
     # The rate counts extraction only: the held start-up is reported apart.
     starting, active = summary["starting_s"], summary["active_s"]
     assert isinstance(starting, float) and isinstance(active, float) and starting > 0
-    assert status["samples_per_s"] * active == pytest.approx(12, rel=0.01)
+    rate = status["samples_per_s"] * active
+    assert rate == pytest.approx(12, rel=0.01), (summary, first.output())
     assert "unreachable" not in first.output()
     # The outputs hold the pre-norm state: the server was started with --prenorm (without
     # it the worker refuses the server's marker and exits 2, nothing done).

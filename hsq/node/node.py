@@ -145,13 +145,16 @@ def _supervise(
     tend: Callable[[], object],
     causes: dict[str, str],
     stream: StreamView | None = None,
+    *,
+    done0: int,
+    t0: float,
 ) -> tuple[RunStatus, Clock]:
-    """Until no worker of this node runs; `causes` gets why each of them last waited."""
-    t0 = time.monotonic()
+    """Until no worker of this node runs; `causes` gets why each of them last waited.
+    `done0` and `t0`: the run's done count and the time before the servers and workers
+    were started (a short run can be finished before this function first looks)."""
     clock = Clock(t0)
-    done0 = run_status(store).done
     handed_back = False
-    now = t0
+    now = idle = t0  # idle: the last look that saw no work (the work began after it)
     while True:
         if stop.count >= 2:
             screen.event("second interrupt: killing every server and worker now")
@@ -170,7 +173,10 @@ def _supervise(
         now = time.monotonic()
         sup.observe({w.name: w.state for w in st.workers if w.name in ours and w.alive})
         if st.done > done0 or any(p.answered for p in sup.pairs):
-            clock.working(now)
+            # Samples may have been done since the last look: the work began after it.
+            clock.working(idle)
+        else:
+            idle = now
         if not sup.workers_running():
             break
         screen.show(st, _pairs(sup), now - t0)
@@ -184,7 +190,7 @@ def _supervise(
     if st.done > done0:
         # Samples done between the last look and the workers' end (a short run can go
         # from loading to finished within one poll): they worked since that look at most.
-        clock.working(now)
+        clock.working(idle)
     screen.show(st, _pairs(sup), clock.end - t0, final=True)
     return st, clock
 
@@ -358,8 +364,11 @@ def run_node(job: NodeJob) -> NodeOutcome:
         stop.install(stack)
         stack.callback(sup.shutdown, lambda: stop.count >= 2)
         stream = StreamView(store, cfg, run_dir) if cfg.streamed else None
+        started = time.monotonic()
         sup.start()
-        st, clock = _supervise(store, sup, Screen(), stop, tend, causes, stream)
+        st, clock = _supervise(
+            store, sup, Screen(), stop, tend, causes, stream, done0=before.done, t0=started
+        )
         stream_summary = None if stream is None else stream.summary()
         rate = Rate.between(before, st, clock.working_s, clock.starting_s)
         all_failed = sup.every_worker_failed()
