@@ -9,6 +9,7 @@ the Redis's port gets nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,6 +75,7 @@ def test_a_second_host_joins_over_tls_is_killed_and_its_work_is_reaped(
         listener = subprocess.Popen(
             [*netns.exec("B"), "runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
              LISTENER, "tcp", str(join.port)], stdout=f, stderr=subprocess.STDOUT, cwd="/",
+            start_new_session=True,  # runuser's child too: the group is killed below
         )  # fmt: skip
     try:
         wait_until(lambda: "sniffing" in sniffed.read_text(), 30, interval=0.05)
@@ -94,7 +96,8 @@ def test_a_second_host_joins_over_tls_is_killed_and_its_work_is_reaped(
         assert first.wait(400) == 0, first.output()
     finally:
         sniffer.kill()
-        listener.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(listener.pid, signal.SIGKILL)
         sniffer.wait(10)
         listener.wait(10)
     summary = first.summary()

@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,7 @@ class Listener:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 cwd="/",
+                start_new_session=True,  # runuser's child too: stop() ends the group
             )
 
     def ready(self) -> bool:
@@ -59,7 +62,10 @@ class Listener:
         return self.out.read_text()
 
     def stop(self) -> None:
-        self.proc.kill()
+        # Killing runuser alone would leave nobody's python listening (it did: orphans
+        # were found after the suite).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
 
