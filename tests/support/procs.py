@@ -40,10 +40,32 @@ def hold_port() -> socket.socket:
 
 
 class _OwnPort(DumpServer):
-    """A dump server on a port held for it (hold_port) until it answers there, and checked
-    to be the one answering (its /server_info names its dump dir, where it has one)."""
+    """A dump server forked from the installed zygote unless a spawner is given, on a port
+    held for it (hold_port) until it answers there, and checked to be the one answering
+    (its /server_info names its dump dir, where it has one)."""
 
     _hold: socket.socket | None = None
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        parent_death_signal: int | None = None,
+        spawner: Spawner | None = None,
+    ) -> None:
+        super().__init__(
+            dump_dir,
+            log_path,
+            port=self._held(port),
+            args=args,
+            env=env,
+            parent_death_signal=parent_death_signal,
+            spawner=spawner or installed(),
+        )
 
     def _held(self, port: int | None) -> int:
         if port is not None:  # given (e.g. a restart on its old port): the caller's
@@ -80,9 +102,8 @@ class _OwnPort(DumpServer):
 
 
 class ReferenceServer(_OwnPort, procs.ReferenceServer):
-    """`hsq serve-reference`, forked from the installed zygote unless a spawner is given,
-    with its /admin/* endpoints on unless `admin` is False (tests pause it and set fault
-    rules)."""
+    """`hsq serve-reference` as _OwnPort starts it, with its /admin/* endpoints on unless
+    `admin` is False (tests pause it and set fault rules)."""
 
     def __init__(
         self,
@@ -99,45 +120,22 @@ class ReferenceServer(_OwnPort, procs.ReferenceServer):
         super().__init__(
             dump_dir,
             log_path,
-            port=self._held(port),
+            port=port,
             args=["--admin", *args] if admin and "--admin" not in args else args,
             env=env,
             parent_death_signal=parent_death_signal,
-            spawner=spawner or installed(),
+            spawner=spawner,
         )
 
 
-class _TestServer(_OwnPort):
-    def __init__(
-        self,
-        dump_dir: Path,
-        log_path: Path,
-        *,
-        port: int | None = None,
-        args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        parent_death_signal: int | None = None,
-        spawner: Spawner | None = None,
-    ) -> None:
-        super().__init__(
-            dump_dir,
-            log_path,
-            port=self._held(port),
-            args=args,
-            env=env,
-            parent_death_signal=parent_death_signal,
-            spawner=spawner or installed(),
-        )
-
-
-class NullServer(_TestServer):
+class NullServer(_OwnPort):
     """The null-model server (tests.support.nullserver) as a child process on a free port:
     valid dumps of a chosen shape at once, so a worker runs at its own ceiling."""
 
     module = ("tests.support.nullserver",)
 
 
-class FakeVllmServer(_TestServer):
+class FakeVllmServer(_OwnPort):
     """The vLLM-shaped server (tests.support.fakevllm: completions API, hsq's connector core)
     as a child process on a free port; args take --model and --layers."""
 
