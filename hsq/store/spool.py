@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import redis
 
 from hsq import jsonsafe
 from hsq.errors import StoreError
@@ -210,12 +213,7 @@ class Spool(Aggregate):
 
     def consumers(self, group: str) -> dict[str, int]:
         """The group's consumers with entries pending to them: name -> pending."""
-        try:
-            infos: list[dict[str, Any]] = self.client.xinfo_consumers(self.keys.ready, group)
-        except Exception as exc:
-            if "no such key" in str(exc).lower():
-                return {}
-            raise
+        infos = _xinfo(lambda: self.client.xinfo_consumers(self.keys.ready, group))
         return {text(i["name"]): int(i.get("pending") or 0) for i in infos if i.get("pending")}
 
     def note_consumer(self, group: str, rank: int, stats: dict[str, float]) -> None:
@@ -249,12 +247,7 @@ class Spool(Aggregate):
 
     def groups(self) -> list[GroupInfo]:
         """Each consumer group's delivered, pending and lag, and its oldest pending age."""
-        try:
-            infos: list[dict[str, Any]] = self.client.xinfo_groups(self.keys.ready)
-        except Exception as exc:
-            if "no such key" in str(exc).lower():
-                return []
-            raise
+        infos = _xinfo(lambda: self.client.xinfo_groups(self.keys.ready))
         out = []
         now_ms = time.time() * 1000
         for info in infos:
@@ -312,6 +305,17 @@ class Spool(Aggregate):
         for w in wids:
             p.llen(self.keys.wip(text(w)))
         return not any(p.execute())
+
+
+def _xinfo(call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """An XINFO reply; none while the stream does not exist yet (nothing published, no
+    group made: Redis answers "no such key")."""
+    try:
+        return call()
+    except redis.exceptions.ResponseError as exc:
+        if "no such key" in str(exc).lower():
+            return []
+        raise
 
 
 def create_groups(client: Client, stream: str, groups: list[str]) -> None:
