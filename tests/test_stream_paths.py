@@ -219,10 +219,12 @@ def test_a_budget_below_a_sample_pauses_the_worker_until_it_is_raised(
     status = hsq("status", "--run", "small", "--redis", redis_url)
     assert "spool budget below a sample" in status.stdout, status.stdout
     # The first dump pinned the bytes per token: a re-enqueue with a budget still too small
-    # is refused up front (one line, exit 2), naming the largest sample, budget unchanged.
+    # is refused up front (one line, exit 2), naming the largest sample still to extract
+    # (the first one, done alone, is not), the budget unchanged.
+    done = set(run.st.iter_hash_keys(run.st.keys.done))
     tokens = {json.loads(x)["id"]: len(json.loads(x)["input_ids"])
               for x in run.dataset.read_text().splitlines() if x}  # fmt: skip
-    longest = max(tokens, key=lambda k: tokens[k])
+    longest = max(set(tokens) - done, key=lambda k: tokens[k])
     args = ["enqueue", str(run.dataset), "--run", "small", "--out", str(run.out), "--redis",
             redis_url, "--no-progress", "--spool-budget", "2K"]  # fmt: skip
     refused = hsq(*args)
@@ -236,6 +238,9 @@ def test_a_budget_below_a_sample_pauses_the_worker_until_it_is_raised(
     assert Counter(consume(run.ds())) == Counter(run.ids)
     run.worker_exits_0()
     assert not run.st.ledger.dead_reasons()
+    # Every sample done: a budget below them all holds nothing back, so it is accepted.
+    said = enqueue(run.dataset, "small", run.out, redis_url, "--spool-budget", "2K")
+    assert f"every sample left fits; the {SAMPLES} larger are done or dead already" in said
 
 
 def test_status_shows_each_group_and_the_files_consumed_once_every_group_committed(

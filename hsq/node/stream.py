@@ -84,8 +84,9 @@ class StreamView:
         every = all(g.committed >= published and g.pending == 0 for g in groups)
         names = ", ".join(g.name for g in groups)
         if every and spool.settled():
+            kept = "files kept" if self.cfg.keep_after_commit else f"{spool.consumed()} consumed"
             return (
                 f"stream   every sample committed by every group ({names}): {published} "
-                f"published, {'kept' if self.cfg.keep_after_commit else 'files removed'}"
+                f"published, {kept}"
             )
         return f"stream   not all committed: {self.line().removeprefix('stream   ')}"

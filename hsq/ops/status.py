@@ -173,10 +173,14 @@ def stream_status(store: RunStore) -> StreamStatus | None:
 
 def stream_text(s: StreamStatus) -> list[str]:
     """The stream's lines of `hsq status`: the spool, then each group."""
-    removed = "kept after commit" if s.keep_after_commit else f"consumed {s.consumed}"
+    removed = (
+        "files kept after commit"
+        if s.keep_after_commit
+        else f"consumed {s.consumed} (files removed once every group committed)"
+    )
     lines = [
         f"  stream: spool {size_text(s.spool_bytes)}/{size_text(s.budget)}  published "
-        f"{s.published}  {removed} (files removed once every group committed)"
+        f"{s.published}  {removed}"
     ]
     for g in s.groups:
         oldest = f", oldest {g.oldest_pending_s:.0f}s" if g.pending else ""

@@ -44,7 +44,7 @@ from hsq.producer.report import (
     refuse_conflicts,
 )
 from hsq.producer.settings import DatasetInput
-from hsq.producer.spoolcheck import Longest, longest_of, spool_check
+from hsq.producer.spoolcheck import Found, Settled, SpoolCheck, spool_check
 from hsq.runconfig import DEFAULT_CHUNK_SIZE, ModelShape, RunConfig
 from hsq.runstore import RunStore
 from hsq.store import AnyRef, chunked
@@ -163,11 +163,13 @@ def _enqueue_streaming(
     path = Path(cfg.dataset)
     report = EnqueueReport()
     check = spool_check(cfg, existing, shape)
-    scan_longest = check is not None and check.needs_scan()
-    longest: Longest | None = None
-    if strict or scan_longest:  # refuse before writing anything: a first pass
-        bad_first, longest = _first_pass(path, cfg, scan_longest)
-        add_rejected(EnqueueReport(), bad_first, rejected)
+    sizing = check if check is not None and check.needs_scan() else None
+    found: Found | None = None
+    if strict or sizing is not None:  # refuse before writing anything: a first pass
+        settled = _settled(store) if existing is not None else None
+        bad_first, found = _first_pass(path, cfg, sizing, settled)
+        if strict:
+            add_rejected(EnqueueReport(), bad_first, rejected)
         if strict and bad_first:
             probe = EnqueueReport()
             count_bad(probe, bad_first)
@@ -177,7 +179,7 @@ def _enqueue_streaming(
                 "strict",
             )
     if check is not None:
-        report.spool = check.verdict(longest)
+        report.spool = check.verdict(found)
     if existing is not None:
         _change_budget(store, existing, cfg)
     seen: dict[str, int] = {}
@@ -228,16 +230,29 @@ def _enqueue_streaming(
     return report
 
 
-def _first_pass(path: Path, cfg: RunConfig, longest: bool) -> tuple[Bad, Longest | None]:
-    """A scan that writes nothing: the invalid lines (--strict refuses them all) and, if
-    asked, the largest valid sample (a streamed run's budget must hold it)."""
+def _first_pass(
+    path: Path, cfg: RunConfig, sizing: SpoolCheck | None, settled: Settled | None
+) -> tuple[Bad, Found | None]:
+    """A scan that writes nothing: the invalid lines (--strict refuses them all) and, with
+    `sizing`, the samples a streamed run's budget must hold (hsq/producer/spoolcheck.py)."""
     bad: Bad = []
-    best: Longest | None = None
+    found = Found() if sizing is not None else None
+    limit = sizing.fits_tokens() if sizing is not None else 0
     for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen={}):
         bad += b.bad
-        if longest:
-            best = longest_of(b.valid, best)
-    return bad, best
+        if sizing is not None and found is not None:
+            sizing.take(b.valid, found, settled, limit)
+    return bad, found
+
+
+def _settled(store: RunStore) -> Settled:
+    """An existing run's look at which samples are done or dead (not extracted again)."""
+
+    def settled(ids: list[str]) -> list[bool]:
+        _, done, dead = store.config_index.presence(ids)
+        return [a or b for a, b in zip(done, dead, strict=True)]
+
+    return settled
 
 
 def _change_budget(store: RunStore, existing: RunConfig, cfg: RunConfig) -> None:

@@ -1,5 +1,5 @@
 """A streamed run's byte budget against its largest sample, at enqueue: a budget that can
-never hold the largest sample's output is refused before anything is written (one line,
+never hold a sample still to extract is refused before anything is written (one line,
 exit 2, the bytes needed and the sample), wherever the run's bytes per token are known.
 
 They are known when the layers and the hidden size are: given (`--layers`,
@@ -8,33 +8,46 @@ read off the model by `hsq run` before it starts a server (hsq.runconfig.ModelSh
 bytes per token are RunConfig.spool_bytes_per_token's, the formula every worker reserves
 by. Where they are not known, the enqueue says that the check happens at the first dump
 (the worker then pauses with the cause `spool_too_small` and the bytes needed).
+
+Samples already done or dead are not held against the budget: they are not extracted
+again (the first sample of a run, of unknown size, goes alone whatever its size, so a run
+can be done with a sample larger than its budget; resuming it must not be refused).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from hsq.errors import ConfigError
 from hsq.runconfig import ModelShape, RunConfig, size_text
 
+Settled = Callable[[list[str]], list[bool]]
+"""For each sample id: done or dead already (an existing run's), so not extracted again."""
+
 
 @dataclass(frozen=True)
 class Longest:
-    """The dataset's largest sample: its id and tokens."""
+    """A sample and its tokens."""
 
     sample_id: str
     tokens: int
 
 
-def longest_of(valid: Iterable[tuple[str, str]], best: Longest | None) -> Longest | None:
-    """The longer of `best` and the samples of a scan batch ((id, encoded index entry):
-    the entry ends with the sample's tokens)."""
-    for sid, entry in valid:
-        n = int(entry.rpartition(":")[2])
-        if best is None or n > best.tokens:
-            best = Longest(sid, n)
-    return best
+@dataclass
+class Found:
+    """What the enqueue's first pass found, batch by batch (SpoolCheck.take)."""
+
+    longest: Longest | None = None
+    """The dataset's largest sample."""
+    over: Longest | None = None
+    """The largest sample still to extract whose output the budget cannot hold."""
+    over_settled: int = 0
+    """Samples the budget cannot hold that are done or dead already."""
+
+
+class SpoolBudgetTooSmall(ConfigError):
+    """The budget can never hold a sample still to extract: refused at enqueue (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class SpoolCheck:
     """The run's config with the budget it will have and the layers and hidden size as
     given, pinned or read off the model (only for sizing: none of it is recorded)."""
     shape: ModelShape | None
+    """The model's shape when it gave the layers or hidden size (named in the messages)."""
 
     @property
     def budget(self) -> int:
@@ -54,17 +68,52 @@ class SpoolCheck:
     def per_token(self) -> int | None:
         return self.sized.spool_bytes_per_token()
 
+    def need(self, tokens: int) -> int:
+        return self.sized.spool_estimate(tokens) or 0
+
+    def fits_tokens(self) -> int:
+        """The most tokens a sample may have and fit the budget (the reservation is
+        monotonic in the tokens: found by bisection, no second formula)."""
+        lo, hi = 0, 1
+        while self.need(hi) <= self.budget:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.need(mid) <= self.budget else (lo, mid)
+        return lo
+
     def needs_scan(self) -> bool:
-        """The largest sample must be found first: the bytes per token are known and
-        --max-tokens (if given) does not already bound every sample under the budget."""
+        """The dataset must be scanned first: the bytes per token are known and --max-tokens
+        (if given) does not already bound every sample under the budget."""
         if self.per_token is None:
             return False
         bound = self.sized.max_tokens
-        return bound is None or (self.sized.spool_estimate(bound) or 0) > self.budget
+        return bound is None or self.need(bound) > self.budget
 
-    def verdict(self, longest: Longest | None) -> str:
-        """The enqueue's line on the budget; SpoolBudgetTooSmall when the largest sample
-        cannot fit it."""
+    def take(
+        self, valid: Sequence[tuple[str, str]], found: Found, settled: Settled | None, limit: int
+    ) -> None:
+        """Add a scan batch ((id, encoded index entry): the entry ends with the tokens) to
+        `found`; `limit`: fits_tokens(); `settled`: an existing run's done-or-dead look, for
+        the samples above the limit only."""
+        over: list[Longest] = []
+        for sid, entry in valid:
+            n = int(entry.rpartition(":")[2])
+            if found.longest is None or n > found.longest.tokens:
+                found.longest = Longest(sid, n)
+            if n > limit:
+                over.append(Longest(sid, n))
+        if over and settled is not None:
+            flags = settled([o.sample_id for o in over])
+            found.over_settled += sum(flags)
+            over = [o for o, gone in zip(over, flags, strict=True) if not gone]
+        for o in over:
+            if found.over is None or o.tokens > found.over.tokens:
+                found.over = o
+
+    def verdict(self, found: Found | None) -> str:
+        """The enqueue's line on the budget (found None: not scanned); SpoolBudgetTooSmall
+        when a sample still to extract cannot fit it."""
         budget = size_text(self.budget)
         if self.per_token is None:
             return (
@@ -72,39 +121,36 @@ class SpoolCheck:
                 "(the run's hidden size and layers are not known yet: --hidden-size and "
                 "--layers check it now)"
             )
-        if longest is None:  # bounded by --max-tokens (needs_scan False), or no valid sample
+        if found is None or found.longest is None:  # bounded by --max-tokens
             bound = self.sized.max_tokens or 0
-            need = self.sized.spool_estimate(bound) or 0
             return (
                 f"spool budget    {budget}: every sample fits (--max-tokens {bound} needs "
-                f"{size_text(need)}; {self._per_token_words()})"
+                f"{size_text(self.need(bound))}; {self._per_token_words()})"
             )
-        need = self.sized.spool_estimate(longest.tokens) or 0
-        if need > self.budget:
+        if found.over is not None:
+            o = found.over
             raise SpoolBudgetTooSmall(
                 f"--spool-budget {self.budget} bytes is below the largest sample: "
-                f"{longest.sample_id} ({longest.tokens} tokens) needs {need} bytes "
-                f"({self._per_token_words()}); give --spool-budget {need} or more"
+                f"{o.sample_id} ({o.tokens} tokens) needs {self.need(o.tokens)} bytes "
+                f"({self._per_token_words()}); give --spool-budget {self.need(o.tokens)} or more"
             )
-        return (
-            f"spool budget    {budget}: the largest sample, {longest.sample_id} "
-            f"({longest.tokens} tokens), needs {size_text(need)} ({self._per_token_words()})"
-        )
+        top = found.longest
+        said = f"{top.sample_id} ({top.tokens} tokens), needs {size_text(self.need(top.tokens))}"
+        if found.over_settled:
+            return (
+                f"spool budget    {budget}: every sample left fits; the {found.over_settled} "
+                f"larger are done or dead already (the largest, {said})"
+            )
+        return f"spool budget    {budget}: the largest sample, {said} ({self._per_token_words()})"
 
     def _per_token_words(self) -> str:
         s = self.sized
-        layers = len(s.layer_ids or [])
         words = (
-            f"{self.per_token} bytes a token: hidden size {s.hidden_size}, {layers} aux "
-            f"layers, {s.store_dtype}" + (", pre-norm" if s.prenorm else "")
+            f"{self.per_token} bytes a token: hidden size {s.hidden_size}, "
+            f"{len(s.layer_ids or [])} aux layers, {s.store_dtype}"
+            + (", pre-norm" if s.prenorm else "")
         )
-        if self.shape is not None:
-            words += f", as {self.shape.source} gives"
-        return words
-
-
-class SpoolBudgetTooSmall(ConfigError):
-    """The budget can never hold the largest sample: refused at enqueue (exit 2)."""
+        return words + (f", as {self.shape.source} gives" if self.shape is not None else "")
 
 
 def spool_check(
