@@ -92,3 +92,14 @@ def test_run_refuses_a_budget_below_the_largest_sample_before_starting_a_server(
     assert f"{sid} ({tokens} tokens) needs {needed} bytes" in line, line
     assert "the reference server's tiny model" in line, line
     assert "servers " not in p.stdout and not (out / ".hsq" / "logs").exists(), p.stdout
+
+
+def test_max_tokens_under_the_budget_needs_no_scan_and_says_so(
+    tmp_path: Path, redis_url: str
+) -> None:
+    path, _, _ = dataset(tmp_path)
+    flags = ("--layers", "2,4,5", "--hidden-size", "64", "--max-tokens", "64")
+    rc, out, err = enqueue(path, tmp_path / "out", redis_url, "--spool-budget", "64K", *flags)
+    assert rc == 0, (out, err)
+    need = 64 * PER_TOKEN + HEADER_ALLOWANCE
+    assert f"every sample fits (--max-tokens 64 needs {need / 1024:.1f}K" in out, out

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
 from hsq.errors import ConfigError
 from hsq.node.procs import ManagedProcess
+from hsq.node.stream import StreamView
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
@@ -286,6 +287,11 @@ def test_status_shows_each_group_and_the_files_consumed_once_every_group_committ
     assert groups(s) == {"a": (SAMPLES, SAMPLES, 0), "b": (SAMPLES, SAMPLES, 0)}, s
     assert s["consumed"] == SAMPLES and s["spool_bytes"] == 0 and s["published"] == SAMPLES, s
     assert not run.files()
+    # `hsq run`'s stream line reads the same figures.
+    line = StreamView(run.st, run.st.require_config(), run.out / "watch").line()
+    n = SAMPLES
+    expected = f"published {n}  consumed {n}  a: delivered {n} committed {n} pending 0  b: "
+    assert expected in line, line
 
 
 def test_keep_after_commit_keeps_files_releases_reservations_and_refuses_foreign_states(
