@@ -34,7 +34,8 @@ from hsq.dataset.jsonl import Sample
 from hsq.dump.format import DumpMeta, ModelIdentity, expected_shapes, fingerprint
 from hsq.dump.read import open_dump_tensors
 from hsq.dump.write import write_dump
-from hsq.engines.reference.model import eagle3_default_layers, load_model, shape_config
+from hsq.engines.reference.model import load_model
+from hsq.engines.reference.shapes import eagle3_default_layers, shape_config
 from hsq.outputs.transcode import write_output
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, STORE_DTYPES
 from hsq.stfile.engine import WriteEngine

@@ -47,6 +47,30 @@ def parse_size(text: str) -> int:
     return int(n * _SIZE_UNITS[unit])
 
 
+def size_text(n: float) -> str:
+    """Bytes for people: 512B, 3.2K, 64.0G (powers of 1024, as parse_size reads them)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of the states a run's servers will dump, read off the model before any
+    starts (`hsq run`: the checkpoint's config.json, or the reference server's named
+    shape). It sizes the spool's check at enqueue and pins nothing: the first valid dump
+    still does."""
+
+    hidden_size: int
+    layer_ids: list[int] | None
+    """The engine's default aux layers for the model; None: the servers are given their
+    own `--layers`, so only the run's recorded layers count."""
+    source: str
+    """Where it was read, in words ("config.json of /m/qwen3-8b")."""
+
+
 def parse_groups(text: str) -> list[str] | None:
     """ "train,ablate" -> ["train", "ablate"]: consumer group names, each a plain name."""
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -100,8 +124,13 @@ class RunConfig:
     )
     dump_dtype: str | None = None
     """Expected dtype of the dumped states; None: pinned by the first valid dump."""
-    hidden_size: int | None = None
-    """Expected hidden size; None: pinned by the first valid dump."""
+    hidden_size: int | None = setting(
+        None,
+        minimum=1,
+        section=RUN_SECTION,
+        help="expected hidden size; default: pinned by the first valid dump (with --layers "
+        "it checks --spool-budget against the largest sample at enqueue)",
+    )
     created: float = field(default_factory=time.time)
     store_dtype: str = setting(
         BF16,
@@ -199,7 +228,10 @@ class RunConfig:
 
     def conflicts(self, other: RunConfig) -> list[str]:
         """Settings a second `enqueue` may not change for an existing run."""
-        names = ("dataset", "out", "layer_ids", "model_id", "store_dtype", "prenorm", "consumers")
+        names = (
+            "dataset", "out", "layer_ids", "model_id", "hidden_size", "store_dtype", "prenorm",
+            "consumers",
+        )  # fmt: skip
         return [
             f"{n}: recorded {getattr(self, n)!r}, given {getattr(other, n)!r}"
             for n in names

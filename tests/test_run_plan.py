@@ -16,6 +16,7 @@ from hsq.node.node import Interrupts
 from hsq.node.plan import (
     WORKER_API,
     NodePlan,
+    model_shape,
     parse_gpus,
     plan_node,
     server_args_for,
@@ -28,7 +29,7 @@ from hsq.ops.status import RunStatus, WorkerStatus
 from hsq.workers.settings import ExchangeTuning, WorkerTuning
 
 
-def plan(**kw: object) -> object:
+def plan(**kw: object) -> NodePlan:
     args: dict[str, object] = dict(
         requested=None, model=None, gpus_flag=None, tp=1, servers=None, sglang=False, visible=()
     )
@@ -265,3 +266,25 @@ def test_the_summary_says_so_when_every_worker_failed_and_verifies_nothing() -> 
     text = "\n".join(_summary_lines(job, o, ""))
     assert "every worker of this node exited with an error" in text
     assert "verified" not in text.replace("nothing was verified", "")
+
+
+def test_the_model_s_shape_is_read_before_any_server_starts(tmp_path: Path) -> None:
+    """What sizes a streamed run's budget check at enqueue (hsq/producer/spoolcheck.py):
+    the reference server's named shape, a checkpoint's config.json (a multimodal wrapper's
+    text config), the engines' default three aux layers unless the servers get --layers."""
+    tiny = model_shape(plan(), [])
+    assert tiny is not None and (tiny.hidden_size, tiny.layer_ids) == (64, [2, 4, 5])
+    ckpt = tmp_path / "kimi"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(
+        '{"architectures": ["KimiK25ForConditionalGeneration"], "hidden_size": 1, '
+        '"text_config": {"hidden_size": 7168, "num_hidden_layers": 61}}'
+    )
+    on_gpus = plan(model=str(ckpt), sglang=True, visible=("0",))
+    kimi = model_shape(on_gpus, [])
+    assert kimi is not None and (kimi.hidden_size, kimi.layer_ids) == (7168, [2, 30, 58])
+    assert str(ckpt / "config.json") in kimi.source
+    own = model_shape(on_gpus, ["--layers", "1,2"])
+    assert own is not None and own.layer_ids is None  # the run's recorded layers count
+    assert model_shape(plan(model="org/hub-id", sglang=True, visible=("0",)), []) is None
+    assert model_shape(plan(model="no-such-shape"), []) is None

@@ -135,8 +135,13 @@ def finish(node: Node, out: Path, watch: Watch) -> None:
     watch.stop()
     summary = node.summary()
     assert str(summary["stream"]).startswith("stream   every sample committed by every group")
+    assert str(summary["stream"]).endswith(f" published, {SAMPLES} consumed"), summary["stream"]
     status = summary["status"]
     assert isinstance(status, dict) and status["done"] == SAMPLES and status["dead"] == 0
+    stream = status["stream"]  # `hsq status --json`'s: every group committed every sample
+    assert isinstance(stream, dict), status
+    assert stream["consumed"] == SAMPLES and stream["spool_bytes"] == 0, stream
+    assert all(g["pending"] == 0 and g["committed"] >= SAMPLES for g in stream["groups"]), stream
     assert not list((out / "data").rglob("*.safetensors"))  # every file removed
     # The outputs were about 4x the budget, and the spool never held more than the
     # budget plus one file.

@@ -9,8 +9,11 @@ with a real SIGKILL where the test says so).
   sample is extracted again and delivered, nothing stays dead;
 - a restart with fewer DataLoader workers delivers the old workers' pending entries again,
   each once, in order;
-- a budget below a sample pauses the worker (no dead letter) naming the bytes needed, and
-  a re-enqueue with a bigger budget lets it go on;
+- a budget below a sample pauses the worker (no dead letter) naming the bytes needed; once
+  the first dump pinned the bytes per token a re-enqueue with a budget still too small is
+  refused up front, and one with a bigger budget lets it go on;
+- `hsq status` shows each group's delivered, committed and pending, the spool against its
+  budget and the files consumed (removed only once every group committed them);
 - --keep-after-commit keeps the files and releases the reservations (never blocks);
 - states of another run or group are refused, a plain DataLoader with workers too (one
   line each);
@@ -35,6 +38,7 @@ from torch.utils.data import DataLoader
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
 from hsq.errors import ConfigError
 from hsq.node.procs import ManagedProcess
+from hsq.node.stream import StreamView
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
@@ -215,11 +219,79 @@ def test_a_budget_below_a_sample_pauses_the_worker_until_it_is_raised(
     assert not run.st.ledger.dead_reasons()  # nothing dead-lettered
     status = hsq("status", "--run", "small", "--redis", redis_url)
     assert "spool budget below a sample" in status.stdout, status.stdout
+    # The first dump pinned the bytes per token: a re-enqueue with a budget still too small
+    # is refused up front (one line, exit 2), naming the largest sample still to extract
+    # (the first one, done alone, is not), the budget unchanged.
+    done = set(run.st.iter_hash_keys(run.st.keys.done))
+    tokens = {json.loads(x)["id"]: len(json.loads(x)["input_ids"])
+              for x in run.dataset.read_text().splitlines() if x}  # fmt: skip
+    longest = max(set(tokens) - done, key=lambda k: tokens[k])
+    args = ["enqueue", str(run.dataset), "--run", "small", "--out", str(run.out), "--redis",
+            redis_url, "--no-progress", "--spool-budget", "2K"]  # fmt: skip
+    refused = hsq(*args)
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    said = refused.stderr.strip()
+    assert said.count("\n") == 0 and f"{longest} ({tokens[longest]} tokens) needs " in said, said
+    assert int(said.split(" needs ")[1].split()[0]) >= needed, said
+    assert run.st.require_config().spool_budget == 1024
     enqueue(run.dataset, "small", run.out, redis_url, "--spool-budget", "1M")
     assert run.st.require_config().spool_budget == 1024 * 1024
     assert Counter(consume(run.ds())) == Counter(run.ids)
     run.worker_exits_0()
     assert not run.st.ledger.dead_reasons()
+    # Every sample done: a budget below them all holds nothing back, so it is accepted.
+    said = enqueue(run.dataset, "small", run.out, redis_url, "--spool-budget", "2K")
+    assert f"every sample left fits; the {SAMPLES} larger are done or dead already" in said
+
+
+def test_status_shows_each_group_and_the_files_consumed_once_every_group_committed(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "watch", "--spool-budget", "1M",
+              "--consumers", "a,b")  # fmt: skip
+
+    def stream() -> dict[str, Any]:
+        out = hsq("status", "--run", "watch", "--redis", redis_url, "--json", check=True)
+        return json.loads(out.stdout)["stream"]  # type: ignore[no-any-return]
+
+    def groups(s: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
+        return {g["name"]: (g["delivered"], g["committed"], g["pending"]) for g in s["groups"]}
+
+    # Group a reads half and commits a quarter: delivered, committed and pending differ.
+    a = run.ds("a")
+    loader = iter(DataLoader(a, batch_size=None))
+    for _ in range(SAMPLES // 4):
+        next(loader)
+    a.commit(a.state_dict())
+    for _ in range(SAMPLES // 4):
+        next(loader)
+    s = stream()
+    delivered = groups(s)["a"][0]  # (the dataset reads ahead of the trainer)
+    assert delivered >= 4 and groups(s) == {"a": (delivered, 2, delivered - 2), "b": (0, 0, 0)}, s
+    assert s["budget"] == 2**20 and 0 < s["spool_bytes"] <= 2**20 and s["consumed"] == 0, s
+    text = hsq("status", "--run", "watch", "--redis", redis_url, check=True).stdout
+    assert f"group a: delivered {delivered}  committed 2  pending {delivered - 2}" in text, text
+    assert "group b: delivered 0  committed 0  pending 0" in text, text
+    assert "consumed 0 (files removed once every group committed)" in text, text
+    # a finishes; the files stay until b commits them too.
+    for _ in loader:
+        pass
+    a.commit(a.state_dict())
+    run.wait_published(SAMPLES)
+    s = stream()
+    assert groups(s)["a"] == (SAMPLES, SAMPLES, 0) and s["consumed"] == 0, s
+    assert len(run.files()) == SAMPLES
+    assert Counter(consume(run.ds("b"))) == Counter(run.ids)
+    run.worker_exits_0()
+    s = stream()
+    assert groups(s) == {"a": (SAMPLES, SAMPLES, 0), "b": (SAMPLES, SAMPLES, 0)}, s
+    assert s["consumed"] == SAMPLES and s["spool_bytes"] == 0 and s["published"] == SAMPLES, s
+    assert not run.files()
+    # `hsq run`'s stream line reads the same figures.
+    line = StreamView(run.st, run.st.require_config(), run.out / "watch").line()
+    n = SAMPLES
+    expected = f"published {n}  consumed {n}  a: delivered {n} committed {n} pending 0  b: "
+    assert expected in line, line
 
 
 def test_keep_after_commit_keeps_files_releases_reservations_and_refuses_foreign_states(

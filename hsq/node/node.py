@@ -33,6 +33,7 @@ from hsq.node.supervisor import Supervisor
 from hsq.node.view import PairView, Screen, duration
 from hsq.ops.status import RunStatus, run_status
 from hsq.producer.settings import DatasetInput
+from hsq.runconfig import ModelShape
 from hsq.runstore import RunStore
 
 POLL_S = 0.5
@@ -432,22 +433,28 @@ def serve_redis_only(out: Path) -> int:
 
 
 def dataset_enqueue(
-    dataset: Path, out: Path, data: DatasetInput
+    dataset: Path, out: Path, data: DatasetInput, shape: ModelShape | None = None
 ) -> Callable[[RunStore], list[str]]:
     """NodeJob.enqueue for DATASET: the producer's enqueue (what `hsq enqueue` does), its
-    report as the lines the node prints."""
+    report as the lines the node prints. `shape`: what the servers will dump (a streamed
+    run's budget is refused before any server starts if the largest sample cannot fit)."""
 
     def enqueue(store: RunStore) -> list[str]:
         from hsq.producer.enqueue import enqueue_dataset
 
-        report = enqueue_dataset(store, dataset, out, data, progress=False, echo=click.echo)
+        report = enqueue_dataset(
+            store, dataset, out, data, progress=False, echo=click.echo, shape=shape
+        )
         bad = sum(report.invalid.values())
         line = (
             f"{report.enqueued} samples in {report.chunks} jobs ({report.valid} valid, "
             f"{bad} invalid lines, already: {report.done} done, {report.outstanding} queued, "
             f"{report.dead} dead)"
         )
-        return [line, *(f"invalid: {p}" for p in report.problems[:10])]
+        spool = (
+            [report.spool.replace("spool budget    ", "spool budget ", 1)] if report.spool else []
+        )
+        return [line, *spool, *(f"invalid: {p}" for p in report.problems[:10])]
 
     return enqueue
 

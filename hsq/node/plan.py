@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsq.engines.launch import read_local_config
+from hsq.engines.reference.shapes import eagle3_default_layers, shape_config
 from hsq.errors import ConfigError
-from hsq.runconfig import RunConfig
+from hsq.runconfig import ModelShape, RunConfig
 from hsq.states import FP8
 from hsq.workers.settings import SGLANG_API, VLLM_API
 
@@ -190,3 +192,31 @@ def server_args_for(kind: str, cfg: RunConfig, server_args: Sequence[str]) -> li
     if cfg.layer_ids and kind in (REFERENCE, VLLM):
         lead += ["--layers", ",".join(str(i) for i in cfg.layer_ids)]
     return [*lead, *server_args]
+
+
+def model_shape(plan: NodePlan, server_args: Sequence[str]) -> ModelShape | None:
+    """What the node's servers will dump, read off the model before any starts: the hidden
+    size and layer count of the checkpoint's config.json (its text config for a multimodal
+    wrapper such as Kimi-K2.5's), or of the reference server's named shape, and the
+    engines' default aux layers (EAGLE-3's three: every engine picks [2, L//2, L-3]) unless
+    the servers are given `--layers` after `--`. None where it cannot be read (a hub id,
+    no readable config): the spool's budget is then checked at the first dump."""
+    path = Path(plan.model)
+    if plan.kind == REFERENCE and not path.exists():
+        try:
+            config: dict[str, object] | None = shape_config(plan.model)
+        except ConfigError:
+            return None  # the server says what is wrong with --model
+        source = f"the reference server's {plan.model} model"
+    else:
+        config = read_local_config(plan.model)
+        source = f"{path / 'config.json'}"
+        if config is not None and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]  # type: ignore[assignment]
+    if config is None:
+        return None
+    hidden, layers = config.get("hidden_size"), config.get("num_hidden_layers")
+    if not isinstance(hidden, int) or not isinstance(layers, int) or hidden < 1 or layers < 1:
+        return None
+    own = any(a == "--layers" or a.startswith("--layers=") for a in server_args)
+    return ModelShape(hidden, None if own else eagle3_default_layers(layers), source)

@@ -1,11 +1,13 @@
 """`hsq run` with a stream (--spool-budget): the removal pass for files every consumer
 group committed (a consumer killed between its commit and the removal leaves them to
 whoever comes next: this loop, or the consumer's next commit), and the stream's lines in
-the live view and the summary: spool bytes against the budget, delivered / committed /
-pending per group, the producer's paused share (the workers' seconds held back by a
-full spool over their time) and each group's data-wait share (its trainers' seconds
-blocked waiting for data over their time, written with each commit). Each pass also
-finishes a reject a consumer was killed in the middle of (queued again).
+the live view and the summary: spool bytes against the budget, the files consumed
+(removed once every group committed them), delivered / committed / pending per group
+(hsq.ops.status.stream_status, as `hsq status` shows them), the producer's paused share
+(the workers' seconds held back by a full spool over their time) and each group's
+data-wait share (its trainers' seconds blocked waiting for data over their time, written
+with each commit). Each pass also finishes a reject a consumer was killed in the middle
+of (queued again).
 """
 
 from __future__ import annotations
@@ -14,18 +16,11 @@ import time
 from pathlib import Path
 
 from hsq.errors import HsqError
-from hsq.runconfig import RunConfig
+from hsq.ops.status import stream_status
+from hsq.runconfig import RunConfig, size_text
 from hsq.runstore import RunStore, finish_rejects, remove_committed
 
 EVERY_S = 10.0
-
-
-def size_text(n: float) -> str:
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return f"{n:.1f}T"
 
 
 class StreamView:
@@ -66,17 +61,19 @@ class StreamView:
         return held / alive if alive > 0 else 0.0
 
     def line(self) -> str:
-        spool = self.store.spool
+        st = stream_status(self.store)
+        if st is None:  # the run's record is gone (purged under us): nothing to show
+            return "stream   the run's record is gone"
         groups = "  ".join(
             f"{g.name}: delivered {g.delivered} committed {g.committed} pending {g.pending}"
-            for g in spool.groups()
+            for g in st.groups
         )
-        used, budget = size_text(spool.spool_bytes()), size_text(self.cfg.spool_budget or 0)
-        waits = spool.consumer_waits()
+        removed = "" if st.keep_after_commit else f"  consumed {st.consumed}"
+        waits = self.store.spool.consumer_waits()
         wait = "  ".join(f"{g} {100 * w['wait_share']:.0f}%" for g, w in sorted(waits.items()))
         return (
-            f"stream   spool {used}/{budget}"
-            f"  published {spool.published()}  {groups}  producer paused "
+            f"stream   spool {size_text(st.spool_bytes)}/{size_text(st.budget)}"
+            f"  published {st.published}{removed}  {groups}  producer paused "
             f"{100 * self.paused_share():.0f}%  consumer wait {wait or '-'}"
         )
 
@@ -87,8 +84,9 @@ class StreamView:
         every = all(g.committed >= published and g.pending == 0 for g in groups)
         names = ", ".join(g.name for g in groups)
         if every and spool.settled():
+            kept = "files kept" if self.cfg.keep_after_commit else f"{spool.consumed()} consumed"
             return (
                 f"stream   every sample committed by every group ({names}): {published} "
-                f"published, {'kept' if self.cfg.keep_after_commit else 'files removed'}"
+                f"published, {kept}"
             )
         return f"stream   not all committed: {self.line().removeprefix('stream   ')}"

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hsq.runconfig import size_text
 from hsq.runstore import RunStore
 
 
@@ -120,6 +121,77 @@ def cause_text(cause: str, message: str, since: float | None) -> str:
 
 
 @dataclass(frozen=True)
+class GroupStatus:
+    """One consumer group of a streamed run."""
+
+    name: str
+    delivered: int
+    """Entries the group has read."""
+    committed: int
+    """Delivered and committed (its trainers' checkpoints cover them)."""
+    pending: int
+    """Delivered, not committed yet."""
+    lag: int | None
+    """Published and not delivered to the group yet (None: Redis cannot say)."""
+    oldest_pending_s: float
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """A streamed run's spool and consumer groups (`hsq status`, `hsq run`'s live view)."""
+
+    spool_bytes: int
+    """Reserved by finished, not yet consumed outputs (and by samples being extracted)."""
+    budget: int
+    published: int
+    """Done samples published to the groups (a sample re-done is published again)."""
+    consumed: int
+    """Samples whose file was removed after every group committed it."""
+    keep_after_commit: bool
+    groups: list[GroupStatus]
+
+
+def stream_status(store: RunStore) -> StreamStatus | None:
+    """None for a run without a stream (one Redis read)."""
+    spool = store.spool
+    budget, keep = spool.recorded()
+    if not budget:
+        return None
+    groups = [
+        GroupStatus(g.name, g.delivered, g.committed, g.pending, g.lag, g.oldest_pending_s)
+        for g in spool.groups()
+    ]
+    return StreamStatus(
+        spool_bytes=spool.spool_bytes(),
+        budget=budget,
+        published=spool.published(),
+        consumed=spool.consumed(),
+        keep_after_commit=keep,
+        groups=groups,
+    )
+
+
+def stream_text(s: StreamStatus) -> list[str]:
+    """The stream's lines of `hsq status`: the spool, then each group."""
+    removed = (
+        "files kept after commit"
+        if s.keep_after_commit
+        else f"consumed {s.consumed} (files removed once every group committed)"
+    )
+    lines = [
+        f"  stream: spool {size_text(s.spool_bytes)}/{size_text(s.budget)}  published "
+        f"{s.published}  {removed}"
+    ]
+    for g in s.groups:
+        oldest = f", oldest {g.oldest_pending_s:.0f}s" if g.pending else ""
+        lines.append(
+            f"    group {g.name}: delivered {g.delivered}  committed {g.committed}  "
+            f"pending {g.pending}{oldest}"
+        )
+    return lines
+
+
+@dataclass(frozen=True)
 class RunStatus:
     run: str
     total: int
@@ -138,6 +210,8 @@ class RunStatus:
     eta_s: float | None
     dead_by_reason: dict[str, int]
     workers: list[WorkerStatus]
+    stream: StreamStatus | None = None
+    """A streamed run's spool and groups (None: a run without a stream)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The stable JSON of `hsq status --json` (docs/operations.md)."""
@@ -279,6 +353,7 @@ def run_status(
     retry = min(max(st.retry_samples, 0), remaining - missing)
     queued = min(max(st.main_samples, 0), remaining - missing - retry)
     workers = [_worker_status(wid, info, now) for wid, info in store.workers.workers_info().items()]
+    stream = stream_status(store)
     samples_s = sum(w.samples_per_s for w in workers)
     tokens_s = sum(w.tokens_per_s for w in workers)
     tokens_total, tokens_done = st.total_tokens, st.tokens
@@ -302,6 +377,7 @@ def run_status(
         eta_s=eta(tokens_left, tokens_s, workers),
         dead_by_reason=c.dead_reasons,
         workers=workers,
+        stream=stream,
     )
 
 
@@ -325,6 +401,8 @@ def status_text(st: RunStatus, *, listed: bool = False) -> list[str]:
             lines.append(f"  (the ids: hsq status --run {st.run} --failed)")
     if st.missing:
         lines.append("  missing samples are in no queue: `hsq requeue --missing` puts them back")
+    if st.stream is not None:
+        lines += stream_text(st.stream)
     lines += [worker_line(w) for w in st.workers]
     if not any(w.alive for w in st.workers) and st.done + st.dead < st.total:
         lines.append("  no live workers")

@@ -44,7 +44,8 @@ from hsq.producer.report import (
     refuse_conflicts,
 )
 from hsq.producer.settings import DatasetInput
-from hsq.runconfig import DEFAULT_CHUNK_SIZE, RunConfig
+from hsq.producer.spoolcheck import Found, Settled, SpoolCheck, spool_check
+from hsq.runconfig import DEFAULT_CHUNK_SIZE, ModelShape, RunConfig
 from hsq.runstore import RunStore
 from hsq.store import AnyRef, chunked
 
@@ -62,16 +63,20 @@ def enqueue_run(
     progress: bool = True,
     rejected: Sequence[Rejected] = (),
     defaulted: Collection[str] = (),
+    shape: ModelShape | None = None,
 ) -> EnqueueReport:
     """`rejected`: (key, error, id) of rows refused before the dataset was written (chat
     rows `hsq tokenize` could not use); they go to the dead letter as invalid lines do.
-    `defaulted`: names of cfg's settings the user left at their defaults (FOLLOW_RUN)."""
+    `defaulted`: names of cfg's settings the user left at their defaults (FOLLOW_RUN).
+    `shape`: what the servers will dump, when the command knows it before they start
+    (`hsq run`): a streamed run's budget is checked against the largest sample with it."""
     cfg.validate()
     try:
         with store.lifecycle.enqueue_lock(lock_holder()):
             return _enqueue_streaming(
-                store, cfg, strict=strict, progress=progress, rejected=rejected, defaulted=defaulted
-            )
+                store, cfg, strict=strict, progress=progress, rejected=rejected,
+                defaulted=defaulted, shape=shape,
+            )  # fmt: skip
     except DatasetError as exc:
         if looks_like_chat(Path(cfg.dataset)):
             raise DatasetError(
@@ -89,6 +94,7 @@ def enqueue_dataset(
     *,
     progress: bool,
     echo: Callable[[str], None],
+    shape: ModelShape | None = None,
 ) -> EnqueueReport:
     """`hsq enqueue` (and `hsq run`'s enqueue) from what the command was given: with chat
     settings (--tokenizer), tokenize DATASET's chat rows first (its rejects dead-lettered;
@@ -116,6 +122,7 @@ def enqueue_dataset(
         progress=progress,
         rejected=[r.dead_letter() for r in rejects],
         defaulted=data.defaulted,
+        shape=shape,
     )
 
 
@@ -145,6 +152,7 @@ def _enqueue_streaming(
     progress: bool,
     rejected: Sequence[Rejected],
     defaulted: Collection[str],
+    shape: ModelShape | None,
 ) -> EnqueueReport:
     """The enqueue, one batch at a time (module docstring)."""
     existing = store.load_config()
@@ -152,16 +160,17 @@ def _enqueue_streaming(
         kept = {name: getattr(existing, name) for name in FOLLOW_RUN if name in defaulted}
         cfg = replace(cfg, **kept)
     refuse_conflicts(existing, cfg)
-    if existing is not None:
-        _change_budget(store, existing, cfg)
     path = Path(cfg.dataset)
     report = EnqueueReport()
-    if strict:  # refuse before writing anything: a first pass that only validates
-        bad_first: Bad = []
-        for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen={}):
-            bad_first += b.bad
-        add_rejected(EnqueueReport(), bad_first, rejected)
-        if bad_first:
+    check = spool_check(cfg, existing, shape)
+    sizing = check if check is not None and check.needs_scan() else None
+    found: Found | None = None
+    if strict or sizing is not None:  # refuse before writing anything: a first pass
+        settled = _settled(store) if existing is not None else None
+        bad_first, found = _first_pass(path, cfg, sizing, settled)
+        if strict:
+            add_rejected(EnqueueReport(), bad_first, rejected)
+        if strict and bad_first:
             probe = EnqueueReport()
             count_bad(probe, bad_first)
             raise DatasetError(
@@ -169,6 +178,10 @@ def _enqueue_streaming(
                 + "; ".join(probe.problems[:5]),
                 "strict",
             )
+    if check is not None:
+        report.spool = check.verdict(found)
+    if existing is not None:
+        _change_budget(store, existing, cfg)
     seen: dict[str, int] = {}
     bad: Bad = []
     tokens = 0
@@ -215,6 +228,31 @@ def _enqueue_streaming(
     report.pruned = prune(store, seen.keys(), {key for key, _, _ in bad}, report.valid)
     store.lifecycle.end_enqueue()
     return report
+
+
+def _first_pass(
+    path: Path, cfg: RunConfig, sizing: SpoolCheck | None, settled: Settled | None
+) -> tuple[Bad, Found | None]:
+    """A scan that writes nothing: the invalid lines (--strict refuses them all) and, with
+    `sizing`, the samples a streamed run's budget must hold (hsq/producer/spoolcheck.py)."""
+    bad: Bad = []
+    found = Found() if sizing is not None else None
+    limit = sizing.fits_tokens() if sizing is not None else 0
+    for b in scan_batches(path, cfg.max_tokens, batch=STREAM_BATCH, seen={}):
+        bad += b.bad
+        if sizing is not None and found is not None:
+            sizing.take(b.valid, found, settled, limit)
+    return bad, found
+
+
+def _settled(store: RunStore) -> Settled:
+    """An existing run's look at which samples are done or dead (not extracted again)."""
+
+    def settled(ids: list[str]) -> list[bool]:
+        _, done, dead = store.config_index.presence(ids)
+        return [a or b for a, b in zip(done, dead, strict=True)]
+
+    return settled
 
 
 def _change_budget(store: RunStore, existing: RunConfig, cfg: RunConfig) -> None:

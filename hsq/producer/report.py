@@ -40,6 +40,9 @@ class EnqueueReport:
     identity: str = ""
     """How recover decided the run's model and layers, in words."""
     problems: list[str] = field(default_factory=list)
+    spool: str = ""
+    """A streamed run's line on its budget against the largest sample (hsq.producer.
+    spoolcheck), or on when that is checked; empty for a run without a stream."""
 
     def lines_out(self) -> list[str]:
         bad = sum(self.invalid.values())
@@ -53,6 +56,7 @@ class EnqueueReport:
             f"in dead letter  {self.dead}",
             f"pruned          {self.pruned} entries no longer in the dataset",
             f"enqueued        {self.enqueued} samples in {self.chunks} jobs",
+            *([self.spool] if self.spool else []),
         ]
 
     def recover_lines(self) -> list[str]:

@@ -59,6 +59,7 @@ RUN_SETTINGS = (
     "chunk_size",
     "layer_ids",
     "model_id",
+    "hidden_size",
     "max_tokens",
     "store_dtype",
     "prenorm",

@@ -286,6 +286,22 @@ class Spool(Aggregate):
     def published(self) -> int:
         return int(self.client.xlen(self.keys.ready))
 
+    def recorded(self) -> tuple[int, bool]:
+        """The run's budget as recorded (0: no stream, or no run) and keep_after_commit:
+        read without loading the config (which would adopt its generation)."""
+        raw = self.client.hmget(self.keys.config, ["spool_budget", "keep_after_commit"])
+        try:
+            budget = jsonsafe.loads(raw[0]) if raw[0] is not None else 0
+            keep = jsonsafe.loads(raw[1]) if raw[1] is not None else False
+        except ValueError:
+            return 0, False  # Redis is untrusted: an unreadable record reads as no stream
+        ok = isinstance(budget, int) and not isinstance(budget, bool)
+        return (budget if ok and budget > 0 else 0), keep is True
+
+    def consumed(self) -> int:
+        """Samples whose file was removed after every group committed it."""
+        return int(self.client.scard(self.keys.consumed))
+
     def extraction_finished(self) -> bool:
         """Every sample of the run is done or dead: the enqueue finished and no job is
         queued or held (a done sample is published in its mark's step, so the stream then

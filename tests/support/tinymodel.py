@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hsq.engines.reference.model import TINY_CONFIG
+from hsq.engines.reference.shapes import TINY_CONFIG
 from tests.support.toytok import VOCAB_SIZE
 
 HEAD_STD = 0.5

@@ -169,6 +169,7 @@ def run(args: tuple[str, ...], **values: Any) -> None:
     from hsq.node.node import NodeJob, dataset_enqueue, report_node, run_node, serve_redis_only
     from hsq.node.plan import (
         REFERENCE,
+        model_shape,
         persist_procs_each,
         plan_node,
         sglang_importable,
@@ -201,7 +202,9 @@ def run(args: tuple[str, ...], **values: Any) -> None:
         tuning = dataclasses.replace(tuning, persist_procs=persist_procs_each(len(plan.servers)))
     job = NodeJob(
         run=name, out=f.out, plan=plan, redis_url=url,
-        enqueue=None if dataset is None else dataset_enqueue(dataset, f.out, data),
+        enqueue=None if dataset is None else dataset_enqueue(
+            dataset, f.out, data, model_shape(plan, server_args)
+        ),
         worker_argv=as_argv(tuning),
         server_args=server_args,
         metrics_port=f.metrics_port,

@@ -49,7 +49,8 @@ def status(**values: Any) -> None:
       hsq status --run kimi-v1 --failed
     JSON keys: run, total, done, queued, in_progress, retry, dead, missing, invalid_lines,
     tokens_done, tokens_total, bytes_done, samples_per_s, tokens_per_s, eta_s,
-    dead_by_reason, workers; with --failed also failed (docs/operations.md).
+    dead_by_reason, workers, stream (a streamed run's spool and groups, else null); with
+    --failed also failed (docs/operations.md).
     """
     from hsq.errors import ConfigError
     from hsq.ops import dead_samples, dead_text, dumps_json, run_status, status_text
