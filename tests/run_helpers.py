@@ -62,6 +62,12 @@ class Node:
         return dict(json.loads(lines[-1]))
 
 
+def nodes_output(tail: int = 4000) -> str:
+    """The end of every `hsq run` this test started, for a failure that shows elsewhere (a
+    trainer waiting on a Redis its node no longer serves)."""
+    return "\n".join(f"--- hsq run {n.stdout.stem}:\n{n.output()[-tail:]}" for n in Node.started)
+
+
 @pytest.fixture
 def no_node_left() -> Iterator[None]:
     """A failed test leaves no `hsq run` (nor its children) behind."""

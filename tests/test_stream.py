@@ -27,7 +27,7 @@ import pytest
 from hsq.producer.synthetic import write_synthetic
 from hsq.store.connection import text
 from tests.helpers import wait_until
-from tests.run_helpers import Node, no_node_left, run_store
+from tests.run_helpers import Node, no_node_left, nodes_output, run_store
 from tests.support.trainers import start_trainer
 
 pytestmark = [
@@ -73,8 +73,9 @@ class Trainer:
             rc = self.proc.wait(240)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"trainer still running:\n{self.log.read_text()}") from None
-        assert rc == 0, self.log.read_text()
+            log = self.log.read_text()[-6000:]
+            raise AssertionError(f"trainer still running:\n{log}\n{nodes_output()}") from None
+        assert rc == 0, self.log.read_text() + nodes_output()
         ckpt = json.loads(self.ckpt.read_text())
         assert ckpt.get("finished")
         return list(ckpt["trained"])
