@@ -192,8 +192,8 @@ caches "$CACHE"
 say "python $("$PY" -c 'import sys, torch, sglang; print(sys.version.split()[0], "torch", torch.__version__, "sglang", sglang.__version__)'), CUDA_HOME=${CUDA_HOME:-unset}"
 if [ ${#exec_cmd[@]} -gt 0 ]; then exec "${exec_cmd[@]}"; fi
 
-"$PY" -m tests.gpu.models_fixture "$WORK/models" >"$results/models.log" 2>&1 ||
-  { tail -30 "$results/models.log"; die "writing the test models failed"; }
+"$PY" -m tests.gpu.models_fixture "$WORK/models" >"$WORK/models.log" 2>&1 ||
+  { tail -30 "$WORK/models.log"; die "writing the test models failed"; }
 pids=()
 for j in "${jobs[@]}"; do
   name=${j%%=*}
@@ -208,18 +208,35 @@ for j in "${jobs[@]}"; do
     [ -z "$version" ] || export HSQ_LIVE_SGLANG_VERSION=$version
     HSQ_LIVE_WORK="$WORK/$name" HSQ_LIVE_MODELS="$WORK/models" HSQ_LIVE_TP=$tp \
       HSQ_LIVE_RESULTS="$results/live-$name.json" \
-      "$PY" -m pytest -p no:cacheprovider -m gpu -o addopts= -rA --timeout "$test_timeout" "${args[@]}" \
-      >"$results/pytest-$name.log" 2>&1
+      "$PY" -m pytest -p no:cacheprovider -m gpu -o addopts= -rA -v --timeout "$test_timeout" "${args[@]}" \
+      >"$WORK/pytest-$name.log" 2>&1
   ) &
   pids+=("$!")
   say "job $name started (pid $!): pytest ${args[*]}"
 done
+# Progress while the jobs run (a device call shows its output at the end, or its last
+# lines when it ends hard): each job's latest [live] line, every TICK seconds.
+(
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep "${TICK:-60}" & nap=$!
+    wait "$nap"
+    for n in "${names[@]}"; do
+      line=$(grep -a '\[live\]\|PASSED\|FAILED\|ERROR' "$WORK/pytest-$n.log" 2>/dev/null | tail -1 | cut -c1-200)
+      say "$n (${SECONDS} s): ${line:-running}"
+    done
+  done
+) &
+ticker=$!
 rc=0
 for i in "${!pids[@]}"; do
   if wait "${pids[$i]}"; then say "job ${names[$i]}: passed"; else rc=1; say "job ${names[$i]}: FAILED"; fi
-  tail -5 "$results/pytest-${names[$i]}.log" | sed "s/^/[${names[$i]}] /"
+  tail -5 "$WORK/pytest-${names[$i]}.log" | sed "s/^/[${names[$i]}] /"
 done
-# Every server and worker log of the jobs, in one file (outputs and dumps left out).
-(cd "$WORK" && find "${names[@]}" -name '*.log' -size -20M -print0 2>/dev/null |
+kill "$ticker" 2>/dev/null || true
+# A device call brings back 8 files: the results JSONs, one file of every job's pytest
+# tail, and one archive of every pytest, server and worker log (outputs and dumps left out).
+for n in "${names[@]}"; do echo "=== $n"; tail -60 "$WORK/pytest-$n.log" 2>/dev/null; done >"$results/pytest-tails.txt"
+(cd "$WORK" && find "${names[@]}" pytest-*.log models.log -name '*.log' -size -20M -print0 2>/dev/null |
   tar --null -T - -czf "$results/logs.tgz") || true
 exit $rc
