@@ -8,7 +8,14 @@ one URL DUMP_DIR MODEL LAYERS  one short and one long (chunked) prompt through t
 outputs REDIS RUN OUT MODEL DATA LAYERS N
                                N of a run's stored samples against the same forward
 capacity URL N K [--rid]       N completions, K in flight: tokens/s (with --rid each
-                               request carries an hsq rid, so the connector dumps it)
+                               request carries an hsq rid, so the connector dumps it;
+                               --sweep DIR removes finished dumps from DIR as they come,
+                               as a worker would, so tmpfs never fills)
+config8b DIR                   Llama-3-8B's config alone (served with --load-format dummy)
+rate LOG                       a worker's steady tokens/s from its JSON log (first to last
+                               sample_done), as bench/sglang_capacity.py measures it
+best LABEL...                  of capacity-LABEL.json files, the one with the most tokens/s
+ratios                         connector / plain vLLM at its best K, hsq's worker / connector
 """
 
 from __future__ import annotations
@@ -171,7 +178,70 @@ def outputs(
     return 0 if results["ok"] else 1
 
 
-def capacity(url: str, n: int, k: int, rid: bool, label: str) -> int:
+def config8b(out: Path) -> None:
+    from tests.gpu.models import LLAMA8B_SHAPE, llama_config
+
+    cfg = llama_config(num_hidden_layers=32, **LLAMA8B_SHAPE)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(out)
+
+
+def sweeper(dump_dir: Path) -> Any:
+    """A thread removing finished dumps (req_<N>/ holding `done`); stop with .set()."""
+    import shutil
+    import threading
+
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.is_set():
+            for d in dump_dir.glob("req_*"):
+                if (d / "done").exists():
+                    shutil.rmtree(d, ignore_errors=True)
+            stop.wait(0.01)
+
+    threading.Thread(target=sweep, name="dump-sweep", daemon=True).start()
+    return stop
+
+
+def rate(log: Path, label: str) -> int:
+    from bench.sglang_capacity import steady_rate
+
+    r = steady_rate(log)
+    emit(f"rate-{label}", {"log": log.name, **r})
+    return 0 if r else 1
+
+
+def best(labels: list[str]) -> int:
+    """Prints the K of the fastest capacity-LABEL run (for the shell)."""
+    rows = [json.loads((OUT / f"capacity-{x}.json").read_text()) for x in labels]
+    top = max(rows, key=lambda r: float(r["tokens_per_s"]))
+    of = {x: r["tokens_per_s"] for x, r in zip(labels, rows, strict=True)}
+    emit(
+        "capacity-best",
+        {"inflight": top["inflight"], "tokens_per_s": top["tokens_per_s"], "of": of},
+    )
+    print(top["inflight"])
+    return 0
+
+
+def ratios() -> int:
+    def read(name: str) -> dict[str, Any] | None:
+        p = OUT / f"{name}.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    best_, conn, worker = read("capacity-best"), read("capacity-connector"), read("rate-worker")
+    out: dict[str, Any] = {"target": 0.97}
+    if best_ and conn:
+        out["inflight"] = best_["inflight"]
+        out["connector_over_plain"] = round(conn["tokens_per_s"] / best_["tokens_per_s"], 3)
+    if conn and worker and worker.get("tok_s"):
+        out["hsq_over_connector"] = round(worker["tok_s"] / conn["tokens_per_s"], 3)
+    emit("ratios", out)
+    return 0
+
+
+def capacity(url: str, n: int, k: int, rid: bool, label: str, sweep: Path | None = None) -> int:
     import httpx
 
     lengths = [64 + (i * 613) % 1900 for i in range(n)]
@@ -186,11 +256,16 @@ def capacity(url: str, n: int, k: int, rid: bool, label: str) -> int:
         r.raise_for_status()
         return int(r.json()["usage"]["prompt_tokens"])
 
-    send(0)  # warm-up
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(k) as pool:
-        tokens = sum(pool.map(send, range(n)))
-    dt = time.monotonic() - t0
+    stop = sweeper(sweep) if sweep is not None else None
+    try:
+        send(0)  # warm-up
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(k) as pool:
+            tokens = sum(pool.map(send, range(n)))
+        dt = time.monotonic() - t0
+    finally:
+        if stop is not None:
+            stop.set()
     emit(
         f"capacity-{label}",
         {
@@ -220,16 +295,32 @@ def main() -> int:
     for a in ("url", "n", "k", "label"):
         c.add_argument(a)
     c.add_argument("--rid", action="store_true")
+    c.add_argument("--sweep", type=Path)
+    sub.add_parser("config8b").add_argument("dir", type=Path)
+    r = sub.add_parser("rate")
+    r.add_argument("log", type=Path)
+    r.add_argument("label")
+    sub.add_parser("best").add_argument("labels", nargs="+")
+    sub.add_parser("ratios")
     a = p.parse_args()
     if a.cmd == "tiny":
         tiny(a.dir)
         return 0
+    if a.cmd == "config8b":
+        config8b(a.dir)
+        return 0
+    if a.cmd == "rate":
+        return rate(a.log, a.label)
+    if a.cmd == "best":
+        return best(a.labels)
+    if a.cmd == "ratios":
+        return ratios()
     if a.cmd == "one":
         return one(a.url, Path(a.dump_dir), a.model, [int(i) for i in a.layers.split(",")])
     if a.cmd == "outputs":
         layers = [int(i) for i in a.layers.split(",")]
         return outputs(a.redis_url, a.run, Path(a.out), a.model, Path(a.data), layers, int(a.n))
-    return capacity(a.url, int(a.n), int(a.k), a.rid, a.label)
+    return capacity(a.url, int(a.n), int(a.k), a.rid, a.label, a.sweep)
 
 
 if __name__ == "__main__":
