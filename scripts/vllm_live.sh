@@ -12,6 +12,14 @@
 #   restart   SIGKILL of vLLM's process group while a worker runs; vLLM started again; the
 #             run ends with every sample done, none dead
 #   capacity  completions/s with the connector dumping, then of plain vLLM (no connector)
+#   run       `hsq run --engine vllm --gpus 0` (one command: its own Redis, `hsq launch-vllm`,
+#             a worker, the live view, --verify); RESULTS/hsq-run.json: exit, summary,
+#             the live view's last lines (dry run: --engine reference, the plumbing only)
+#   moe       a tiny random DeepSeek-V3 (MLA + MoE, tests/gpu/models.py) through `hsq
+#             launch-vllm` (TRITON_MLA, the bundle's vllm-moe unit) and a worker; each output
+#             against the float32 forward under the MoE rule (tests/gpu/equality.compare_moe:
+#             the dense prefix row by row, the rest under hsq's MoE allowance: vLLM does not
+#             return its expert choices, so no replay)
 #
 # --shape 8b: Llama-3-8B's config served with --load-format dummy (no weights to carry; no
 # forward can hold its dumps to a reference, so only worker and capacity run, and the
@@ -72,7 +80,7 @@ case "$shape" in
   *) die "--shape $shape: expected tiny or 8b" ;;
 esac
 for p in ${phases//,/ }; do
-  case "$p" in one|worker|restart|capacity) ;; *) die "--phases: unknown phase $p" ;; esac
+  case "$p" in one|worker|restart|capacity|run|moe) ;; *) die "--phases: unknown phase $p" ;; esac
   if [ "$shape" = 8b ] && { [ "$p" = one ] || [ "$p" = restart ]; }; then
     die "--shape 8b: phase $p compares with a forward of the weights, and dummy weights have none (run it with --shape tiny)"
   fi
@@ -107,11 +115,11 @@ LAYERS=2,4,5   # hsq's convention for the small Llama (L = 8); vLLM is asked for
 MIN_LEN=16
 if [ "$dry" = 1 ]; then
   PY=${PY:-$ROOT/.venv/bin/python}; [ -x "$PY" ] || PY=python3
-  N_WORKER=12 N_RESTART=16 N_CAP=16 CAP_K=4 MAX_LEN=300
+  N_WORKER=12 N_RESTART=16 N_CAP=16 CAP_K=4 MAX_LEN=300 N_MOE=6
 else
   PY=${PY:-python3}
   [ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
-  N_WORKER=256 N_RESTART=256 N_CAP=512 CAP_K=64 MAX_LEN=1500
+  N_WORKER=256 N_RESTART=256 N_CAP=512 CAP_K=64 MAX_LEN=1500 N_MOE=120
 fi
 if [ "$shape" = 8b ]; then
   LAYERS=2,16,29  # EAGLE-3's 1, L/2-1, L-4 of L = 32, as effective ids
@@ -121,7 +129,14 @@ fi
 say "plan: shape $shape, phases $phases, inflight $inflight, backend $backend, dry-run $dry, results $results"
 
 # ---------------------------------------------------------------- install (GPU only)
-if [ "$dry" = 0 ]; then
+if [ "$dry" = 0 ] && [ -z "$parts" ] && [ ! -d .vllm-wheelhouse ] && [ ! -f "$SITE/.unit-vllm-py" ] &&
+  "$PY" -c 'import vllm' 2>/dev/null; then
+  # A machine with vLLM installed (tests/gpu/test_vllm_live.py there): used as it is.
+  say "vLLM $("$PY" -c 'import vllm; print(vllm.__version__)') installed: no bundle to unpack"
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  REDIS_BIN=$(command -v redis-server || true)
+elif [ "$dry" = 0 ]; then
   [ -n "$parts" ] || parts=$(ls -d .vllm-wheelhouse/part* 2>/dev/null | paste -sd, || true)
   mkdir -p "$SITE"
   for d in ${parts//,/ }; do
@@ -306,6 +321,54 @@ for phase in ${phases//,/ }; do
       start_server plain vllm-plain.log
       "${CHECK[@]}" capacity "$URL" "$N_CAP" "$CAP_K" plain
       stop_server
+      ;;
+    run)
+      stop_server  # hsq run starts its own server on the GPU
+      dataset "$WORK/vrun.jsonl" "$N_WORKER"
+      rm -rf "$WORK/vrun-out"
+      engine=(--engine vllm --gpus 0 --model "$MODEL")
+      [ "$dry" = 0 ] || engine=(--engine reference)
+      t0=$SECONDS
+      "${HSQ[@]}" --log-format json run "$WORK/vrun.jsonl" --run vrun --out "$WORK/vrun-out" \
+        "${engine[@]}" --json --verify --inflight "$inflight" -- --layers "$LAYERS" \
+        $([ "$dry" = 1 ] || printf '%s\n' "${VLLM_ARGS[@]}") \
+        >"$results/hsq-run.stdout" 2>"$results/hsq-run.stderr" && rc=0 || rc=$?
+      "$PY" - "$results" "$rc" "$(( SECONDS - t0 ))" <<'EOF'
+import json, sys
+from pathlib import Path
+res = Path(sys.argv[1])
+lines = (res / "hsq-run.stdout").read_text(errors="replace").splitlines()
+objs = [x for x in lines if x.startswith("{")]
+summary = json.loads(objs[-1]) if objs else {}
+view = [x for x in lines if x.startswith("progress")]
+out = {"exit": int(sys.argv[2]), "seconds": int(sys.argv[3]), "summary": summary,
+       "view_first": view[:3], "view_last": view[-3:]}
+(res / "hsq-run.json").write_text(json.dumps(out, indent=1))
+print("[vllm_live.sh] hsq run:", json.dumps({k: out[k] for k in ("exit", "seconds")}),
+      json.dumps(summary.get("verified")), flush=True)
+EOF
+      for f in "$WORK"/vrun-out/.hsq/logs/*.log; do [ -f "$f" ] && cp "$f" "$results/hsq-run-$(basename "$f")"; done
+      ;;
+    moe)
+      stop_server
+      MOE=$WORK/deepseek
+      "$PY" -c "from tests.gpu.models import write_deepseek as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), seed=0, device=sys.argv[2])" \
+        "$MOE" "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
+      saved=("${VLLM_ARGS[@]}") model_saved=$MODEL layers_saved=$LAYERS
+      MODEL=$MOE LAYERS=2,3,5  # L = 6, layers 0-1 dense: aux id 2 sees no routing
+      [ "$dry" = 1 ] || VLLM_ARGS=(--dtype bfloat16 --max-model-len 4096 --skip-tokenizer-init
+        --enforce-eager --attention-backend TRITON_MLA --gpu-memory-utilization 0.30
+        --max-num-batched-tokens 512 --max-num-seqs 64 --generation-config vllm)
+      [ -f "$SITE/.unit-vllm-moe" ] || [ "$dry" = 1 ] || say "moe: no vllm-moe unit in $SITE (pass --parts with part2): vLLM may fail to load the experts"
+      start_server hsq vllm-moe.log
+      start_redis
+      dataset "$WORK/m.jsonl" "$N_MOE"
+      rm -rf "$WORK/out/m"; enqueue m "$WORK/m.jsonl"
+      "${HSQ[@]}" --log-format json worker --run m --server "$URL" --dump-dir "$DUMPS" --engine vllm \
+        --inflight "$inflight" --burst 2>"$results/worker-m.log" || say "moe: worker exit $?"
+      "${CHECK[@]}" moe "$HSQ_REDIS_URL" m "$WORK/out" "$MODEL" "$WORK/m.jsonl" "$LAYERS" 2 || say "moe: outputs outside the MoE rule"
+      stop_server
+      VLLM_ARGS=("${saved[@]}") MODEL=$model_saved LAYERS=$layers_saved
       ;;
   esac
   pack

@@ -16,6 +16,10 @@ rate LOG                       a worker's steady tokens/s from its JSON log (fir
                                sample_done), as bench/sglang_capacity.py measures it
 best LABEL...                  of capacity-LABEL.json files, the one with the most tokens/s
 ratios                         connector / plain vLLM at its best K, hsq's worker / connector
+moe REDIS RUN OUT MODEL DATA LAYERS DENSE
+                               every stored sample of an MoE run against the float32
+                               forward under the MoE rule (tests/gpu/equality.compare_moe:
+                               aux ids <= DENSE row by row, the rest under the allowance)
 """
 
 from __future__ import annotations
@@ -225,6 +229,52 @@ def best(labels: list[str]) -> int:
     return 0
 
 
+def moe(
+    redis_url: str, run: str, out: Path, model: str, data: Path, layers: list[int], dense: int
+) -> int:
+    from hsq.outputs.format import open_output
+    from hsq.runstore import RunStore
+    from hsq.store import connect
+    from tests.gpu import equality as eq
+    from tests.gpu.reference import LAST, PRENORM, Reference
+
+    st = RunStore(connect(redis_url), run)
+    samples = [json.loads(line) for line in data.read_text().splitlines()]
+    ref = Reference(Path(model), "cuda" if torch.cuda.is_available() else "cpu")
+    dense_aux = sum(1 for i in layers if i <= dense)
+    checked, worst, strict_failed = [], 1.0, 0
+    for s in samples:
+        entry = st.get_manifest(s["id"])
+        if entry is None:
+            checked.append({"id": s["id"], "ok": False, "why": "not done"})
+            continue
+        o = open_output(out / run / entry.path)
+        stored = eq.stored_tensors(o)
+        want = eq.expected_tensors(ref.states(s["input_ids"]), layers,
+                                   prenorm=eq.PRENORM_NAME in stored, fp8=False,
+                                   last_key=LAST, prenorm_key=PRENORM)  # fmt: skip
+        c = eq.compare_moe(stored, want, aux_layers=len(layers), dense_aux=dense_aux)
+        strict = eq.compare(stored, want)  # every row: reported, never judged (no replay)
+        strict_failed += not strict.ok
+        worst = min(worst, c.min_cosine)
+        ids_ok = o.input_ids.tolist() == s["input_ids"]
+        checked.append({"id": s["id"], "tokens": len(s["input_ids"]), "ok": c.ok and ids_ok,
+                        "bad_rows": c.bad_rows, "rows": c.rows,
+                        "min_cosine": round(c.min_cosine, 6)})  # fmt: skip
+    results: dict[str, Any] = {
+        "done": st.count(st.keys.done), "dead": st.count(st.keys.dead),
+        "rule": f"aux ids <= {dense} ({dense_aux} of {len(layers)}) row by row; the rest under "
+        "the MoE allowance (hsq.closeness.moe)",
+        "samples_ok": sum(c["ok"] for c in checked), "samples": len(samples),
+        "worst_min_cosine": round(worst, 6),
+        "samples_failing_every_row_rule": strict_failed,
+        "failed": [c for c in checked if not c["ok"]][:10],
+    }  # fmt: skip
+    results["ok"] = results["dead"] == 0 and results["samples_ok"] == len(samples)
+    emit(f"moe-{run}", results)
+    return 0 if results["ok"] else 1
+
+
 def ratios() -> int:
     def read(name: str) -> dict[str, Any] | None:
         p = OUT / f"{name}.json"
@@ -302,6 +352,9 @@ def main() -> int:
     r.add_argument("label")
     sub.add_parser("best").add_argument("labels", nargs="+")
     sub.add_parser("ratios")
+    m = sub.add_parser("moe")
+    for a in ("redis_url", "run", "out", "model", "data", "layers", "dense"):
+        m.add_argument(a)
     a = p.parse_args()
     if a.cmd == "tiny":
         tiny(a.dir)
@@ -315,6 +368,9 @@ def main() -> int:
         return best(a.labels)
     if a.cmd == "ratios":
         return ratios()
+    if a.cmd == "moe":
+        layers = [int(i) for i in a.layers.split(",")]
+        return moe(a.redis_url, a.run, Path(a.out), a.model, Path(a.data), layers, int(a.dense))
     if a.cmd == "one":
         return one(a.url, Path(a.dump_dir), a.model, [int(i) for i in a.layers.split(",")])
     if a.cmd == "outputs":
