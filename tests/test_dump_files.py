@@ -35,7 +35,8 @@ def _store(dump_dir: Path, limit: int, tokens: int) -> dict[str, object]:
         [sys.executable, "-c", CHILD, str(dump_dir), str(limit), str(tokens)],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    got: dict[str, object] = json.loads(r.stdout.strip().splitlines()[-1])
+    return got
 
 
 def test_a_dump_too_large_to_write_leaves_nothing(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def test_long_samples_through_hsq_run(
     samples = lc.per_sample(done, watch.points, start)
     for sid, fig in samples.items():
         n = len(data.get(sid, []))
-        fig.update(tokens=n, output_bytes=files.get(sid), planned_bytes=n * per_token)
+        fig.update(tokens=n, output_bytes=files.get(sid, 0), planned_bytes=n * per_token)
     results.record(
         SECTION, exit=r.returncode, seconds=seconds, summary=summary, per_sample=samples,
         done_order=[s for s, _ in done], worker_hwm=watch.worker_hwm, readings=len(watch.points),
