@@ -47,24 +47,35 @@ def test_long_samples_through_hsq_run(
         models_root / f"llama8bw-{live.long_layers}", layers=live.long_layers, seed=3,
         device="cuda", context=context,
     )  # fmt: skip
-    hidden = LLAMA8B_SHAPE["hidden_size"]
+    results.record(SECTION, model=f"Llama-3-8B widths, {live.long_layers} layers, random bf16",
+                   model_write_s=round(time.monotonic() - t, 1))  # fmt: skip
+    engine = ["--engine", "sglang", "--gpus", "0", "--model", str(model)]
+    server = [
+        "--layers", LAYERS, "--mem-fraction-static", "0.35", "--max-total-tokens", str(context),
+        "--context-length", str(context), "--chunked-prefill-size", str(CHUNK),
+        "--max-running-requests", "4", *SGLANG_FLAGS,
+    ]  # fmt: skip
+    run_long(results, wd, model, engine, server, lengths, LLAMA8B_SHAPE["hidden_size"],
+             LLAMA8B_SHAPE["vocab_size"], live.long_reference_max, "cuda")  # fmt: skip
+
+
+def run_long(
+    results: Results, wd: Path, model: Path, engine: list[str], server: list[str],
+    lengths: list[int], hidden: int, vocab: int, reference_max: int, device: str,
+) -> None:  # fmt: skip
+    """One `hsq run` of `lengths`, one sample at a time, watched; every figure recorded
+    (section long_context) before anything is asserted."""
     per_token = lc.dump_bytes_per_token(hidden, 3, prenorm=False, fp8=False)
     results.record(
-        SECTION, model=f"Llama-3-8B widths, {live.long_layers} layers, random bf16",
-        model_write_s=round(time.monotonic() - t, 1), lengths=lengths, chunked_prefill=CHUNK,
-        bytes_per_token=per_token,
+        SECTION, lengths=lengths, chunked_prefill=CHUNK, bytes_per_token=per_token,
         planned_sample_bytes={n: n * per_token for n in lengths},
     )  # fmt: skip
     ds = wd / "long.jsonl"
-    data = make_dataset(ds, lengths, vocab=LLAMA8B_SHAPE["vocab_size"], seed=11, prefix="long")
+    data = make_dataset(ds, lengths, vocab=vocab, seed=11, prefix="long")
     out, run = wd / "out", "long"
     argv = hsq_command(
-        "--log-format", "json", "run", str(ds), "--run", run, "--out", str(out),
-        "--engine", "sglang", "--gpus", "0", "--model", str(model), "--json", "--verify",
-        "--inflight", "1", "--dump-timeout", "300",
-        "--", "--layers", LAYERS, "--mem-fraction-static", "0.35",
-        "--max-total-tokens", str(context), "--context-length", str(context),
-        "--chunked-prefill-size", str(CHUNK), "--max-running-requests", "4", *SGLANG_FLAGS,
+        "--log-format", "json", "run", str(ds), "--run", run, "--out", str(out), *engine,
+        "--json", "--verify", "--inflight", "1", "--dump-timeout", "300", "--", *server,
     )  # fmt: skip
     shm = dump_root()
 
@@ -90,7 +101,7 @@ def test_long_samples_through_hsq_run(
     results.record(
         SECTION, exit=r.returncode, seconds=seconds, summary=summary, per_sample=samples,
         done_order=[s for s, _ in done], worker_hwm=watch.worker_hwm, readings=len(watch.points),
-        shm=str(shm), view=[x for x in r.stdout.splitlines() if x.startswith("progress")][-5:],
+        shm=str(shm), view=[x for x in r.stdout.splitlines() if x.startswith("progress")][-8:],
         stderr_tail=r.stderr.splitlines()[-20:] if r.returncode else [],
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -99,13 +110,15 @@ def test_long_samples_through_hsq_run(
     for sid, ids in data.items():  # the output holds every token's states
         assert files.get(sid, 0) >= len(ids) * per_token, (sid, files.get(sid))
 
-    equality = compare(model, out / run, data, live.long_reference_max)
+    equality = compare(model, out / run, data, reference_max, device)
     results.record(SECTION, equality=equality)
     bad = {k: v for k, v in equality.items() if isinstance(v, dict) and v.get("ok") is False}
     assert not bad, bad
 
 
-def compare(model: Path, run_dir: Path, data: dict[str, list[int]], longest: int) -> dict[str, Any]:
+def compare(
+    model: Path, run_dir: Path, data: dict[str, list[int]], longest: int, device: str
+) -> dict[str, Any]:
     """Each output against the float32 forward (after `hsq run` stopped its server, so the
     GPU is the reference's); a sample past `longest`, or one whose forward does not fit the
     GPU, is reported with the reason instead."""
@@ -120,7 +133,7 @@ def compare(model: Path, run_dir: Path, data: dict[str, list[int]], longest: int
         break
     if layer_ids is None:
         return {"error": "no output files"}
-    ref = Reference(model, "cuda", keep={*layer_ids, LAST})
+    ref = Reference(model, device, keep={*layer_ids, LAST})
     out: dict[str, Any] = {"layer_ids": layer_ids}
     for sid in sorted(data, key=lambda s: len(data[s])):
         ids = data[sid]
@@ -145,11 +158,13 @@ def compare(model: Path, run_dir: Path, data: dict[str, list[int]], longest: int
             "max_abs_over_norm": round(c.max_abs_over_norm, 6),
             "ids_exact": o.input_ids.tolist() == ids,
             "forward_s": round(time.monotonic() - t, 1),
-            "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if device == "cuda" else None,
         }  # fmt: skip
         if not out[sid]["ids_exact"]:
             out[sid]["ok"] = False
         del states, want, o
     del ref
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
