@@ -15,6 +15,7 @@ reading belongs to one sample (tests/gpu/longctx.py).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -78,6 +79,9 @@ def run_long(
         "--json", "--verify", "--inflight", "1", "--dump-timeout", "300", "--", *server,
     )  # fmt: skip
     shm = dump_root()
+    st = os.statvfs(shm)
+    # What bounds a dump: the tmpfs it is written to (a 64K-token sample at 8B width is 2 GiB).
+    results.record(SECTION, shm_size=st.f_blocks * st.f_frsize, shm_free=st.f_bavail * st.f_frsize)
 
     def dump_dirs() -> list[Path]:
         return sorted(shm.glob(f"hsq-{run}-*"))
