@@ -15,6 +15,10 @@
 #   run       `hsq run --engine vllm --gpus 0` (one command: its own Redis, `hsq launch-vllm`,
 #             a worker, the live view, --verify); RESULTS/hsq-run.json: exit, summary,
 #             the live view's last lines (dry run: --engine reference, the plumbing only)
+#   fp8       server-made fp8 (`hsq launch-vllm --dump-encoding fp8-e4m3 --prenorm`): a run
+#             stored as fp8-e4m3 through `hsq worker`, every output against the float32
+#             forward quantized the same way (the fp8 rule; 8b: `hsq verify --deep`), and
+#             with --shape 8b its capacity at the best K (ratios: connector_fp8_over_plain)
 #   moe       a tiny random DeepSeek-V3 (MLA + MoE, tests/gpu/models.py) through `hsq
 #             launch-vllm` (TRITON_MLA, the bundle's vllm-moe unit) and a worker; each output
 #             against the float32 forward under the MoE rule (tests/gpu/equality.compare_moe:
@@ -80,7 +84,7 @@ case "$shape" in
   *) die "--shape $shape: expected tiny or 8b" ;;
 esac
 for p in ${phases//,/ }; do
-  case "$p" in one|worker|restart|capacity|run|moe) ;; *) die "--phases: unknown phase $p" ;; esac
+  case "$p" in one|worker|restart|capacity|run|moe|fp8) ;; *) die "--phases: unknown phase $p" ;; esac
   if [ "$shape" = 8b ] && { [ "$p" = one ] || [ "$p" = restart ]; }; then
     die "--shape 8b: phase $p compares with a forward of the weights, and dummy weights have none (run it with --shape tiny)"
   fi
@@ -197,14 +201,15 @@ fi
 URL=http://127.0.0.1:$PORT
 SRV=""
 
+ENC=()  # the fp8 phase: --dump-encoding fp8-e4m3
 start_server() {  # start_server hsq|plain LOG
   mkdir -p "$DUMPS"
   if [ "$dry" = 1 ]; then
     setsid "$PY" -m tests.support.fakevllm --model "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
-      --layers "$LAYERS" --prenorm >"$results/$2" 2>&1 &
+      --layers "$LAYERS" --prenorm "${ENC[@]}" >"$results/$2" 2>&1 &
   elif [ "$1" = hsq ]; then
     setsid "${HSQ[@]}" launch-vllm --model-path "$MODEL" --dump-dir "$DUMPS" --port "$PORT" \
-      --layers "$LAYERS" --prenorm --python "$PY" "${VLLM_ARGS[@]}" >"$results/$2" 2>&1 &
+      --layers "$LAYERS" --prenorm "${ENC[@]}" --python "$PY" "${VLLM_ARGS[@]}" >"$results/$2" 2>&1 &
   else
     setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
       --no-enable-prefix-caching --enable-prompt-tokens-details "${VLLM_ARGS[@]}" >"$results/$2" 2>&1 &
@@ -243,8 +248,8 @@ start_redis() {
 dataset() {  # dataset FILE N
   "$PY" -c "from hsq.producer.synthetic import write_synthetic as w; from pathlib import Path; import sys; w(Path(sys.argv[1]), int(sys.argv[2]), seed=7, min_len=$MIN_LEN, max_len=$MAX_LEN, vocab=1000)" "$1" "$2"
 }
-enqueue() {  # enqueue RUN DATA
-  "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --layers "$LAYERS" --prenorm --no-progress
+enqueue() {  # enqueue RUN DATA [FLAGS]
+  "${HSQ[@]}" enqueue "$2" --run "$1" --out "$WORK/out" --layers "$LAYERS" --prenorm --no-progress "${@:3}"
 }
 done_count() {
   "$PY" -c "from hsq.runstore import RunStore; from hsq.store import connect; import sys; s = RunStore(connect(sys.argv[1]), sys.argv[2]); print(s.count(s.keys.done))" "$HSQ_REDIS_URL" "$1"
@@ -348,6 +353,28 @@ print("[vllm_live.sh] hsq run:", json.dumps({k: out[k] for k in ("exit", "second
       json.dumps(summary.get("verified")), flush=True)
 EOF
       for f in "$WORK"/vrun-out/.hsq/logs/*.log; do [ -f "$f" ] && cp "$f" "$results/hsq-run-$(basename "$f")"; done
+      ;;
+    fp8)
+      stop_server
+      ENC=(--dump-encoding fp8-e4m3)
+      start_server hsq vllm-hsq-fp8.log
+      if [ "$shape" = 8b ]; then
+        "${CHECK[@]}" capacity "$URL" "$N_CAP" "${BEST_K:-$CAP_K}" connector-fp8 --rid "${SWEEP[@]}"
+        "${CHECK[@]}" ratios || true
+      fi
+      start_redis
+      dataset "$WORK/f.jsonl" "$N_WORKER"
+      rm -rf "$WORK/out/f"; enqueue f "$WORK/f.jsonl" --store-dtype fp8-e4m3
+      "${HSQ[@]}" --log-format json worker --run f --server "$URL" --dump-dir "$DUMPS" --engine vllm \
+        --inflight "${BEST_K:-$inflight}" --burst 2>"$results/worker-f.log" || say "fp8: worker exit $?"
+      if [ "$shape" = 8b ]; then
+        "${HSQ[@]}" verify --run f --deep --no-progress >"$results/verify-f.log" 2>&1 && v=0 || v=$?
+        echo "{\"verify_deep_exit\": $v, \"done\": $(done_count f), \"samples\": $N_WORKER}" > "$results/verify-f.json"
+      else
+        "${CHECK[@]}" fp8 "$HSQ_REDIS_URL" f "$WORK/out" "$MODEL" "$WORK/f.jsonl" "$LAYERS" || say "fp8: outputs outside the fp8 rule"
+      fi
+      stop_server
+      ENC=()
       ;;
     moe)
       stop_server

@@ -20,6 +20,10 @@ moe REDIS RUN OUT MODEL DATA LAYERS DENSE
                                every stored sample of an MoE run against the float32
                                forward under the MoE rule (tests/gpu/equality.compare_moe:
                                aux ids <= DENSE row by row, the rest under the allowance)
+fp8 REDIS RUN OUT MODEL DATA LAYERS
+                               every stored sample of an fp8-e4m3 run against the float32
+                               forward quantized the same way, under the fp8 rule (every
+                               row: cosine >= 0.999, max |d| <= 10 % of the row norm)
 """
 
 from __future__ import annotations
@@ -232,6 +236,16 @@ def best(labels: list[str]) -> int:
 def moe(
     redis_url: str, run: str, out: Path, model: str, data: Path, layers: list[int], dense: int
 ) -> int:
+    return held(redis_url, run, out, model, data, layers, dense=dense, fp8=False)
+
+
+def held(
+    redis_url: str, run: str, out: Path, model: str, data: Path, layers: list[int],
+    *, dense: int | None, fp8: bool,
+) -> int:  # fmt: skip
+    """Every stored sample of `run` against the float32 forward: under the MoE rule when
+    `dense` is given (the aux ids <= dense row by row), else every row; fp8 outputs against
+    the forward quantized as they were."""
     from hsq.outputs.format import open_output
     from hsq.runstore import RunStore
     from hsq.store import connect
@@ -241,7 +255,7 @@ def moe(
     st = RunStore(connect(redis_url), run)
     samples = [json.loads(line) for line in data.read_text().splitlines()]
     ref = Reference(Path(model), "cuda" if torch.cuda.is_available() else "cpu")
-    dense_aux = sum(1 for i in layers if i <= dense)
+    dense_aux = sum(1 for i in layers if dense is not None and i <= dense)
     checked, worst, strict_failed = [], 1.0, 0
     for s in samples:
         entry = st.get_manifest(s["id"])
@@ -251,10 +265,11 @@ def moe(
         o = open_output(out / run / entry.path)
         stored = eq.stored_tensors(o)
         want = eq.expected_tensors(ref.states(s["input_ids"]), layers,
-                                   prenorm=eq.PRENORM_NAME in stored, fp8=False,
+                                   prenorm=eq.PRENORM_NAME in stored, fp8=fp8,
                                    last_key=LAST, prenorm_key=PRENORM)  # fmt: skip
-        c = eq.compare_moe(stored, want, aux_layers=len(layers), dense_aux=dense_aux)
-        strict = eq.compare(stored, want)  # every row: reported, never judged (no replay)
+        strict = eq.compare(stored, want, fp8=fp8)  # MoE: reported, never judged (no replay)
+        c = strict if dense is None else eq.compare_moe(
+            stored, want, aux_layers=len(layers), dense_aux=dense_aux, fp8=fp8)  # fmt: skip
         strict_failed += not strict.ok
         worst = min(worst, c.min_cosine)
         ids_ok = o.input_ids.tolist() == s["input_ids"]
@@ -263,15 +278,16 @@ def moe(
                         "min_cosine": round(c.min_cosine, 6)})  # fmt: skip
     results: dict[str, Any] = {
         "done": st.count(st.keys.done), "dead": st.count(st.keys.dead),
-        "rule": f"aux ids <= {dense} ({dense_aux} of {len(layers)}) row by row; the rest under "
-        "the MoE allowance (hsq.closeness.moe)",
+        "rule": "every row" if dense is None else f"aux ids <= {dense} ({dense_aux} of "
+        f"{len(layers)}) row by row; the rest under the MoE allowance (hsq.closeness.moe)",
+        "fp8": fp8, "max_abs_over_norm_bound": 0.1 if fp8 else 0.01,
         "samples_ok": sum(c["ok"] for c in checked), "samples": len(samples),
         "worst_min_cosine": round(worst, 6),
         "samples_failing_every_row_rule": strict_failed,
         "failed": [c for c in checked if not c["ok"]][:10],
     }  # fmt: skip
     results["ok"] = results["dead"] == 0 and results["samples_ok"] == len(samples)
-    emit(f"moe-{run}", results)
+    emit(f"{'moe' if dense is not None else 'equal'}-{run}", results)
     return 0 if results["ok"] else 1
 
 
@@ -281,10 +297,13 @@ def ratios() -> int:
         return json.loads(p.read_text()) if p.exists() else None
 
     best_, conn, worker = read("capacity-best"), read("capacity-connector"), read("rate-worker")
+    fp8 = read("capacity-connector-fp8")
     out: dict[str, Any] = {"target": 0.97}
     if best_ and conn:
         out["inflight"] = best_["inflight"]
         out["connector_over_plain"] = round(conn["tokens_per_s"] / best_["tokens_per_s"], 3)
+    if best_ and fp8:
+        out["connector_fp8_over_plain"] = round(fp8["tokens_per_s"] / best_["tokens_per_s"], 3)
     if conn and worker and worker.get("tok_s"):
         out["hsq_over_connector"] = round(worker["tok_s"] / conn["tokens_per_s"], 3)
     emit("ratios", out)
@@ -331,52 +350,46 @@ def capacity(url: str, n: int, k: int, rid: bool, label: str, sweep: Path | None
     return 0
 
 
+def _ids(text: str) -> list[int]:
+    return [int(i) for i in text.split(",")]
+
+
+COMMANDS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "tiny": (("dir",), lambda a: tiny(Path(a.dir)) or 0),
+    "config8b": (("dir",), lambda a: config8b(Path(a.dir)) or 0),
+    "one": (("url", "dump_dir", "model", "layers"),
+            lambda a: one(a.url, Path(a.dump_dir), a.model, _ids(a.layers))),
+    "outputs": (("redis_url", "run", "out", "model", "data", "layers", "n"),
+                lambda a: outputs(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                                  _ids(a.layers), int(a.n))),
+    "capacity": (("url", "n", "k", "label"),
+                 lambda a: capacity(a.url, int(a.n), int(a.k), a.rid, a.label, a.sweep)),
+    "rate": (("log", "label"), lambda a: rate(Path(a.log), a.label)),
+    "best": ((), lambda a: best(a.labels)),
+    "ratios": ((), lambda _a: ratios()),
+    "moe": (("redis_url", "run", "out", "model", "data", "layers", "dense"),
+            lambda a: moe(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                          _ids(a.layers), int(a.dense))),
+    "fp8": (("redis_url", "run", "out", "model", "data", "layers"),
+            lambda a: held(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                           _ids(a.layers), dense=None, fp8=True)),
+}  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("tiny").add_argument("dir", type=Path)
-    o = sub.add_parser("one")
-    for a in ("url", "dump_dir", "model", "layers"):
-        o.add_argument(a)
-    w = sub.add_parser("outputs")
-    for a in ("redis_url", "run", "out", "model", "data", "layers", "n"):
-        w.add_argument(a)
-    c = sub.add_parser("capacity")
-    for a in ("url", "n", "k", "label"):
-        c.add_argument(a)
-    c.add_argument("--rid", action="store_true")
-    c.add_argument("--sweep", type=Path)
-    sub.add_parser("config8b").add_argument("dir", type=Path)
-    r = sub.add_parser("rate")
-    r.add_argument("log", type=Path)
-    r.add_argument("label")
-    sub.add_parser("best").add_argument("labels", nargs="+")
-    sub.add_parser("ratios")
-    m = sub.add_parser("moe")
-    for a in ("redis_url", "run", "out", "model", "data", "layers", "dense"):
-        m.add_argument(a)
+    for name, (args, _run) in COMMANDS.items():
+        sp = sub.add_parser(name)
+        for arg in args:
+            sp.add_argument(arg)
+        if name == "capacity":
+            sp.add_argument("--rid", action="store_true")
+            sp.add_argument("--sweep", type=Path)
+        if name == "best":
+            sp.add_argument("labels", nargs="+")
     a = p.parse_args()
-    if a.cmd == "tiny":
-        tiny(a.dir)
-        return 0
-    if a.cmd == "config8b":
-        config8b(a.dir)
-        return 0
-    if a.cmd == "rate":
-        return rate(a.log, a.label)
-    if a.cmd == "best":
-        return best(a.labels)
-    if a.cmd == "ratios":
-        return ratios()
-    if a.cmd == "moe":
-        layers = [int(i) for i in a.layers.split(",")]
-        return moe(a.redis_url, a.run, Path(a.out), a.model, Path(a.data), layers, int(a.dense))
-    if a.cmd == "one":
-        return one(a.url, Path(a.dump_dir), a.model, [int(i) for i in a.layers.split(",")])
-    if a.cmd == "outputs":
-        layers = [int(i) for i in a.layers.split(",")]
-        return outputs(a.redis_url, a.run, Path(a.out), a.model, Path(a.data), layers, int(a.n))
-    return capacity(a.url, int(a.n), int(a.k), a.rid, a.label, a.sweep)
+    return int(COMMANDS[a.cmd][1](a))
 
 
 if __name__ == "__main__":
