@@ -9,6 +9,11 @@
 #   --cutlass FILE       unpack nvidia-cutlass-dsl (cutlass-cu13.tar.xz) into the site dir
 #                        (DeepSeek/Kimi need it); a second device call, made within 30 s of
 #                        the one that installed the bundle, finds that install in /tmp
+#   --part DIR           one part of a bundle too big for one device call (scripts/sglang_parts.sh
+#                        splits it): copied into STASH; once STASH holds every file the parts'
+#                        PARTS list names, it is the bundle that is installed. Repeatable
+#   --stash-only         with --part: keep the part in STASH and stop (exit 0); the call with
+#                        the other part must come within 30 s (the warm machine keeps /tmp)
 #   --results DIR        results JSON and logs (default: $OUT if set, else ./live-results)
 #   --job NAME=ARGS      a pytest job (ARGS: pytest arguments); several run at once, each with
 #                        its own work dir, Redis, JIT caches and results file. Default: one
@@ -20,7 +25,7 @@
 #                        --exec python3 -m bench.sglang_capacity --json $OUT/cap.json)
 #   --dry-run            check the options and print the plan; install and run nothing
 # Environment: WHEELHOUSE (.wheelhouse), SITE (/tmp/hsq-site), CACHE (/tmp/hsq-live-cache),
-# WORK (/tmp/hsq-live). The base image's torch 2.11 cu130, triton, transformers, safetensors,
+# WORK (/tmp/hsq-live), STASH (/tmp/hsq-wheelhouse). The base image's torch 2.11 cu130, triton, transformers, safetensors,
 # httpx and nvcc are used as they are; nothing is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +33,14 @@ WHEELHOUSE=${WHEELHOUSE:-.wheelhouse}
 SITE=${SITE:-/tmp/hsq-site}
 CACHE=${CACHE:-/tmp/hsq-live-cache}
 WORK=${WORK:-/tmp/hsq-live}
+STASH=${STASH:-/tmp/hsq-wheelhouse}
 PY=${PY:-python3}
 [ -x /opt/torch/.venv/bin/python3 ] && PY=${PY_OVERRIDE:-/opt/torch/.venv/bin/python3}
 say() { printf '[sglang_live.sh] %s\n' "$*"; }
 die() { say "$*" >&2; exit 2; }
 
 version="" tp=1 cutlass="" test_timeout=0 results="${OUT:-$PWD/live-results}" dry=0
-jobs=() exec_cmd=()
+jobs=() exec_cmd=() parts=() stash_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --sglang-version) [ $# -ge 2 ] || die "--sglang-version needs a value"; version=$2; shift 2 ;;
@@ -42,6 +48,8 @@ while [ $# -gt 0 ]; do
     --cutlass) [ $# -ge 2 ] || die "--cutlass needs a file"; cutlass=$2; shift 2 ;;
     --test-timeout) [ $# -ge 2 ] || die "--test-timeout needs seconds"; test_timeout=$2; shift 2 ;;
     --results) [ $# -ge 2 ] || die "--results needs a folder"; results=$2; shift 2 ;;
+    --part) [ $# -ge 2 ] || die "--part needs a folder"; parts+=("$2"); shift 2 ;;
+    --stash-only) stash_only=1; shift ;;
     --job) [ $# -ge 2 ] || die "--job needs NAME=ARGS"; jobs+=("$2"); shift 2 ;;
     --exec) shift; exec_cmd=("$@"); [ ${#exec_cmd[@]} -gt 0 ] || die "--exec needs a command"; break ;;
     --dry-run) dry=1; shift ;;
@@ -61,6 +69,43 @@ for j in "${jobs[@]}"; do
   for n in "${names[@]}"; do [ "$n" != "$name" ] || die "--job $name given twice"; done
   names+=("$name")
 done
+[ "$stash_only" = 0 ] || [ ${#parts[@]} -gt 0 ] || die "--stash-only needs --part"
+# A bundle in parts: each part's files go to STASH; the bundle is STASH once it is whole.
+missing_in() {  # missing_in DIR...: how many files of PARTS none of the DIRs holds (size too)
+  local n=0 rel size d found
+  while read -r rel size; do
+    found=0
+    for d in "$@"; do
+      if [ "$(stat -c %s "$d/$rel" 2>/dev/null)" = "$size" ]; then found=1; break; fi
+    done
+    [ "$found" = 1 ] || n=$((n + 1))
+  done <"$1/PARTS"
+  echo "$n"
+}
+if [ ${#parts[@]} -gt 0 ]; then
+  for d in "${parts[@]}"; do
+    [ -f "$d/PARTS" ] && [ -f "$d/VERSION" ] || die "--part $d: no PARTS or VERSION (scripts/sglang_parts.sh)"
+  done
+  if [ "$dry" = 1 ]; then
+    say "plan: parts ${parts[*]} into $STASH ($(missing_in "${parts[@]}") of $(wc -l <"${parts[0]}/PARTS") bundle files not in them)"
+    WHEELHOUSE=${parts[0]}
+  else
+    mkdir -p "$STASH"
+    for d in "${parts[@]}"; do
+      [ "$(cat "$STASH/VERSION" 2>/dev/null || cat "$d/VERSION")" = "$(cat "$d/VERSION")" ] ||
+        { say "$STASH held SGLang $(cat "$STASH/VERSION"): emptied for $(cat "$d/VERSION")"; rm -rf "${STASH:?}"/*; }
+      cp -a "$d"/. "$STASH"/
+    done
+    left=$(missing_in "$STASH")
+    if [ "$stash_only" = 1 ]; then
+      say "stashed ${parts[*]} in $STASH ($left bundle files still to come); next call within 30 s"
+      exit 0
+    fi
+    [ "$left" = 0 ] || die "$STASH lacks $left files of the bundle: the call with the other --part --stash-only did not run on this machine within 30 s (it was given back); make it again, then this one at once"
+    WHEELHOUSE=$STASH
+    say "bundle whole in $STASH ($(du -sh "$STASH" | cut -f1))"
+  fi
+fi
 bundle_version=$(cat "$WHEELHOUSE/VERSION" 2>/dev/null || true)
 if [ -n "$version" ] && [ -n "$bundle_version" ] && [ "$version" != "$bundle_version" ]; then
   die "--sglang-version $version, but $WHEELHOUSE holds $bundle_version (SGLANG_VERSION=$version scripts/sglang_wheelhouse.sh)"
@@ -147,8 +192,8 @@ caches "$CACHE"
 say "python $("$PY" -c 'import sys, torch, sglang; print(sys.version.split()[0], "torch", torch.__version__, "sglang", sglang.__version__)'), CUDA_HOME=${CUDA_HOME:-unset}"
 if [ ${#exec_cmd[@]} -gt 0 ]; then exec "${exec_cmd[@]}"; fi
 
-"$PY" -m tests.gpu.models_fixture "$WORK/models" >"$results/models.log" 2>&1 ||
-  { tail -30 "$results/models.log"; die "writing the test models failed"; }
+"$PY" -m tests.gpu.models_fixture "$WORK/models" >"$WORK/models.log" 2>&1 ||
+  { tail -30 "$WORK/models.log"; die "writing the test models failed"; }
 pids=()
 for j in "${jobs[@]}"; do
   name=${j%%=*}
@@ -163,18 +208,35 @@ for j in "${jobs[@]}"; do
     [ -z "$version" ] || export HSQ_LIVE_SGLANG_VERSION=$version
     HSQ_LIVE_WORK="$WORK/$name" HSQ_LIVE_MODELS="$WORK/models" HSQ_LIVE_TP=$tp \
       HSQ_LIVE_RESULTS="$results/live-$name.json" \
-      "$PY" -m pytest -p no:cacheprovider -m gpu -o addopts= -rA --timeout "$test_timeout" "${args[@]}" \
-      >"$results/pytest-$name.log" 2>&1
+      "$PY" -m pytest -p no:cacheprovider -m gpu -o addopts= -rA -v --timeout "$test_timeout" "${args[@]}" \
+      >"$WORK/pytest-$name.log" 2>&1
   ) &
   pids+=("$!")
   say "job $name started (pid $!): pytest ${args[*]}"
 done
+# Progress while the jobs run (a device call shows its output at the end, or its last
+# lines when it ends hard): each job's latest [live] line, every TICK seconds.
+(
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep "${TICK:-60}" & nap=$!
+    wait "$nap"
+    for n in "${names[@]}"; do
+      line=$(grep -a '\[live\]\|PASSED\|FAILED\|ERROR' "$WORK/pytest-$n.log" 2>/dev/null | tail -1 | cut -c1-200)
+      say "$n (${SECONDS} s): ${line:-running}"
+    done
+  done
+) &
+ticker=$!
 rc=0
 for i in "${!pids[@]}"; do
   if wait "${pids[$i]}"; then say "job ${names[$i]}: passed"; else rc=1; say "job ${names[$i]}: FAILED"; fi
-  tail -5 "$results/pytest-${names[$i]}.log" | sed "s/^/[${names[$i]}] /"
+  tail -5 "$WORK/pytest-${names[$i]}.log" | sed "s/^/[${names[$i]}] /"
 done
-# Every server and worker log of the jobs, in one file (outputs and dumps left out).
-(cd "$WORK" && find "${names[@]}" -name '*.log' -size -20M -print0 2>/dev/null |
+kill "$ticker" 2>/dev/null || true
+# A device call brings back 8 files: the results JSONs, one file of every job's pytest
+# tail, and one archive of every pytest, server and worker log (outputs and dumps left out).
+for n in "${names[@]}"; do echo "=== $n"; tail -60 "$WORK/pytest-$n.log" 2>/dev/null; done >"$results/pytest-tails.txt"
+(cd "$WORK" && find "${names[@]}" pytest-*.log models.log -name '*.log' -size -20M -print0 2>/dev/null |
   tar --null -T - -czf "$results/logs.tgz") || true
 exit $rc

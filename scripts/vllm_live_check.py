@@ -8,7 +8,22 @@ one URL DUMP_DIR MODEL LAYERS  one short and one long (chunked) prompt through t
 outputs REDIS RUN OUT MODEL DATA LAYERS N
                                N of a run's stored samples against the same forward
 capacity URL N K [--rid]       N completions, K in flight: tokens/s (with --rid each
-                               request carries an hsq rid, so the connector dumps it)
+                               request carries an hsq rid, so the connector dumps it;
+                               --sweep DIR removes finished dumps from DIR as they come,
+                               as a worker would, so tmpfs never fills)
+config8b DIR                   Llama-3-8B's config alone (served with --load-format dummy)
+rate LOG                       a worker's steady tokens/s from its JSON log (first to last
+                               sample_done), as bench/sglang_capacity.py measures it
+best LABEL...                  of capacity-LABEL.json files, the one with the most tokens/s
+ratios                         connector / plain vLLM at its best K, hsq's worker / connector
+moe REDIS RUN OUT MODEL DATA LAYERS DENSE
+                               every stored sample of an MoE run against the float32
+                               forward under the MoE rule (tests/gpu/equality.compare_moe:
+                               aux ids <= DENSE row by row, the rest under the allowance)
+fp8 REDIS RUN OUT MODEL DATA LAYERS
+                               every stored sample of an fp8-e4m3 run against the float32
+                               forward quantized the same way, under the fp8 rule (every
+                               row: cosine >= 0.999, max |d| <= 10 % of the row norm)
 """
 
 from __future__ import annotations
@@ -171,7 +186,131 @@ def outputs(
     return 0 if results["ok"] else 1
 
 
-def capacity(url: str, n: int, k: int, rid: bool, label: str) -> int:
+def config8b(out: Path) -> None:
+    from tests.gpu.models import LLAMA8B_SHAPE, llama_config
+
+    cfg = llama_config(num_hidden_layers=32, **LLAMA8B_SHAPE)
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(out)
+
+
+def sweeper(dump_dir: Path) -> Any:
+    """A thread removing finished dumps (req_<N>/ holding `done`); stop with .set()."""
+    import shutil
+    import threading
+
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.is_set():
+            for d in dump_dir.glob("req_*"):
+                if (d / "done").exists():
+                    shutil.rmtree(d, ignore_errors=True)
+            stop.wait(0.01)
+
+    threading.Thread(target=sweep, name="dump-sweep", daemon=True).start()
+    return stop
+
+
+def rate(log: Path, label: str) -> int:
+    from bench.sglang_capacity import steady_rate
+
+    r = steady_rate(log)
+    emit(f"rate-{label}", {"log": log.name, **r})
+    return 0 if r else 1
+
+
+def best(labels: list[str]) -> int:
+    """Prints the K of the fastest capacity-LABEL run (for the shell)."""
+    rows = [json.loads((OUT / f"capacity-{x}.json").read_text()) for x in labels]
+    top = max(rows, key=lambda r: float(r["tokens_per_s"]))
+    of = {x: r["tokens_per_s"] for x, r in zip(labels, rows, strict=True)}
+    emit(
+        "capacity-best",
+        {"inflight": top["inflight"], "tokens_per_s": top["tokens_per_s"], "of": of},
+    )
+    print(top["inflight"])
+    return 0
+
+
+def moe(
+    redis_url: str, run: str, out: Path, model: str, data: Path, layers: list[int], dense: int
+) -> int:
+    return held(redis_url, run, out, model, data, layers, dense=dense, fp8=False)
+
+
+def held(
+    redis_url: str, run: str, out: Path, model: str, data: Path, layers: list[int],
+    *, dense: int | None, fp8: bool,
+) -> int:  # fmt: skip
+    """Every stored sample of `run` against the float32 forward: under the MoE rule when
+    `dense` is given (the aux ids <= dense row by row), else every row; fp8 outputs against
+    the forward quantized as they were."""
+    from hsq.outputs.format import open_output
+    from hsq.runstore import RunStore
+    from hsq.store import connect
+    from tests.gpu import equality as eq
+    from tests.gpu.reference import LAST, PRENORM, Reference
+
+    st = RunStore(connect(redis_url), run)
+    samples = [json.loads(line) for line in data.read_text().splitlines()]
+    ref = Reference(Path(model), "cuda" if torch.cuda.is_available() else "cpu")
+    dense_aux = sum(1 for i in layers if dense is not None and i <= dense)
+    checked, worst, strict_failed = [], 1.0, 0
+    for s in samples:
+        entry = st.get_manifest(s["id"])
+        if entry is None:
+            checked.append({"id": s["id"], "ok": False, "why": "not done"})
+            continue
+        o = open_output(out / run / entry.path)
+        stored = eq.stored_tensors(o)
+        want = eq.expected_tensors(ref.states(s["input_ids"]), layers,
+                                   prenorm=eq.PRENORM_NAME in stored, fp8=fp8,
+                                   last_key=LAST, prenorm_key=PRENORM)  # fmt: skip
+        strict = eq.compare(stored, want, fp8=fp8)  # MoE: reported, never judged (no replay)
+        c = strict if dense is None else eq.compare_moe(
+            stored, want, aux_layers=len(layers), dense_aux=dense_aux, fp8=fp8)  # fmt: skip
+        strict_failed += not strict.ok
+        worst = min(worst, c.min_cosine)
+        ids_ok = o.input_ids.tolist() == s["input_ids"]
+        checked.append({"id": s["id"], "tokens": len(s["input_ids"]), "ok": c.ok and ids_ok,
+                        "bad_rows": c.bad_rows, "rows": c.rows,
+                        "min_cosine": round(c.min_cosine, 6)})  # fmt: skip
+    results: dict[str, Any] = {
+        "done": st.count(st.keys.done), "dead": st.count(st.keys.dead),
+        "rule": "every row" if dense is None else f"aux ids <= {dense} ({dense_aux} of "
+        f"{len(layers)}) row by row; the rest under the MoE allowance (hsq.closeness.moe)",
+        "fp8": fp8, "max_abs_over_norm_bound": 0.1 if fp8 else 0.01,
+        "samples_ok": sum(c["ok"] for c in checked), "samples": len(samples),
+        "worst_min_cosine": round(worst, 6),
+        "samples_failing_every_row_rule": strict_failed,
+        "failed": [c for c in checked if not c["ok"]][:10],
+    }  # fmt: skip
+    results["ok"] = results["dead"] == 0 and results["samples_ok"] == len(samples)
+    emit(f"{'moe' if dense is not None else 'equal'}-{run}", results)
+    return 0 if results["ok"] else 1
+
+
+def ratios() -> int:
+    def read(name: str) -> dict[str, Any] | None:
+        p = OUT / f"{name}.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    best_, conn, worker = read("capacity-best"), read("capacity-connector"), read("rate-worker")
+    fp8 = read("capacity-connector-fp8")
+    out: dict[str, Any] = {"target": 0.97}
+    if best_ and conn:
+        out["inflight"] = best_["inflight"]
+        out["connector_over_plain"] = round(conn["tokens_per_s"] / best_["tokens_per_s"], 3)
+    if best_ and fp8:
+        out["connector_fp8_over_plain"] = round(fp8["tokens_per_s"] / best_["tokens_per_s"], 3)
+    if conn and worker and worker.get("tok_s"):
+        out["hsq_over_connector"] = round(worker["tok_s"] / conn["tokens_per_s"], 3)
+    emit("ratios", out)
+    return 0
+
+
+def capacity(url: str, n: int, k: int, rid: bool, label: str, sweep: Path | None = None) -> int:
     import httpx
 
     lengths = [64 + (i * 613) % 1900 for i in range(n)]
@@ -186,11 +325,16 @@ def capacity(url: str, n: int, k: int, rid: bool, label: str) -> int:
         r.raise_for_status()
         return int(r.json()["usage"]["prompt_tokens"])
 
-    send(0)  # warm-up
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(k) as pool:
-        tokens = sum(pool.map(send, range(n)))
-    dt = time.monotonic() - t0
+    stop = sweeper(sweep) if sweep is not None else None
+    try:
+        send(0)  # warm-up
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(k) as pool:
+            tokens = sum(pool.map(send, range(n)))
+        dt = time.monotonic() - t0
+    finally:
+        if stop is not None:
+            stop.set()
     emit(
         f"capacity-{label}",
         {
@@ -206,30 +350,46 @@ def capacity(url: str, n: int, k: int, rid: bool, label: str) -> int:
     return 0
 
 
+def _ids(text: str) -> list[int]:
+    return [int(i) for i in text.split(",")]
+
+
+COMMANDS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "tiny": (("dir",), lambda a: tiny(Path(a.dir)) or 0),
+    "config8b": (("dir",), lambda a: config8b(Path(a.dir)) or 0),
+    "one": (("url", "dump_dir", "model", "layers"),
+            lambda a: one(a.url, Path(a.dump_dir), a.model, _ids(a.layers))),
+    "outputs": (("redis_url", "run", "out", "model", "data", "layers", "n"),
+                lambda a: outputs(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                                  _ids(a.layers), int(a.n))),
+    "capacity": (("url", "n", "k", "label"),
+                 lambda a: capacity(a.url, int(a.n), int(a.k), a.rid, a.label, a.sweep)),
+    "rate": (("log", "label"), lambda a: rate(Path(a.log), a.label)),
+    "best": ((), lambda a: best(a.labels)),
+    "ratios": ((), lambda _a: ratios()),
+    "moe": (("redis_url", "run", "out", "model", "data", "layers", "dense"),
+            lambda a: moe(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                          _ids(a.layers), int(a.dense))),
+    "fp8": (("redis_url", "run", "out", "model", "data", "layers"),
+            lambda a: held(a.redis_url, a.run, Path(a.out), a.model, Path(a.data),
+                           _ids(a.layers), dense=None, fp8=True)),
+}  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("tiny").add_argument("dir", type=Path)
-    o = sub.add_parser("one")
-    for a in ("url", "dump_dir", "model", "layers"):
-        o.add_argument(a)
-    w = sub.add_parser("outputs")
-    for a in ("redis_url", "run", "out", "model", "data", "layers", "n"):
-        w.add_argument(a)
-    c = sub.add_parser("capacity")
-    for a in ("url", "n", "k", "label"):
-        c.add_argument(a)
-    c.add_argument("--rid", action="store_true")
+    for name, (args, _run) in COMMANDS.items():
+        sp = sub.add_parser(name)
+        for arg in args:
+            sp.add_argument(arg)
+        if name == "capacity":
+            sp.add_argument("--rid", action="store_true")
+            sp.add_argument("--sweep", type=Path)
+        if name == "best":
+            sp.add_argument("labels", nargs="+")
     a = p.parse_args()
-    if a.cmd == "tiny":
-        tiny(a.dir)
-        return 0
-    if a.cmd == "one":
-        return one(a.url, Path(a.dump_dir), a.model, [int(i) for i in a.layers.split(",")])
-    if a.cmd == "outputs":
-        layers = [int(i) for i in a.layers.split(",")]
-        return outputs(a.redis_url, a.run, Path(a.out), a.model, Path(a.data), layers, int(a.n))
-    return capacity(a.url, int(a.n), int(a.k), a.rid, a.label)
+    return int(COMMANDS[a.cmd][1](a))
 
 
 if __name__ == "__main__":

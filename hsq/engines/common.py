@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -21,7 +22,15 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 import hsq
-from hsq.dump.format import DumpMeta, ModelIdentity, dtype_name, expected_shapes, fingerprint
+from hsq.dump.format import (
+    DUMP_PREFIX,
+    TMP_SUFFIX,
+    DumpMeta,
+    ModelIdentity,
+    dtype_name,
+    expected_shapes,
+    fingerprint,
+)
 from hsq.dump.ready import READY_FILE, ReadyMarker, write_ready
 from hsq.dump.write import first_free_index, write_dump
 from hsq.states import PLAIN
@@ -172,6 +181,12 @@ class DumpFiles:
             except OSError as exc:
                 self.errors += 1
                 self._log.error("%s: writing %s failed: %s", self._tag, rid, exc)
+                # Its req_<N>.tmp is this writer's (an index held by another raised
+                # FileExistsError above): a torn write left on a full tmpfs would hold the
+                # space every later dump needs until the server restarts.
+                shutil.rmtree(
+                    self.dump_dir / f"{DUMP_PREFIX}{index}{TMP_SUFFIX}", ignore_errors=True
+                )
                 return None
         self.errors += 1
         self._log.error("%s: no free req_<N> index for %s", self._tag, rid)

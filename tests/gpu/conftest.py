@@ -17,8 +17,10 @@ from tests.gpu.settings import LiveSettings
 HERE = Path(__file__).parent
 
 
-def _missing() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
+def _missing(engine: str = "sglang") -> str | None:
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (scripts/vllm_live.sh runs the same checks from its bundle)"
+    if engine == "sglang" and importlib.util.find_spec("sglang") is None:
         return "SGLang is not installed (run through scripts/sglang_live.sh on a GPU machine)"
     try:
         import torch
@@ -34,11 +36,15 @@ def pytest_collection_modifyitems(
     items: list[pytest.Item],
 ) -> None:
     mine = [i for i in items if Path(str(i.fspath)).is_relative_to(HERE)]
+    reasons: dict[str, str | None] = {}
     for item in mine:
         item.add_marker(pytest.mark.gpu)
-    reason = _missing() if mine else None
-    if reason:
-        for item in mine:
+        # test_vllm_*.py need vLLM; every other test here serves with SGLang.
+        engine = "vllm" if Path(str(item.fspath)).name.startswith("test_vllm") else "sglang"
+        if engine not in reasons:
+            reasons[engine] = _missing(engine)
+        reason = reasons[engine]
+        if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 

@@ -26,14 +26,14 @@ def llama_config(**shape: Any) -> Any:
     """A LlamaConfig with the settings every test Llama shares, `shape` on top."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],  # a config saved alone has none; SGLang needs it
-        **shape,
-    )
+    common: dict[str, Any] = {
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],  # a config saved alone has none; SGLang needs it
+    }
+    return LlamaConfig(**{**common, **shape})
 
 
 def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str) -> Path:
@@ -59,6 +59,43 @@ def write_llama(path: Path, *, layers: int, hidden: int, seed: int, device: str)
         model = LlamaForCausalLM(cfg).bfloat16()
     model.save_pretrained(path, safe_serialization=True)
     _say(f"wrote {path.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params")
+    return path
+
+
+# Llama-3-8B's widths (bench/sglang_capacity.py serves the same with --load-format dummy).
+LLAMA8B_SHAPE = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def write_llama8b_width(path: Path, *, layers: int, seed: int, device: str, context: int) -> Path:
+    """Llama-3-8B's widths with `layers` decoder layers (8B has 32), random bf16 weights
+    written for real, so a reference forward loads the very weights SGLang serves (the
+    values of SGLang's dummy loader cannot be rebuilt outside it). A dump's and an output's
+    bytes per token depend on the hidden size and the captured layers, not on the depth."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(num_hidden_layers=layers, max_position_embeddings=context, **LLAMA8B_SHAPE)
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no float32 copy on the GPU
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    model.save_pretrained(path, safe_serialization=True)
+    _say(f"wrote {path.name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params")
     return path
 
 

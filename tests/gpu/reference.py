@@ -19,7 +19,7 @@ tests/test_live_reference.py checks that without a replay it equals transformers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,11 @@ class Reference:
     """States by HF hidden_states index (i: the stream entering decoder layer i, for
     i < L), plus LAST (the final norm's output) and PRENORM (its input), float32 on CPU."""
 
-    def __init__(self, model_dir: Path, device: str) -> None:
+    def __init__(
+        self, model_dir: Path, device: str, keep: Collection[int | str] | None = None
+    ) -> None:
+        # keep: only these states are kept (a long sample's other layers would take GPU
+        # memory the forward needs: 1 GiB each at 64K tokens of hidden 4096).
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -42,6 +46,7 @@ class Reference:
         self.model = model.to(torch.device(device)).eval()  # type: ignore[arg-type]
         self.device = device
         self.captured: dict[int | str, Any] = {}
+        self.keep = None if keep is None else set(keep)
         self.routing: Any = None
         """None, or the server's expert ids [T, layers, k] for the next forward."""
         self.moe_layers: list[int] = []
@@ -53,14 +58,16 @@ class Reference:
             if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
                 self.moe_layers.append(i)
                 mlp.forward = self._moe_forward(mlp, i)
-        inner.norm.register_forward_hook(lambda _m, _a, out: self.captured.__setitem__(LAST, out))
-        inner.norm.register_forward_pre_hook(
-            lambda _m, args: self.captured.__setitem__(PRENORM, args[0])
-        )
+        inner.norm.register_forward_hook(lambda _m, _a, out: self._keep(LAST, out))
+        inner.norm.register_forward_pre_hook(lambda _m, args: self._keep(PRENORM, args[0]))
+
+    def _keep(self, key: int | str, state: Any) -> None:
+        if self.keep is None or key in self.keep:
+            self.captured[key] = state
 
     def _pre(self, i: int) -> Callable[..., None]:
         def hook(_m: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.captured[i] = args[0] if args else kwargs["hidden_states"]
+            self._keep(i, args[0] if args else kwargs["hidden_states"])
 
         return hook
 

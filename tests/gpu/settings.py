@@ -38,6 +38,13 @@ class LiveSettings:
     chunk: int = 1024
     kill: bool = True
     start_timeout: float = 600.0
+    long: tuple[int, ...] = (16384, 32768, 65536)
+    """Sample lengths of the long-context test (tests/gpu/test_sglang_long.py)."""
+    long_layers: int = 8
+    """Decoder layers of its 8B-width model (Llama-3-8B has 32; the bytes per token are the
+    same with fewer)."""
+    long_reference_max: int = 65536
+    """Longest sample held to the float32 reference forward (longer: stated, not compared)."""
     routing: str = "proxy"
     """MoE equality: "proxy" replays the server's expert choices (recorded by
     tests/gpu/proxy.py); "free": the dense prefix row by row, the rest under hsq's MoE
@@ -72,6 +79,9 @@ class LiveSettings:
             kill=_flag(e, "KILL", True),
             start_timeout=float(_int(e, "START_TIMEOUT", 600, low=30, high=3600)),
             routing=_choice(e, "ROUTING", "proxy", ("proxy", "free")),
+            long=_ints(e, "LONG", (16384, 32768, 65536), low=1024, high=262144),
+            long_layers=_int(e, "LONG_LAYERS", 8, low=4, high=80),
+            long_reference_max=_int(e, "LONG_REFERENCE_MAX", 65536, low=0, high=262144),
         )
         return s
 
@@ -91,6 +101,9 @@ _KNOWN = {
     "KILL",
     "START_TIMEOUT",
     "ROUTING",
+    "LONG",
+    "LONG_LAYERS",
+    "LONG_REFERENCE_MAX",
 }
 
 
@@ -110,6 +123,21 @@ def _int(env: Mapping[str, str], name: str, default: int, *, low: int, high: int
     if not low <= value <= high:
         raise LiveSettingsError(f"{PREFIX}{name}={value}: expected {low}..{high}")
     return value
+
+
+def _ints(
+    env: Mapping[str, str], name: str, default: tuple[int, ...], *, low: int, high: int
+) -> tuple[int, ...]:
+    raw = env.get(PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        values = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        raise LiveSettingsError(f"{PREFIX}{name}={raw!r}: expected integers, a,b,c") from None
+    if not all(low <= v <= high for v in values):
+        raise LiveSettingsError(f"{PREFIX}{name}={raw!r}: expected each within {low}..{high}")
+    return values
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:

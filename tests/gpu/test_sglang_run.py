@@ -41,9 +41,12 @@ def test_hsq_run_with_sglang_on_one_gpu(
     (wd / "run.stderr").write_text(r.stderr)
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     summary = json.loads(lines[-1]) if lines else {}
+    view = [x for x in r.stdout.splitlines() if x.startswith("progress")]
     results.record(
-        "hsq_run", exit=r.returncode, seconds=seconds, summary=summary,
-        view=[x for x in r.stdout.splitlines() if x.startswith("progress")][-5:],
+        "hsq_run", exit=r.returncode, seconds=seconds, summary=summary, view=view[-5:],
+        # What a user reads while SGLang loads and compiles (the lines to quote): every
+        # line up to the first sample done, at most 12 of them.
+        view_start=[x for x in view if " done=0/" in x][:12],
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert summary["status"]["done"] == SAMPLES and summary["status"]["dead"] == 0
