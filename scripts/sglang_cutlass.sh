@@ -44,8 +44,10 @@ for w in "$OUT"/dl-cutlass/nvidia_cutlass_dsl-"$CUTLASS"-*.whl \
   [ -f "$w" ] || { say "missing wheel $w"; exit 2; }
   "$PY" -m zipfile -e "$w" "$tree"
 done
-[ -d "$tree/nvidia_cutlass_dsl/python_packages/cutlass" ] || {
-  say "no nvidia_cutlass_dsl/python_packages/cutlass in the wheels: layout changed"
+# 4.5.x keeps the package in python_packages/, 4.6.x in dsl_packages/ (its .pth names it).
+[ -d "$tree/nvidia_cutlass_dsl/python_packages/cutlass" ] ||
+  [ -d "$tree/nvidia_cutlass_dsl/dsl_packages/cutlass" ] || {
+  say "no nvidia_cutlass_dsl/{python,dsl}_packages/cutlass in the wheels: layout changed"
   exit 2
 }
 echo "$CUTLASS" >"$tree/.cutlass-version"

@@ -172,7 +172,9 @@ if [ -x "$SITE/.redis/redis-server" ]; then
 fi
 # The cutlass package's .pth is not read from a PYTHONPATH folder: name its folder.
 CUTLASS_PATH=""
-[ -d "$SITE/nvidia_cutlass_dsl/python_packages" ] && CUTLASS_PATH=":$SITE/nvidia_cutlass_dsl/python_packages"
+for d in python_packages dsl_packages; do  # 4.5.x, 4.6.x
+  if [ -d "$SITE/nvidia_cutlass_dsl/$d" ]; then CUTLASS_PATH=":$SITE/nvidia_cutlass_dsl/$d"; fi
+done
 export PYTHONPATH="$PWD:$SITE$CUTLASS_PATH${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 # Multi-GPU hosts here must never use NVLink multicast (it can take shared GPUs down).
