@@ -57,8 +57,8 @@ TRAIN, HELDOUT = 200, 8
 EVERY = 4
 """Steps between checkpoints (each followed by a commit)."""
 BUDGET_K = 640
-"""About seven samples' worth (the tiny model's bf16 outputs of these chats are 50-130 KB,
-~80 KB on average), a twenty-fourth of the run's outputs. It must hold a checkpoint
+"""About eight samples' worth (the tiny model's bf16 outputs of these chats are 78 KB on
+average, 112 KB at most), a twenty-fourth of the run's outputs. It must hold a checkpoint
 interval of samples: the trainer commits nothing before its next checkpoint, and no
 sample is extracted while the spool is full (with EVERY = 8 this budget deadlocked, as
 docs/training.md's sizing rule says it must)."""
