@@ -42,7 +42,8 @@ then puts SpecForge's own reference implementation of the same loss in its place
 torch.distributed, so the script makes a process group of this one process (DDP is left
 to the user: a `rank` per process, docs/training.md).
 
-One JSON object per line on stdout: `start`, `resumed`, `step`, `checkpoint`, `eval`, `done`.
+One JSON object per line on stdout: `start`, `resumed`, `step`, `checkpoint`, `eval`,
+`waiting` (no item for `--say-waiting-s` seconds, with what may be the cause), `done`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,12 @@ DRAFT_CONFIG = "draft_config.json"
 TARGET_HELP = "the local HF checkpoint the run extracts from (config, embedding, LM head)"
 
 
+_SAY = threading.Lock()
+
+
 def say(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    with _SAY:  # the `waiting` thread too: whole lines
+        print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--attention-backend", default="sdpa", help="sdpa, flex_attention, fa")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--say-waiting-s", type=float, default=60.0, help="0: never say")
     return p.parse_args(argv)
 
 
@@ -231,6 +238,40 @@ def to_batch(item: dict[str, Any], max_length: int) -> Any:
 
 
 # ---------------------------------------------------------------------------- the loop
+WAIT_HINT = (
+    "extraction is slower than training; or, if `hsq status` says the spool is full, the "
+    "spool budget holds fewer samples than --every: nothing is committed before the next "
+    "checkpoint, so raise the budget (hsq enqueue --spool-budget) or restart with a "
+    "smaller --every (the uncommitted samples are delivered again)"
+)
+
+
+class Waiting:
+    """Says why the loop waits: while it waits for the stream's next item, a `waiting` line
+    every `every_s` seconds (a thread; the loop itself is blocked in the loader)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.since: float | None = time.monotonic()
+        self.uncommitted = 0
+        if every_s > 0:
+            threading.Thread(target=self._loop, daemon=True).start()
+
+    def asking(self, uncommitted: int) -> None:
+        self.uncommitted, self.since = uncommitted, time.monotonic()
+
+    def got(self) -> None:
+        self.since = None
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            since = self.since
+            if since is not None and time.monotonic() - since >= self.every_s:
+                waited = round(time.monotonic() - since)
+                say("waiting", for_s=waited, uncommitted=self.uncommitted, why=WAIT_HINT)
+
+
 def save(args: argparse.Namespace, parts: Parts, step: int, trained: list[str],
          data: dict[str, Any], finished: bool) -> None:  # fmt: skip
     state = {
@@ -274,7 +315,9 @@ def main(argv: list[str] | None = None) -> None:
             say("eval", step=0, **parts.evaluate(heldout))
     started = time.monotonic()
     since = 0
+    waiting = Waiting(args.say_waiting_s)
     for item in StreamingDataLoader(ds, batch_size=None, num_workers=args.workers):
+        waiting.got()
         metrics = parts.train_step(to_batch(item, args.max_length))
         step, since = step + 1, since + 1
         trained.append(str(item["id"]))
@@ -287,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
             say("checkpoint", step=step, trained=len(trained), **ds.wait_stats())
         if heldout and args.eval_every and step % args.eval_every == 0:
             say("eval", step=step, **parts.evaluate(heldout))
+        waiting.asking(uncommitted=since)
+    waiting.got()
     state = ds.state_dict()
     save(args, parts, step, trained, state, finished=True)
     ds.commit(state)

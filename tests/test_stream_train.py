@@ -19,6 +19,9 @@ and a few steps past it, and started again with the same command. Checked:
 - the spool never above its budget plus one file (watched on disk all through), every file
   removed once committed, `hsq run` exits 0 once everything is committed.
 
+And a budget below the checkpoint interval (a deadlock by construction): said on both
+sides, and a restart with a smaller interval gets out.
+
 The example trainer runs on a CPU with SpecForge's reference loss in place of its CUDA-only
 Triton kernel (the example does this itself when there is no CUDA). Waits for events,
 never for time.
@@ -200,3 +203,55 @@ def test_a_specforge_eagle3_drafter_learns_from_the_stream_killed_once_and_resum
         f"spool peak {watch.peak_disk} B (budget {BUDGET_K * 1024} B, largest file "
         f"{watch.largest} B), outputs {sum(watch.sizes.values())} B in all"
     )
+
+
+def test_a_budget_below_the_checkpoint_interval_is_said_and_a_smaller_interval_gets_out(
+    tmp_path: Path,
+) -> None:
+    """The trainer commits nothing before its next checkpoint, and nothing is extracted while
+    the spool is full: a budget below `--every` samples stops both sides for good. The
+    example says that it waits and what may be why (`waiting`, with its uncommitted count),
+    `hsq run` shows the spool full; killed and started again with a smaller `--every`, the
+    uncommitted samples come again, every sample is trained once and the run ends."""
+    python = specforge_python()
+    py = sys.executable
+    subprocess.run([py, "-m", "tests.support.toytok", str(tmp_path / "tok")], check=True)
+    subprocess.run([py, "-m", "tests.support.tinymodel", str(tmp_path / "model")], check=True)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in chats(24)))
+    out = tmp_path / "out"
+    node = Node(tmp_path, "run", str(train), "--out", str(out), "--tokenizer",
+                str(tmp_path / "tok"), "--model", str(tmp_path / "model"), "--layers", LAYERS,
+                "--spool-budget", "256K", "--json")  # fmt: skip
+    url_file = out / ".hsq" / "redis-url"
+    wait_until(url_file.exists, 120, interval=0.1)
+    ckpt = tmp_path / "ckpt"
+    trainer = Trainer(tmp_path, python, [
+        "--run", "train", "--redis-url-file", str(url_file), "--target-model",
+        str(tmp_path / "model"), "--ckpt", str(ckpt), "--every", "8", "--lr", "1e-3",
+        "--ttt-length", "3", "--say-waiting-s", "1",
+    ])  # fmt: skip
+
+    def stuck() -> bool:
+        waits = of(events(trainer.lives[0]), "waiting")
+        return bool(waits) and waits[-1]["uncommitted"] > 0 and waits[-1]["for_s"] >= 3
+
+    wait_until(stuck, 300, interval=0.1)
+    wait_until(lambda: "spool full (waiting for the consumers to commit)" in node.output(), 60)
+    first = events(trainer.lives[0])
+    assert not of(first, "checkpoint") and not ckpt.joinpath("checkpoint.pt").exists()
+    (said,) = of(first, "waiting")[-1:]
+    assert "smaller --every" in said["why"] and said["uncommitted"] == len(of(first, "step"))
+
+    trainer.argv[trainer.argv.index("--every") + 1] = "2"
+    trainer.kill_9_and_restart()
+    trainer.wait()
+    second = events(trainer.lives[1])
+    assert not of(second, "resumed")  # no checkpoint was written: it starts afresh
+    assert [e["id"] for e in of(second, "step")][: len(of(first, "step"))] == [
+        e["id"] for e in of(first, "step")
+    ]  # the uncommitted samples, again and in order
+    final = torch.load(ckpt / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert Counter(final["trained"]) == Counter(str(r["id"]) for r in chats(24))
+    assert node.wait(300) == 0, node.output()
+    assert not list((out / "train").rglob("*.safetensors"))
