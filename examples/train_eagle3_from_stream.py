@@ -1,8 +1,8 @@
 """Train an EAGLE-3 drafter while hsq extracts: SpecForge's model and loss over hsq's stream.
 
     # the trainer's venv: SpecForge with its own pins, plus hsq's base install (the stream
-    # reader; its dependencies pin neither torch nor transformers)
-    pip install specforge==0.2.0 hidden-state-queue
+    # reader; its dependencies pin neither torch nor transformers): `make dist`'s wheel
+    pip install specforge==0.2.0 dist/hidden_state_queue-*.whl
     hsq run chats.jsonl --tokenizer /models/m --model /models/m --out /shared/hs \\
         --spool-budget 200G &
     python examples/train_eagle3_from_stream.py --run chats \\
