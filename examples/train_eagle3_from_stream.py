@@ -43,7 +43,13 @@ torch.distributed, so the script makes a process group of this one process (DDP 
 to the user: a `rank` per process, docs/training.md).
 
 One JSON object per line on stdout: `start`, `resumed`, `step`, `checkpoint`, `eval`,
-`waiting` (no item for `--say-waiting-s` seconds, with what may be the cause), `done`.
+`waiting` (no item for `--say-waiting-s` seconds, with what may be the cause),
+`draft_config`, `done`.
+
+Serving the drafter: `CKPT/checkpoint.pt` has SpecForge's checkpoint keys and, at the end,
+`CKPT/draft_config.json` names the run's layers, so SpecForge's own exporter writes the
+SGLang drafter: `specforge export --to sglang --checkpoint CKPT/checkpoint.pt
+--draft-config CKPT/draft_config.json --output-dir DRAFTER`.
 """
 
 from __future__ import annotations
@@ -142,14 +148,17 @@ def write_atomically(path: Path, write: Any) -> None:
         os.close(dfd)
 
 
-def draft_config_file(args: argparse.Namespace) -> Path:
-    """The EAGLE-3 draft config SpecForge derives from the target (hsq export writes the same
-    draft_config.json), kept in the checkpoint directory so a restart builds the same model."""
+def draft_config_file(args: argparse.Namespace, layers: list[int] | None = None) -> Path:
+    """The EAGLE-3 draft config SpecForge derives from the target (the same function writes
+    `hsq export --target-model`'s draft_config.json), kept in the checkpoint directory so a
+    restart builds the same model. With the run's `layers` (pinned by its first dump, so
+    known only once samples came) it is written again with `eagle_config`'s layer ids in
+    SGLang's numbering: the served drafter then captures the layers it was trained on."""
     from hsq.ops.export.target import draft_config, load_config
 
     path: Path = args.ckpt / DRAFT_CONFIG
-    if not path.exists():
-        obj, _ = draft_config(load_config(args.target_model), [], args.draft_vocab_size)
+    if not path.exists() or layers:
+        obj, _ = draft_config(load_config(args.target_model), layers or [], args.draft_vocab_size)
         data = (json.dumps(obj, indent=2) + "\n").encode()
         write_atomically(path, lambda f: f.write(data))
     return path
@@ -274,15 +283,27 @@ class Waiting:
 
 def save(args: argparse.Namespace, parts: Parts, step: int, trained: list[str],
          data: dict[str, Any], finished: bool) -> None:  # fmt: skip
+    """SpecForge's checkpoint keys (`strategy`, `draft_state_dict`: the draft weights but the
+    frozen embedding, which comes from the target), so `specforge export --to sglang
+    --checkpoint CKPT/checkpoint.pt` reads it, plus the loop's own."""
     state = {
+        "strategy": "eagle3",
+        "draft_state_dict": parts.strategy.checkpoint_state_filter(parts.model.state_dict()),
+        "optimizer": parts.optimizer.state_dict(),
         "step": step,
         "trained": trained,
         "data": data,
         "finished": finished,
-        "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
     }
     write_atomically(args.ckpt / CHECKPOINT, lambda f: torch.save(state, f))
+
+
+def restore(parts: Parts, ckpt: dict[str, Any]) -> None:
+    draft = parts.model.draft_model
+    missing, unexpected = draft.load_state_dict(ckpt["draft_state_dict"], strict=False)
+    if unexpected or any("embed" not in k for k in missing):
+        raise SystemExit(f"error: the checkpoint does not fit the model: {missing, unexpected}")
+    parts.optimizer.load_state_dict(ckpt["optimizer"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,8 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     path = args.ckpt / CHECKPOINT
     if path.exists():
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        parts.model.load_state_dict(ckpt["model"])
-        parts.optimizer.load_state_dict(ckpt["optimizer"])
+        restore(parts, ckpt)
         ds.load_state_dict(ckpt["data"])  # commits what it covers; the rest comes again
         step, trained = int(ckpt["step"]), list(ckpt["trained"])
         say("resumed", step=step, trained=len(trained), finished=bool(ckpt["finished"]))
@@ -335,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     state = ds.state_dict()
     save(args, parts, step, trained, state, finished=True)
     ds.commit(state)
+    layers = ds.store.require_config().layer_ids
+    say("draft_config", path=str(draft_config_file(args, layers)), layers=layers)
     if heldout:
         say("eval", step=step, final=True, **parts.evaluate(heldout))
     say("done", step=step, trained=len(trained), wall_s=round(time.monotonic() - started, 1),

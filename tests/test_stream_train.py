@@ -16,6 +16,8 @@ and a few steps past it, and started again with the same command. Checked:
   delivered again to the new life first, the same ids in the same order;
 - held-out accuracy rises and held-out loss falls (SpecForge's `eval/avg_acc` and
   `eval/ploss_0` on the fixed held-out set: before the first step, and at the end);
+- `specforge export --to sglang` reads the final checkpoint, and the served drafter's
+  config names the run's layers (HF [1, 3, 6], SGLang's [0, 2, 5]);
 - the spool never above its budget plus one file (watched on disk all through), every file
   removed once committed, `hsq run` exits 0 once everything is committed.
 
@@ -169,6 +171,19 @@ def test_a_specforge_eagle3_drafter_learns_from_the_stream_killed_once_and_resum
     again = [e["id"] for e in of(second, "step")]
     assert again[: len(lost)] == lost
     assert final["trained"] == [e["id"] for e in of(first, "step")][:saved] + again
+
+    # SpecForge's own exporter reads the checkpoint; the served drafter names the run's layers.
+    (written,) = of(second, "draft_config")
+    assert written["layers"] == [1, 3, 6]
+    drafter = tmp_path / "drafter"
+    subprocess.run(
+        [str(python.parent / "specforge"), "export", "--to", "sglang", "--checkpoint",
+         str(ckpt / "checkpoint.pt"), "--draft-config", str(ckpt / "draft_config.json"),
+         "--output-dir", str(drafter)],
+        check=True, capture_output=True, env=trainer_env(),
+    )  # fmt: skip
+    served = json.loads((drafter / "config.json").read_text())
+    assert served["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]  # SGLang's
 
     # The drafter learned: SpecForge's held-out metrics, before the first step and at the end.
     evals = [*of(first, "eval"), *of(second, "eval")]
