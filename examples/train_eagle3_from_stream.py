@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         use_reference_loss()
     one_process_group()
     args.ckpt.mkdir(parents=True, exist_ok=True)
+    for left in args.ckpt.glob(f".{CHECKPOINT}.*.tmp"):
+        left.unlink()  # a killed life's half-written checkpoint (one trainer per directory)
     where = {"redis_url_file": args.redis_url_file} if args.redis_url_file else {}
     ds = StreamingHiddenStateDataset(args.run, redis_url=args.redis_url, **where,
                                      group=args.group, max_length=args.max_length)  # fmt: skip
