@@ -29,9 +29,10 @@ test:
 test-fresh:
 	HSQ_TEST_SPAWNER=fresh $(PY) -m pytest -m realproc -n 2 --dist loadfile $(PYTEST_ARGS)
 
-# The two end-to-end checks that take minutes each, kept out of `make test` so the suite
-# stays under ten minutes: the built wheel in a fresh venv, and SpecForge's own trainer
-# learning from an hsq export. CI runs both (.ci/run).
+# The end-to-end checks that take minutes each, kept out of `make test` so the suite stays
+# under ten minutes: the built wheel in a fresh venv, SpecForge's own trainer learning from
+# an hsq export, and SpecForge's EAGLE-3 learning from hsq's stream
+# (examples/train_eagle3_from_stream.py, killed once and resumed). CI runs them (.ci/run).
 test-slow:
 	$(PY) -m pytest -m "package or trainer" $(PYTEST_ARGS)
 

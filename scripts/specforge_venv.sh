@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A venv for SpecForge 0.2.0's trainer beside hsq's (docs/training.md, "Where each trainer
-# lives"): SpecForge's own pin of transformers (5.8.1), not hsq's 5.24.0. It reads hsq's
-# export from disk and needs nothing of hsq.
+# lives"): SpecForge's own pin of transformers (5.8.1), not hsq's 5.24.0. The offline path
+# reads hsq's export from disk and needs nothing of hsq; the streamed one
+# (examples/train_eagle3_from_stream.py) reads hsq's stream, so the venv also gets hsq's
+# base install, whose dependencies (redis, rq, msgspec, numpy, ...) pin neither torch nor
+# transformers (editable: this checkout's hsq).
 #   scripts/specforge_venv.sh DIR
 # On a GPU training host take every pin SpecForge declares instead:
 #   python3.11 -m venv DIR && DIR/bin/pip install specforge==0.2.0   (torch 2.11 CUDA, sglang)
@@ -38,5 +41,7 @@ say "installing transformers==5.8.1 (SpecForge's pin) and its trainer's imports"
 "${pip[@]}" install -q -c "$pin" transformers==5.8.1 accelerate==1.15.0 datasets==5.1.0 \
   pydantic psutil pyyaml safetensors huggingface-hub numpy requests tqdm typing-extensions
 "${pip[@]}" install -q --no-deps specforge==0.2.0 triton==3.9.0
-"$DIR/bin/python" -c 'import specforge.cli, transformers, torch
+say "installing hidden-state-queue (base install, editable) for the stream reader"
+"${pip[@]}" install -q -c "$pin" -e .
+"$DIR/bin/python" -c 'import specforge.cli, transformers, torch, hsq.data.stream
 print(f"specforge venv: transformers {transformers.__version__}, torch {torch.__version__}")'

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
@@ -102,3 +103,33 @@ def done_events(logs: list[Path], offsets: dict[Path, int] | None = None) -> lis
             if isinstance(rec, dict) and rec.get("event") == "sample_done":
                 ids.append(str(rec["sample"]))
     return ids
+
+
+class Watch:
+    """The spool's peak on disk (the run's output files), all through a streamed run."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.peak_disk = 0
+        self.largest = 0
+        self.sizes: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            total = 0
+            for p in self.run_dir.rglob("*.safetensors") if self.run_dir.exists() else []:
+                try:
+                    size = p.stat().st_size
+                except FileNotFoundError:
+                    continue  # removed after its commit while we looked
+                total += size
+                self.sizes[p.name] = size
+                self.largest = max(self.largest, size)
+            self.peak_disk = max(self.peak_disk, total)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()

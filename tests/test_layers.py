@@ -13,7 +13,9 @@ folders are the layers, and an import goes down the table, never up or sideways.
     5 cli       hsq/cli/ and hsq/__main__.py: the click layer only
 
 tests/support/ (the zygote, the null and fake-vLLM servers, toy tokenizer, tiny model) may
-import anything; nothing in hsq imports it, nor tests/ or bench/. A top-level `workers`,
+import anything; nothing in hsq imports it, nor tests/, bench/ or examples/. hsq never
+imports a trainer (SpecForge, speculators): they live in venvs of their own; examples/
+(a trainer over hsq's stream) imports hsq and a trainer. A top-level `workers`,
 `producer` or `sglang_server` import is always wrong: those names are not installed, only
 `hsq` is. The repository's top-level workers/, producer/ and sglang_server/ are deployment
 units (README, env example, recipes) and hold no Python.
@@ -76,7 +78,7 @@ def layer(module: str) -> tuple[int, str] | None:
             return found
     if top == "hsq":
         return (99, "unplaced")  # a module no folder holds: the check names it
-    if top in ("tests", "bench", "deploy"):
+    if top in ("tests", "bench", "deploy", "examples"):
         return (100, top)
     return None
 
@@ -282,6 +284,31 @@ def test_the_file_format_check_follows_imports_through_other_modules(tmp_path: P
     (tmp_path / "hsq/quant.py").write_text("")
     reached = file_formats_reached(tmp_path, "hsq.store")
     assert reached == {"hsq.quant": ["hsq.store.queue", "hsq.runconfig", "hsq.quant"]}
+
+
+TRAINERS = ("specforge", "speculators")
+
+
+def trainer_imports(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "hsq").rglob("*.py")):
+        module = module_name(path, root)
+        tree = ast.parse(path.read_text(), str(path))
+        for line, target in imported(tree, module, path.name == "__init__.py"):
+            if target.split(".")[0] in TRAINERS:
+                found.append(f"{path.relative_to(root)}:{line}: {target}")
+    return found
+
+
+def test_hsq_imports_no_trainer(tmp_path: Path) -> None:
+    """SpecForge and speculators pin what hsq's venv cannot hold (docs/training.md, "Where
+    each trainer lives"): hsq writes their formats and never imports their code."""
+    assert trainer_imports(ROOT) == []
+    (tmp_path / "hsq" / "ops").mkdir(parents=True)
+    (tmp_path / "hsq" / "ops" / "x.py").write_text("def f() -> None:\n    import specforge\n")
+    assert len(trainer_imports(tmp_path)) == 1
+    (tmp_path / "hsq" / "ops" / "x.py").write_text("from examples import train\n")
+    assert len(violations(tmp_path)) == 1
 
 
 def test_no_file_in_the_repository_is_a_link() -> None:

@@ -16,19 +16,15 @@ goes through tests.support.specforge_cpu, which monkeypatches it with SpecForge'
 reference loss (`specforge.core.loss._compute_loss`). Everything else is SpecForge's.
 
 SpecForge runs in a venv of its own, with its own pin of transformers (5.8.1; hsq's is
-5.24.0), as docs/training.md says a trainer lives beside hsq: scripts/specforge_venv.sh
-makes it in .cache/specforge-venv (minutes, once; made again when the script changes). Only
-the export on disk passes between the two; the trainer's venv sees hsq's source for the
-launcher alone (tests.support.specforge_cpu imports nothing but SpecForge).
+5.24.0), as docs/training.md says a trainer lives beside hsq (tests.support.specforge_venv).
+Only the export on disk passes between the two: the trainer here imports nothing of hsq
+(tests.support.specforge_cpu imports nothing but SpecForge).
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
-import os
-import random
 import re
 import subprocess
 import sys
@@ -41,38 +37,11 @@ import pytest
 from hsq.engines.sglang.layers import effective_layer_ids
 from hsq.node.procs import RedisServer
 from tests.helpers import hsq, start_worker
+from tests.support.learnchats import chats
 from tests.support.procs import ReferenceServer
+from tests.support.specforge_venv import specforge_python, trainer_env
 
 pytestmark = [pytest.mark.trainer, pytest.mark.timeout(1800)]
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "specforge_venv.sh"
-VENV = ROOT / ".cache" / "specforge-venv"
-
-
-def specforge_python() -> Path:
-    """The trainer venv's interpreter, made (or made again) by scripts/specforge_venv.sh."""
-    stamp = VENV / "made-by.sha256"
-    commands = [ln for ln in SCRIPT.read_text().splitlines() if not ln.startswith("#")]
-    want = hashlib.sha256("\n".join(commands).encode()).hexdigest()  # comments do not count
-    python = VENV / "bin" / "python"
-    if not (python.exists() and stamp.exists() and stamp.read_text() == want):
-        proc = subprocess.run([str(SCRIPT), str(VENV)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            why = f"scripts/specforge_venv.sh failed:\n{proc.stdout}\n{proc.stderr}"
-            if os.environ.get("CI"):  # CI must run the trainer, not skip it
-                pytest.fail(why)
-            pytest.skip(why)
-        stamp.write_text(want)
-    return python
-
-
-def trainer_env() -> dict[str, str]:
-    """The trainer venv's environment: hsq's source for the launcher, nothing of .venv."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
 
 Factory = Callable[..., ReferenceServer]
 
@@ -80,30 +49,6 @@ LAYERS = [1, 3, 6]
 """Non-default HF layers (the tiny model's default is [2, 4, 5]): SGLang numbering [0, 2, 5]."""
 TRAIN, HELDOUT = 64, 8
 STEPS, EVAL_EVERY = 200, 10
-
-WORDS = [
-    *("apple", "river", "stone", "cloud", "green", "quick", "seven", "over"),
-    *("under", "light", "music", "table", "window", "garden", "paper"),
-]
-
-
-def chats(n: int) -> list[dict[str, Any]]:
-    r = random.Random(0)
-    rows = []
-    for i in range(n):
-        a, b = r.randint(1, 50), r.randint(1, 50)
-        q = " ".join(r.choice(WORDS) for _ in range(r.randint(3, 12)))
-        ans = " ".join(r.choice(WORDS) for _ in range(r.randint(8, 30)))
-        rows.append(
-            {
-                "id": f"c{i}",
-                "conversations": [
-                    {"from": "human", "value": f"Q{i}: what is {a} + {b}? {q}"},
-                    {"from": "gpt", "value": f"{a} + {b} = {a + b}. {ans}"},
-                ],
-            }
-        )
-    return rows
 
 
 def specforge_config(base: Path) -> dict[str, Any]:

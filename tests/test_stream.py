@@ -18,7 +18,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import pytest
 from hsq.producer.synthetic import write_synthetic
 from hsq.store.connection import text
 from tests.helpers import wait_until
-from tests.run_helpers import Node, no_node_left, nodes_output, run_store
+from tests.run_helpers import Node, Watch, no_node_left, nodes_output, run_store
 from tests.support.trainers import start_trainer
 
 pytestmark = [
@@ -81,37 +80,6 @@ class Trainer:
         return list(ckpt["trained"])
 
 
-class Watch:
-    """The spool's peak, on disk (the run's output files) and in Redis, all through."""
-
-    def __init__(self, out: Path) -> None:
-        self.run_dir = out / "data"
-        self.out = out
-        self.peak_disk = 0
-        self.largest = 0
-        self.sizes: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.02):
-            total = 0
-            for p in self.run_dir.rglob("*.safetensors") if self.run_dir.exists() else []:
-                try:
-                    size = p.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed after its commit while we looked
-                total += size
-                self.sizes[p.name] = size
-                self.largest = max(self.largest, size)
-            self.peak_disk = max(self.peak_disk, total)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join()
-
-
 @pytest.fixture
 def dataset(tmp_path: Path) -> Path:
     ds = tmp_path / "data.jsonl"
@@ -123,7 +91,7 @@ def start_run(tmp: Path, ds: Path, *extra: str) -> tuple[Node, Path, Watch]:
     out = tmp / "out"
     node = Node(tmp, "run", str(ds), "--out", str(out), "--servers", "1", "--chunk-size", "4",
                 "--spool-budget", f"{BUDGET // 1024}K", "--json", *extra)  # fmt: skip
-    return node, out, Watch(out)
+    return node, out, Watch(out / "data")
 
 
 def all_ids(ds: Path) -> set[str]:
@@ -244,7 +212,7 @@ def test_kills_of_the_run_and_the_trainer_at_random_points_leak_no_reservation(
             "4", "--spool-budget", f"{BUDGET // 1024}K", "--json"]  # fmt: skip
     out = tmp_path / "out"
     node = Node(tmp_path, "first", *args)
-    watch = Watch(out)
+    watch = Watch(out / "data")
     st = run_store(out, "data")
     wait_until(lambda: st.spool.published() >= 1, 180, interval=0.02)
     trainer = Trainer(tmp_path, out, "t", "--every", "2")

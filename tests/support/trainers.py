@@ -9,7 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -19,11 +19,17 @@ from hsq.node.spawn import on_parent_death
 STARTED: list[subprocess.Popen[bytes]] = []
 
 
-def start_trainer(argv: Sequence[str], log_path: Path) -> subprocess.Popen[bytes]:
+def start_trainer(
+    argv: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            list(argv), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=on_parent_death(signal.SIGKILL),
+            list(argv), stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=cwd,
+            env=None if env is None else dict(env), start_new_session=True,
+            preexec_fn=on_parent_death(signal.SIGKILL),
         )  # fmt: skip
     STARTED.append(proc)
     return proc
