@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from hsq.outputs.format import (
 from hsq.outputs.manifest import ManifestEntry
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 from hsq.stfile.arrays import BITS_ONLY, open_tensors
-from hsq.stfile.header import FormatError, Header
+from hsq.stfile.header import FormatError, Header, map_file
 from hsq.stfile.header import read_header as read_fd_header
 from hsq.stfile.integrity import CHECKSUM, Digest, all_finite, checksum_algo
 
@@ -67,17 +68,21 @@ def read_checked(
             digest = Digest(checksum_algo(entry.checksum))
         except FormatError as exc:
             raise OutputError(f"{path}: {exc}") from exc
-        offset = 0
-        while chunk := os.pread(fd, 16 * 2**20, offset):
-            digest.update(chunk)
-            offset += len(chunk)
+        # One private mapping, checksummed in place and then the tensors' memory: the
+        # bytes are read once (no pread copy into fresh buffers, then faults on a second
+        # mapping), and the tensors hold exactly the bytes the checksum covered.
+        mm = map_file(fd) if size else None
+        if mm is not None:
+            mm.madvise(mmap.MADV_WILLNEED)  # read ahead: the checksum reads every page
+            with memoryview(mm) as view:
+                digest.update(view)
         if digest.text != entry.checksum:
             raise OutputError(f"{path}: checksum {digest.text}, the manifest records "
                               f"{entry.checksum}")  # fmt: skip
         fd2 = os.dup(fd)
     finally:
         os.close(fd)
-    out = open_output_fd(fd2, path, raw)
+    out = open_output_fd(fd2, path, raw, mm)
     if out.sample_id != sample_id:
         raise OutputError(f"{path} holds {out.sample_id!r}, not {sample_id!r}")
     if out.num_tokens != entry.num_tokens:
