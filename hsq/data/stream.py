@@ -85,9 +85,10 @@ log = structlog.get_logger("hsq.data.stream")
 STATE_VERSION = 1
 POSITION = "_hsq_stream_position"
 """The key StreamingDataLoader's workers put on each item (taken off before it is yielded)."""
-READ_BATCH = 2
-"""Entries one XREADGROUP takes: few, so that one consumer (a DataLoader worker, a rank)
-does not hold entries another one could be handing to the trainer."""
+READ_BATCH = 8
+"""Entries one XREADGROUP takes (and one HMGET checks against the done marks): a round
+trip per few items, not per item; few, so that one consumer (a DataLoader worker, a rank)
+does not hold many entries another one could be handing to the trainer."""
 MAX_BACKOFF_S = 5.0
 
 
@@ -281,8 +282,8 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         mine = [(c, self._positions.get(c, "0")) for c in self._adopted(wid, workers)]
         mine.append((consumer, self._positions.get(consumer, "0")))
         asked = time.monotonic()
-        for owner, d in self._deliveries(consumer, mine):
-            item = self._item(d)
+        for owner, d, now in self._deliveries(consumer, mine):
+            item = self._item(d, now)
             if item is None:
                 continue
             if self._marking:
@@ -307,9 +308,10 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
 
     def _deliveries(
         self, consumer: str, replay: list[tuple[str, str]]
-    ) -> Iterator[tuple[str, Delivery]]:
-        """(the consumer it is pending to, entry): first each replayed consumer's pending
-        entries after its position, in order, then new ones for `consumer`."""
+    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
+        """(the consumer it is pending to, entry, its sample's done entry as stored now):
+        first each replayed consumer's pending entries after its position, in order, then
+        new ones for `consumer`."""
         spool, group = self.store.spool, self.group
         for owner, after in replay:
             while True:
@@ -317,22 +319,34 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
                 got = _retrying("read", read)
                 if not got:
                     break
-                for d in got:
-                    yield owner, d
+                yield from self._with_marks(owner, got)
                 after = got[-1].entry_id
         block_ms = max(1, int(self.poll_s * 1000))
+        idle = False
         while True:
-            finished = _retrying("look at the run", self._finished)
-            wait = None if finished else block_ms
+            # Whether the run is finished is asked only once a read came back empty (it
+            # costs three round trips): a stream with entries waiting never asks.
+            finished = idle and _retrying("look at the run", self._finished)
+            wait = block_ms if idle and not finished else None
             got = _retrying(
                 "read", functools.partial(spool.read, group, consumer, READ_BATCH, wait, None)
             )
             if got:
-                for d in got:
-                    yield consumer, d
+                idle = False
+                yield from self._with_marks(consumer, got)
             elif finished:
                 log.info("stream_ended", run=self.run, group=group, consumer=consumer)
                 return
+            else:
+                idle = True
+
+    def _with_marks(
+        self, owner: str, got: list[Delivery]
+    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
+        ids = [d.sample_id for d in got]
+        nows = _retrying("read the done marks", lambda: self.store.spool.stored_done_many(ids))
+        for d, now in zip(got, nows, strict=True):
+            yield owner, d, now
 
     def _finished(self) -> bool:
         """Every sample done or dead, and no reject left dead by a killed consumer (such
@@ -344,10 +358,10 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         finish_rejects(self.store, self.run_dir)
         return False
 
-    def _item(self, d: Delivery) -> dict[str, Any] | None:
-        """The delivery's item, or None: stale (skipped) or rejected (requeued)."""
+    def _item(self, d: Delivery, now: bytes | None) -> dict[str, Any] | None:
+        """The delivery's item, or None: stale (skipped: `now`, the sample's done entry as
+        stored when it was read, is another) or rejected (requeued)."""
         spool = self.store.spool
-        now = _retrying("read the done mark", lambda: spool.stored_done(d.sample_id))
         if now != d.stored:
             _retrying("skip", lambda: spool.skip(self.group, d.entry_id))
             log.info("stream_stale_entry", sample=d.sample_id, entry=d.entry_id)

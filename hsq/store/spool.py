@@ -185,8 +185,15 @@ class Spool(Aggregate):
 
     def stored_done(self, sample_id: str) -> bytes | None:
         """The sample's done entry as stored now (None: not done)."""
-        raw = self.client.hget(self.keys.done, sample_id)
-        return None if raw is None else raw if isinstance(raw, bytes) else str(raw).encode()
+        return self.stored_done_many([sample_id])[0]
+
+    def stored_done_many(self, sample_ids: list[str]) -> list[bytes | None]:
+        """Each sample's done entry as stored now (None: not done): one HMGET for a read's
+        entries, not a round trip per item."""
+        if not sample_ids:
+            return []
+        raws: Any = self.client.hmget(self.keys.done, sample_ids)
+        return [None if r is None else r if isinstance(r, bytes) else str(r).encode() for r in raws]
 
     # ------------------------------------------------------------------ removal
     def removals(self, limit: int = 1000) -> list[str]:
