@@ -67,11 +67,17 @@ TARGET_KEEPS_UP = 0.97
 COMMIT_EVERY = 16
 PRESETS: dict[str, dict[str, Any]] = {
     # This 2-core machine (make bench): seconds of steady state at its rates.
-    "cpu": {"samples": 200, "run_samples": 300},
+    "cpu": {"samples": 200, "run_samples": 300, "run_pairs": 2},
     # A 16-core host: the worker as in BENCHMARKS.md's ceiling table (K 32, 8 persist
     # processes: ~460 short samples/s on the H200 machine), seconds of steady state,
     # outputs on tmpfs (~15 GB at a time), the whole run under 4 minutes.
-    "host": {"samples": 2000, "run_samples": 1200, "inflight": 32, "persist_procs": 8},
+    "host": {
+        "samples": 2000,
+        "run_samples": 1000,
+        "run_pairs": 2,
+        "inflight": 32,
+        "persist_procs": 8,
+    },
     "smoke": {"samples": 12, "run_samples": 12, "shape": "tiny"},
 }
 
@@ -294,17 +300,23 @@ class Trainer:
 
 
 def extraction_rate(logs: list[Path]) -> dict[str, Any]:
-    """samples/s and tokens/s between the first and the last `sample_done` of the logs."""
+    """samples/s and tokens/s between the first and the last `sample_done` of the logs, and
+    steady: from the tenth's done on (a streamed run's first sample goes alone: its size is
+    known once its dump pinned the model's shape, so it reserves the whole budget; the
+    pipeline fills after it, once per run)."""
     done = [e for log in logs for e in _events(log) if e.get("event") == "sample_done"]
     if len(done) < 2:
         raise RuntimeError(f"{len(done)} samples done in {[str(p) for p in logs]}")
     stamps = sorted(_ts(e["timestamp"]) for e in done)
     window = max(stamps[-1] - stamps[0], 1e-9)
     tokens = sum(int(e["tokens"]) for e in done)
+    k = len(done) // 10
+    steady = (len(done) - 1 - k) / max(stamps[-1] - stamps[k], 1e-9)
     return {
         "done": len(done),
         "window_s": round(window, 3),
         "samples_s": round((len(done) - 1) / window, 2),
+        "steady_samples_s": round(steady, 2),
         "tok_s": round(tokens * (len(done) - 1) / len(done) / window, 1),
         "bytes_per_sample": round(sum(int(e["bytes"]) for e in done) / len(done)),
     }
@@ -358,15 +370,29 @@ def hsq_run_case(work: Path, a: argparse.Namespace, budget: int | None) -> dict[
 
 
 def hsq_run(work: Path, a: argparse.Namespace) -> dict[str, Any]:
-    offline = hsq_run_case(work, a, None)
-    print(json.dumps({"hsq_run_offline": offline}), flush=True)
-    budget = 64 * int(offline["bytes_per_sample"])  # a checkpoint interval's worth, x4
-    streamed = hsq_run_case(work, a, budget)
-    print(json.dumps({"hsq_run_streamed": streamed}), flush=True)
+    """--run-pairs pairs, each offline then streamed (a machine's drift falls on both)."""
+    offline: list[dict[str, Any]] = []
+    streamed: list[dict[str, Any]] = []
+    for _ in range(a.run_pairs):
+        offline.append(hsq_run_case(work, a, None))
+        print(json.dumps({"hsq_run_offline": offline[-1]}), flush=True)
+        budget = 64 * int(offline[0]["bytes_per_sample"])  # a checkpoint interval's, x4
+        streamed.append(hsq_run_case(work, a, budget))
+        print(json.dumps({"hsq_run_streamed": streamed[-1]}), flush=True)
+
+    def ratio(key: str) -> float:
+        return round(sum(float(r[key]) for r in streamed) / sum(float(r[key]) for r in offline), 3)
+
     return {
         "offline": offline,
         "streamed": streamed,
-        "ratio": round(streamed["samples_s"] / offline["samples_s"], 3),
+        "ratio": ratio("samples_s"),
+        "steady_ratio": ratio("steady_samples_s"),
+        "pair_ratios": [
+            round(s["samples_s"] / o["samples_s"], 3)
+            for o, s in zip(offline, streamed, strict=True)
+        ],
+        "trainer_data_wait_share": [r.get("trainer_data_wait_share") for r in streamed],
     }
 
 
@@ -392,6 +418,7 @@ def main() -> None:
     ap.add_argument("--persist-procs", type=int, default=None, help="the workers' (default 0)")
     ap.add_argument("--loader-workers", type=int, default=4)
     ap.add_argument("--servers", type=int, default=1, help="`hsq run`'s reference servers")
+    ap.add_argument("--run-pairs", type=int, default=None, help="`hsq run` pairs (default 1)")
     ap.add_argument("--work-dir", default=None, help="default: /dev/shm when it has room")
     ap.add_argument("--smoke", action="store_true", help="= --preset smoke (make bench-smoke)")
     ap.add_argument("--json", "--json-out", dest="json", type=Path, default=None)
@@ -400,6 +427,7 @@ def main() -> None:
     a.samples = a.samples or preset["samples"]
     a.run_samples = a.run_samples or preset["run_samples"]
     a.shape = preset.get("shape", a.shape)
+    a.run_pairs = a.run_pairs or preset.get("run_pairs", 1)
     a.inflight = a.inflight or preset.get("inflight", 16)
     a.persist_procs = (
         a.persist_procs if a.persist_procs is not None else preset.get("persist_procs", 0)
@@ -471,7 +499,9 @@ def summarize(r: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
         f"cpu_ratio_loader_{lw}_workers": round(w_cpu / loader["cpu_ms_per_item"], 1),
         "worker_keeps_up_ratio": round(r["worker_keeps_up"]["samples_s"] / w, 3),
         "hsq_run_keeps_up_ratio": keeps["ratio"],
-        "hsq_run_trainer_data_wait_share": keeps["streamed"].get("trainer_data_wait_share"),
+        "hsq_run_keeps_up_steady_ratio": keeps["steady_ratio"],
+        "hsq_run_pair_ratios": keeps["pair_ratios"],
+        "hsq_run_trainer_data_wait_share": keeps["trainer_data_wait_share"],
         "target_keeps_up": TARGET_KEEPS_UP,
         "reserve_publish_redis_cmds_per_sample": round(
             d["streamed_worker_redis_cmds_per_sample"] - r["worker"]["redis_cmds_per_sample"], 2
