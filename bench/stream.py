@@ -252,6 +252,7 @@ class Trainer:
         self.ds = ds
         self.open_kw = open_kw
         self.items = 0
+        self.cpu_s = 0.0
         self.error: BaseException | None = None
         self._t = threading.Thread(target=self._main, daemon=True)
         self._t.start()
@@ -260,12 +261,14 @@ class Trainer:
         try:
             ds = self.ds if self.ds is not None else self._wait_for_run()
             self.ds = ds
+            c0 = time.thread_time()
             for item in ds:
                 touch_item(item)
                 self.items += 1
                 if self.items % COMMIT_EVERY == 0:
                     ds.commit(ds.state_dict())
             ds.commit(ds.state_dict())
+            self.cpu_s = time.thread_time() - c0
         except BaseException as exc:  # reported by join()
             self.error = exc
 
@@ -296,7 +299,11 @@ class Trainer:
 
     def stats(self) -> dict[str, Any]:
         wait = self.ds.wait_stats() if self.ds is not None else {}
-        return {"trained": self.items, "trainer_data_wait_share": wait.get("wait_share")}
+        return {
+            "trained": self.items,
+            "trainer_data_wait_share": wait.get("wait_share"),
+            "trainer_cpu_ms_per_item": round(self.cpu_s * 1e3 / max(self.items, 1), 3),
+        }
 
 
 def extraction_rate(logs: list[Path]) -> dict[str, Any]:
@@ -304,7 +311,9 @@ def extraction_rate(logs: list[Path]) -> dict[str, Any]:
     steady: from the tenth's done on (a streamed run's first sample goes alone: its size is
     known once its dump pinned the model's shape, so it reserves the whole budget; the
     pipeline fills after it, once per run)."""
-    done = [e for log in logs for e in _events(log) if e.get("event") == "sample_done"]
+    events = [e for log in logs for e in _events(log)]
+    done = [e for e in events if e.get("event") == "sample_done"]
+    cpu = sum(float(e.get("cpu_s") or 0) for e in events if e.get("event") == "worker_stopped")
     if len(done) < 2:
         raise RuntimeError(f"{len(done)} samples done in {[str(p) for p in logs]}")
     stamps = sorted(_ts(e["timestamp"]) for e in done)
@@ -319,6 +328,7 @@ def extraction_rate(logs: list[Path]) -> dict[str, Any]:
         "steady_samples_s": round(steady, 2),
         "tok_s": round(tokens * (len(done) - 1) / len(done) / window, 1),
         "bytes_per_sample": round(sum(int(e["bytes"]) for e in done) / len(done)),
+        "worker_own_cpu_ms_per_sample": round(cpu * 1e3 / len(done), 2),
     }
 
 
@@ -336,6 +346,10 @@ def hsq_run_case(work: Path, a: argparse.Namespace, budget: int | None) -> dict[
     )  # fmt: skip
     if budget:
         argv += ["--spool-budget", str(budget)]
+    # The tiny model runs on the CPU: half the cores for its torch threads, the rest for
+    # the worker, Redis and the trainer (an oversubscribed thread pool would make the
+    # trainer's CPU, not the stream, what the ratio shows).
+    argv += ["--", "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
     trainer = None
     if budget:
         trainer = Trainer(run=run, redis_url_file=out / ".hsq" / "redis-url", poll_s=0.05)
