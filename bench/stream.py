@@ -1,40 +1,57 @@
 """Train while extracting, its speed: is the stream ever the limit?
 
-Against one real `hsq worker` and the null-model server (bench/ceiling.py's setup: the
-worker at its own ceiling, no model cost) on a real redis-server:
+On a real redis-server, with the null-model server (bench/ceiling.py's setup: a worker at
+its own ceiling, no model cost, the 8B shape) and with `hsq run` itself:
 
-  worker      the worker's own rate, an offline run (bench.ceiling.run_case): the baseline
+  worker      one `hsq worker`'s own rate, an offline run (bench.ceiling.run_case): the
+              baseline, measured in the same invocation
   delivery    a streamed run extracted in full first (a full spool), then read through
-              StreamingHiddenStateDataset: one consumer in this process, and a
-              StreamingDataLoader with 4 worker processes (each a new group, so each reads
-              every sample): items/s and GB/s, and their ratio to the worker's samples/s
-              (target >= 10x)
-  keeps-up    a streamed run whose trainer (a thread here, num_workers=0, a commit every
-              16 items) reads as the worker extracts, its budget 64 samples: the worker's
-              samples/s over the offline one (target >= 0.97)
-  redis       commands per sample (INFO commandstats): the streamed worker's less the
-              offline worker's (reservation + publish), and a consumer's per item
-              (read, done-mark check, commit, removal)
+              StreamingHiddenStateDataset by one consumer in this process and by a
+              StreamingDataLoader with --loader-workers processes (each a group of its
+              own, so each reads every sample); the reader touches every page of every
+              tensor (as a copy to the GPU would): items/s (whole pass, and steady: after
+              the first item) and GB/s against the worker's samples/s (target >= 10x), and
+              the readers' CPU per item against the worker's CPU per sample (a ratio that
+              holds on a loaded machine, where wall-clock rates do not)
+  worker_keeps_up  the null-server worker streamed, a trainer thread here reading as it
+              extracts (budget 64 samples, a commit every 16): its samples/s over the
+              offline one
+  hsq_run     `hsq run DATASET --engine reference` (the real command as a process: its own
+              redis-server, the reference server with the tiny model on CPU, a worker),
+              once without a stream and once with --spool-budget and a trainer thread here
+              that keeps up (a commit every 16 items): the extraction rates (the workers'
+              sample_done window) and their ratio (target >= 0.97), the trainer's data-wait
+              share (near 1: it waits for extraction, it is not the limit)
+  redis       commands per sample (INFO commandstats, Lua's inner calls counted): the
+              streamed worker's less the offline worker's (reservation + publish), and a
+              reader's per item (read, done-mark check, commit, removal)
 
-    .venv/bin/python -m bench.stream            # make bench
-    .venv/bin/python -m bench.stream --smoke    # make bench-smoke: seconds, no figures asserted
+    .venv/bin/python -m bench.stream                 # make bench (this 2-core machine)
+    .venv/bin/python -m bench.stream --smoke         # make bench-smoke: seconds, no figures
+    python3 -m bench.stream --preset host --json stream.json   # a 16-core host (< 4 min)
 
-Prints one JSON line per measure and a summary with the targets.
+Prints one JSON line per measure and a summary with the targets; --json writes them all.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import secrets
+import shutil
 import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.ceiling import WORKLOADS, Case, run_case
+import torch
+
+from bench.ceiling import WORKLOADS, Case, _events, _ts, run_case
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
 from hsq.node.procs import RedisServer, hsq_command
 from hsq.producer.enqueue import enqueue_run
@@ -42,10 +59,27 @@ from hsq.producer.synthetic import write_synthetic
 from hsq.runconfig import RunConfig
 from hsq.runstore import RunStore
 from hsq.store import connect, redis_calls
+from tests.support.nullserver import SHAPES
 from tests.support.procs import NullServer
 
 TARGET_DELIVERY_X = 10.0
 TARGET_KEEPS_UP = 0.97
+COMMIT_EVERY = 16
+PRESETS: dict[str, dict[str, Any]] = {
+    # This 2-core machine (make bench): seconds of steady state at its rates.
+    "cpu": {"samples": 200, "run_samples": 300, "run_pairs": 2},
+    # A 16-core host: the worker as in BENCHMARKS.md's ceiling table (K 32, 8 persist
+    # processes: ~460 short samples/s on the H200 machine), seconds of steady state,
+    # outputs on tmpfs (~15 GB at a time), the whole run under 4 minutes.
+    "host": {
+        "samples": 2000,
+        "run_samples": 1000,
+        "run_pairs": 2,
+        "inflight": 32,
+        "persist_procs": 8,
+    },
+    "smoke": {"samples": 12, "run_samples": 12, "shape": "tiny"},
+}
 
 
 def streamed_run(
@@ -64,14 +98,16 @@ def streamed_run(
 
 
 def start_worker(
-    store: RunStore, server: NullServer, redis_url: str, log: Path, inflight: int
+    store: RunStore, server: NullServer, redis_url: str, log: Path, inflight: int, procs: int
 ) -> subprocess.Popen[bytes]:
     argv = hsq_command(
         "worker", "--run", store.run, "--server", server.url, "--dump-dir",
         str(server.dump_dir), "--redis", redis_url, "--burst", "--inflight", str(inflight),
+        "--persist-procs", str(procs),
     )  # fmt: skip
     with open(log, "wb") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def wait_published(store: RunStore, n: int, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -81,131 +117,425 @@ def wait_published(store: RunStore, n: int, proc: subprocess.Popen[bytes], log: 
         time.sleep(0.02)
 
 
-def read_all(ds: StreamingHiddenStateDataset, workers: int) -> tuple[int, int, float]:
-    """(items, bytes of their tensors, seconds) for one pass over the group."""
+def touch(t: torch.Tensor) -> int:
+    """Read one byte of every page of the tensor (a mapped file's pages are faulted in, as
+    a trainer's copy to the GPU would): delivered means in this process's memory, not
+    merely mapped. Its bytes."""
+    flat = t.reshape(-1).view(torch.uint8)
+    int(flat[::4096].sum())
+    return flat.numel()
+
+
+def touch_item(item: dict[str, Any]) -> int:
+    return sum(touch(v) for v in item.values() if isinstance(v, torch.Tensor) and v.numel())
+
+
+def sum_bytes(item: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in item.values() if isinstance(v, torch.Tensor))
+
+
+def _cpu(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class Reading:
+    items: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    first_s: float = 0.0
+    """Seconds to the first item (DataLoader worker processes starting, first reads)."""
+    steady_s: float = 0.0
+    """Seconds from the first item to the last."""
+    cpu_s: float = 0.0
+    """This process's CPU and its DataLoader workers' (reaped when the pass ends)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        steady = (self.items - 1) / self.steady_s if self.steady_s > 0 else None
+        return {
+            "items": self.items,
+            "seconds": round(self.seconds, 3),
+            "first_item_s": round(self.first_s, 3),
+            "items_s": round(self.items / self.seconds, 1),
+            "steady_items_s": None if steady is None else round(steady, 1),
+            "gb_s": round(self.nbytes / self.seconds / 1e9, 3),
+            "steady_gb_s": (
+                None if steady is None else round(self.nbytes / self.items * steady / 1e9, 3)
+            ),
+            "cpu_ms_per_item": round(self.cpu_s * 1e3 / max(self.items, 1), 3),
+        }
+
+
+def read_all(ds: StreamingHiddenStateDataset, workers: int, touched: bool) -> Reading:
+    """One pass over the group, every page of every tensor touched or none."""
     loader: Any = StreamingDataLoader(ds, batch_size=None, num_workers=workers) if workers else ds
-    items = nbytes = 0
+    r = Reading()
+    c0 = _cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
+    t_first = t_last = t0
     for item in loader:
-        items += 1
-        nbytes += sum(v.numel() * v.element_size() for v in item.values() if hasattr(v, "numel"))
-    return items, nbytes, time.perf_counter() - t0
+        t_last = time.perf_counter()
+        if not r.items:
+            t_first = t_last
+        r.items += 1
+        r.nbytes += touch_item(item) if touched else sum_bytes(item)
+    del loader  # a DataLoader's workers are reaped once it ends: their CPU is counted
+    r.seconds = time.perf_counter() - t0
+    r.first_s, r.steady_s = t_first - t0, t_last - t_first
+    r.cpu_s = _cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN) - c0
+    return r
 
 
 def delivery(
-    server: NullServer, redis_url: str, work: Path, n: int, workload: str, inflight: int
+    server: NullServer, redis_url: str, work: Path, a: argparse.Namespace
 ) -> dict[str, Any]:
-    groups = ["one", "four"]
-    store, _ = streamed_run(redis_url, work, n, workload, 1 << 40, groups)
+    lw = a.loader_workers
+    readers = {  # group -> (DataLoader workers, pages touched), each a key of the result
+        "one_consumer": (0, True),
+        f"loader_{lw}_workers": (lw, True),
+        "one_consumer_untouched": (0, False),
+        f"loader_{lw}_workers_untouched": (lw, False),
+    }
+    groups = [g.replace("_", "-") for g in readers]
+    store, _ = streamed_run(redis_url, work, a.samples, a.workload, 1 << 40, groups)
     client = store.client
     log = work / f"{store.run}.log"
     c0 = redis_calls(client)
-    proc = start_worker(store, server, redis_url, log, inflight)
-    wait_published(store, n, proc, log)
+    proc = start_worker(store, server, redis_url, log, a.inflight, a.persist_procs)
+    wait_published(store, a.samples, proc, log)
     worker_cmds = redis_calls(client) - c0 - 1
-    out: dict[str, Any] = {"samples": n, "streamed_worker_redis_cmds_per_sample": None}
     # The worker keeps beating while it waits for the commits: its calls are counted up to
     # the last publish only (heartbeats included, as in the offline run's figure).
-    out["streamed_worker_redis_cmds_per_sample"] = round(worker_cmds / n, 2)
-    for group, workers in (("one", 0), ("four", 4)):
+    out: dict[str, Any] = {
+        "samples": a.samples,
+        "streamed_worker_redis_cmds_per_sample": round(worker_cmds / a.samples, 2),
+    }
+    for (key, (workers, touched)), group in zip(readers.items(), groups, strict=True):
         ds = StreamingHiddenStateDataset(store.run, redis_url=redis_url, group=group)
         c0 = redis_calls(client)
-        items, nbytes, secs = read_all(ds, workers)
-        cmds = redis_calls(client) - c0 - 1
-        ds.commit(ds.state_dict())
-        out[f"{group}_consumer" if workers == 0 else "four_dataloader_workers"] = {
-            "items": items,
-            "items_s": round(items / secs, 1),
-            "gb_s": round(nbytes / secs / 1e9, 3),
-            "redis_cmds_per_item": round(cmds / max(items, 1), 2),
+        r = read_all(ds, workers, touched)
+        c1 = redis_calls(client)
+        ds.commit(ds.state_dict())  # the last group's removes the files
+        c2 = redis_calls(client)
+        out[key] = {
+            **r.to_dict(),
+            "redis_cmds_per_item_read": round((c1 - c0 - 1) / max(r.items, 1), 2),
+            "redis_cmds_per_item_commit": round((c2 - c1 - 1) / max(r.items, 1), 2),
         }
     proc.wait(120)
     return out
 
 
-def keeps_up(
-    server: NullServer, redis_url: str, work: Path, n: int, workload: str, inflight: int
+def worker_keeps_up(
+    server: NullServer, redis_url: str, work: Path, a: argparse.Namespace
 ) -> dict[str, Any]:
-    lo, hi = WORKLOADS[workload]
-    per_sample = (lo + hi) // 2 * 4096 * 4 * 2  # the 8b shape: 3 aux + 1 last, bf16
-    store, _ = streamed_run(redis_url, work, n, workload, 64 * per_sample, ["train"])
+    lo, hi = WORKLOADS[a.workload]
+    hidden = SHAPES[a.shape][0]
+    per_sample = (lo + hi) // 2 * hidden * 4 * 2  # 3 aux + 1 last, bf16
+    store, _ = streamed_run(redis_url, work, a.samples, a.workload, 64 * per_sample, ["train"])
     log = work / f"{store.run}.log"
-    got: list[int] = []
     ds = StreamingHiddenStateDataset(store.run, redis_url=redis_url, poll_s=0.05)
-
-    def trainer() -> None:
-        for i, _item in enumerate(ds, 1):
-            got.append(i)
-            if i % 16 == 0:
-                ds.commit(ds.state_dict())
-        ds.commit(ds.state_dict())
-
-    t = threading.Thread(target=trainer, daemon=True)
-    t.start()
-    proc = start_worker(store, server, redis_url, log, inflight)
+    trainer = Trainer(ds)
+    proc = start_worker(store, server, redis_url, log, a.inflight, a.persist_procs)
     proc.wait(3600)
-    t.join(120)
-    done = [json.loads(x) for x in log.read_text().splitlines() if '"sample_done"' in x]
-    stamps = sorted(time.mktime(time.strptime(e["timestamp"][:19], "%Y-%m-%dT%H:%M:%S"))
-                    + float("0." + e["timestamp"][20:26]) for e in done)  # fmt: skip
+    trainer.join()
+    rate = extraction_rate([log])
+    return {"samples": a.samples, "budget_bytes": 64 * per_sample, **rate, **trainer.stats()}
+
+
+class Trainer:
+    """A trainer that keeps up, in a thread here: every page of every item touched, a
+    commit every COMMIT_EVERY items (its checkpoint costs nothing) and at the end."""
+
+    def __init__(self, ds: StreamingHiddenStateDataset | None = None, **open_kw: Any) -> None:
+        self.ds = ds
+        self.open_kw = open_kw
+        self.items = 0
+        self.cpu_s = 0.0
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._main, daemon=True)
+        self._t.start()
+
+    def _main(self) -> None:
+        try:
+            ds = self.ds if self.ds is not None else self._wait_for_run()
+            self.ds = ds
+            c0 = time.thread_time()
+            for item in ds:
+                touch_item(item)
+                self.items += 1
+                if self.items % COMMIT_EVERY == 0:
+                    ds.commit(ds.state_dict())
+            ds.commit(ds.state_dict())
+            self.cpu_s = time.thread_time() - c0
+        except BaseException as exc:  # reported by join()
+            self.error = exc
+
+    def _wait_for_run(self) -> StreamingHiddenStateDataset:
+        """`hsq run` writes its Redis URL file, then enqueues: wait for both."""
+        kw = dict(self.open_kw)
+        url_file: Path = kw.pop("redis_url_file")
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if url_file.exists():
+                    url = url_file.read_text().strip()
+                    if RunStore(connect(url), kw["run"]).load_config() is not None:
+                        return StreamingHiddenStateDataset(redis_url=url, **kw)
+            except Exception:  # Redis starting, the run not enqueued yet
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run {kw['run']!r} behind {url_file}")
+            time.sleep(0.05)
+
+    def join(self, timeout: float = 300) -> None:
+        self._t.join(timeout)
+        if self._t.is_alive():
+            raise RuntimeError("the trainer thread did not end")
+        if self.error is not None:
+            raise self.error
+
+    def stats(self) -> dict[str, Any]:
+        wait = self.ds.wait_stats() if self.ds is not None else {}
+        return {
+            "trained": self.items,
+            "trainer_data_wait_share": wait.get("wait_share"),
+            "trainer_cpu_ms_per_item": round(self.cpu_s * 1e3 / max(self.items, 1), 3),
+        }
+
+
+def extraction_rate(logs: list[Path]) -> dict[str, Any]:
+    """samples/s and tokens/s between the first and the last `sample_done` of the logs, and
+    steady: from the tenth's done on (a streamed run's first sample goes alone: its size is
+    known once its dump pinned the model's shape, so it reserves the whole budget; the
+    pipeline fills after it, once per run)."""
+    events = [e for log in logs for e in _events(log)]
+    done = [e for e in events if e.get("event") == "sample_done"]
+    cpu = sum(float(e.get("cpu_s") or 0) for e in events if e.get("event") == "worker_stopped")
+    if len(done) < 2:
+        raise RuntimeError(f"{len(done)} samples done in {[str(p) for p in logs]}")
+    stamps = sorted(_ts(e["timestamp"]) for e in done)
     window = max(stamps[-1] - stamps[0], 1e-9)
+    tokens = sum(int(e["tokens"]) for e in done)
+    k = len(done) // 10
+    steady = (len(done) - 1 - k) / max(stamps[-1] - stamps[k], 1e-9)
     return {
-        "samples": n,
-        "trained": len(got),
+        "done": len(done),
+        "window_s": round(window, 3),
         "samples_s": round((len(done) - 1) / window, 2),
-        "trainer_data_wait_share": ds.wait_stats()["wait_share"],
+        "steady_samples_s": round(steady, 2),
+        "tok_s": round(tokens * (len(done) - 1) / len(done) / window, 1),
+        "bytes_per_sample": round(sum(int(e["bytes"]) for e in done) / len(done)),
+        "worker_own_cpu_ms_per_sample": round(cpu * 1e3 / len(done), 2),
     }
+
+
+def hsq_run_case(work: Path, a: argparse.Namespace, budget: int | None) -> dict[str, Any]:
+    """One `hsq run` of a fresh copy of the dataset, streamed (with a trainer) or not."""
+    lo, hi = WORKLOADS[a.workload]
+    tag = "streamed" if budget else "offline"
+    run = f"hr-{tag}-{secrets.token_hex(2)}"
+    ds = work / f"{run}.jsonl"
+    write_synthetic(ds, a.run_samples, seed=11, min_len=lo, max_len=hi, vocab=32000)
+    out = work / run
+    argv = hsq_command(
+        "run", str(ds), "--out", str(out), "--run", run, "--engine", "reference",
+        "--servers", str(a.servers), "--json", "--max-tokens", str(hi),
+    )  # fmt: skip
+    if budget:
+        argv += ["--spool-budget", str(budget)]
+    # The tiny model runs on the CPU: half the cores for its torch threads, the rest for
+    # the worker, Redis and the trainer (an oversubscribed thread pool would make the
+    # trainer's CPU, not the stream, what the ratio shows).
+    argv += ["--", "--threads", str(max(1, (os.cpu_count() or 2) // 2))]
+    trainer = None
+    if budget:
+        trainer = Trainer(run=run, redis_url_file=out / ".hsq" / "redis-url", poll_s=0.05)
+    log = work / f"{run}.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as err:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, env=env, timeout=600)
+    wall = time.monotonic() - t0
+    if trainer is not None:
+        trainer.join()
+    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"hsq run exited {proc.returncode}: {log.read_text()[-3000:]}")
+    summary = json.loads(lines[-1])
+    rate = extraction_rate(sorted((out / ".hsq" / "logs").glob("worker-*.log")))
+    row: dict[str, Any] = {
+        "samples": a.run_samples,
+        "exit_code": proc.returncode,
+        "wall_s": round(wall, 1),
+        "hsq_run_samples_s": summary["status"].get("samples_per_s"),
+        "starting_s": summary.get("starting_s"),
+        "stream": summary.get("stream"),
+        **rate,
+    }
+    if budget:
+        row["budget_bytes"] = budget
+        row.update(trainer.stats() if trainer is not None else {})
+    shutil.rmtree(out, ignore_errors=True)
+    ds.unlink(missing_ok=True)
+    return row
+
+
+def hsq_run(work: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """--run-pairs pairs, each offline then streamed (a machine's drift falls on both)."""
+    offline: list[dict[str, Any]] = []
+    streamed: list[dict[str, Any]] = []
+    for _ in range(a.run_pairs):
+        offline.append(hsq_run_case(work, a, None))
+        print(json.dumps({"hsq_run_offline": offline[-1]}), flush=True)
+        budget = 64 * int(offline[0]["bytes_per_sample"])  # a checkpoint interval's, x4
+        streamed.append(hsq_run_case(work, a, budget))
+        print(json.dumps({"hsq_run_streamed": streamed[-1]}), flush=True)
+
+    def ratio(key: str) -> float:
+        return round(sum(float(r[key]) for r in streamed) / sum(float(r[key]) for r in offline), 3)
+
+    return {
+        "offline": offline,
+        "streamed": streamed,
+        "ratio": ratio("samples_s"),
+        "steady_ratio": ratio("steady_samples_s"),
+        "pair_ratios": [
+            round(s["samples_s"] / o["samples_s"], 3)
+            for o, s in zip(offline, streamed, strict=True)
+        ],
+        "trainer_data_wait_share": [r.get("trainer_data_wait_share") for r in streamed],
+    }
+
+
+def work_root(want: str | None, need_bytes: int) -> str | None:
+    """tmpfs when it has room for the outputs of one phase (what the worker's own rate is
+    measured on), else the default temporary directory."""
+    if want:
+        return want
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > need_bytes * 1.5:
+        return str(shm)
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--samples", type=int, default=120)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--samples", type=int, default=None, help="null-server runs' samples")
+    ap.add_argument("--run-samples", type=int, default=None, help="each `hsq run`'s samples")
     ap.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
-    ap.add_argument("--shape", default="8b")
-    ap.add_argument("--inflight", type=int, default=16)
-    ap.add_argument("--smoke", action="store_true", help="seconds: tiny shape, 12 samples")
-    ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--inflight", type=int, default=None, help="the workers' (default 16)")
+    ap.add_argument("--persist-procs", type=int, default=None, help="the workers' (default 0)")
+    ap.add_argument("--loader-workers", type=int, default=4)
+    ap.add_argument("--servers", type=int, default=1, help="`hsq run`'s reference servers")
+    ap.add_argument("--run-pairs", type=int, default=None, help="`hsq run` pairs (default 1)")
+    ap.add_argument("--work-dir", default=None, help="default: /dev/shm when it has room")
+    ap.add_argument("--smoke", action="store_true", help="= --preset smoke (make bench-smoke)")
+    ap.add_argument("--json", "--json-out", dest="json", type=Path, default=None)
     a = ap.parse_args()
-    if a.smoke:
-        a.samples, a.shape = 12, "tiny"
-    with tempfile.TemporaryDirectory(prefix="hsq-bench-stream-", dir="/dev/shm") as tmp:
+    preset = PRESETS["smoke" if a.smoke else a.preset]
+    a.samples = a.samples or preset["samples"]
+    a.run_samples = a.run_samples or preset["run_samples"]
+    a.shape = preset.get("shape", a.shape)
+    a.run_pairs = a.run_pairs or preset.get("run_pairs", 1)
+    a.inflight = a.inflight or preset.get("inflight", 16)
+    a.persist_procs = (
+        a.persist_procs if a.persist_procs is not None else preset.get("persist_procs", 0)
+    )
+    lo, hi = WORKLOADS[a.workload]
+    need = a.samples * (lo + hi) // 2 * SHAPES[a.shape][0] * 8
+    t_start = time.monotonic()
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "args": {k: str(v) for k, v in vars(a).items()},
+    }
+    with tempfile.TemporaryDirectory(
+        prefix="hsq-bench-stream-", dir=work_root(a.work_dir, need)
+    ) as tmp:
         work = Path(tmp)
         redis = RedisServer(work / "redis", password=secrets.token_hex(8)).wait_ready()
-        hi = WORKLOADS[a.workload][1]
         server = NullServer(
             work / "dumps", work / "server.log",
             args=["--shape", a.shape, "--max-tokens", str(hi)],
         )  # fmt: skip
         try:
             server.wait_ready(timeout=300)
-            case = Case(a.shape, a.workload, "bf16", a.samples, a.inflight)
+            case = Case(a.shape, a.workload, "bf16", a.samples, a.inflight, a.persist_procs)
             base = run_case(case, server, redis.url, work, work / "out", [])
+            results["worker"] = base
             print(json.dumps({"worker": base}), flush=True)
-            deliv = delivery(server, redis.url, work, a.samples, a.workload, a.inflight)
-            print(json.dumps({"delivery": deliv}), flush=True)
-            up = keeps_up(server, redis.url, work, a.samples, a.workload, a.inflight)
-            print(json.dumps({"keeps_up": up}), flush=True)
+            results["delivery"] = delivery(server, redis.url, work, a)
+            print(json.dumps({"delivery": results["delivery"]}), flush=True)
+            results["worker_keeps_up"] = worker_keeps_up(server, redis.url, work, a)
+            print(json.dumps({"worker_keeps_up": results["worker_keeps_up"]}), flush=True)
         finally:
             server.stop()
             redis.stop()
-    w = float(base["samples_s"])
-    summary = {
-        "machine": "this one (see BENCHMARKS.md for which)",
+        results["hsq_run"] = hsq_run(work, a)
+    results["summary"] = summarize(results, a)
+    results["seconds"] = round(time.monotonic() - t_start, 1)
+    print(json.dumps({"summary": results["summary"]}, indent=1), flush=True)
+    if a.json is not None:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+def summarize(r: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    w = float(r["worker"]["samples_s"])
+    w_cpu = float(r["worker"]["cpu_ms_per_sample"])
+    d = r["delivery"]
+    lw = a.loader_workers
+    one, loader = d["one_consumer"], d[f"loader_{lw}_workers"]
+    one_u, loader_u = d["one_consumer_untouched"], d[f"loader_{lw}_workers_untouched"]
+
+    def x(v: float | None) -> float | None:
+        return None if v is None else round(v / w, 1)
+
+    keeps = r["hsq_run"]
+    return {
         "worker_samples_s": w,
-        "delivery_one_consumer_x": round(deliv["one_consumer"]["items_s"] / w, 1),
-        "delivery_four_workers_x": round(deliv["four_dataloader_workers"]["items_s"] / w, 1),
+        "worker_gb_s": r["worker"]["gb_s"],
+        "delivery_one_consumer_x": x(one["items_s"]),
+        "delivery_one_consumer_steady_x": x(one["steady_items_s"]),
+        f"delivery_loader_{lw}_workers_x": x(loader["items_s"]),
+        f"delivery_loader_{lw}_workers_steady_x": x(loader["steady_items_s"]),
+        # The same without touching the tensors: what the stream costs beyond the page
+        # faults a trainer pays on any mapped dataset (HiddenStateDataset's too).
+        "delivery_one_consumer_untouched_x": x(one_u["items_s"]),
+        f"delivery_loader_{lw}_workers_untouched_steady_x": x(loader_u["steady_items_s"]),
         "target_delivery_x": TARGET_DELIVERY_X,
-        "keeps_up_ratio": round(up["samples_s"] / w, 3),
+        # CPU a sample costs the worker over CPU an item costs its readers: holds on a
+        # loaded machine, where the wall-clock ratios above swing with the other jobs.
+        "cpu_ratio_one_consumer": round(w_cpu / one["cpu_ms_per_item"], 1),
+        f"cpu_ratio_loader_{lw}_workers": round(w_cpu / loader["cpu_ms_per_item"], 1),
+        "worker_keeps_up_ratio": round(r["worker_keeps_up"]["samples_s"] / w, 3),
+        "hsq_run_keeps_up_ratio": keeps["ratio"],
+        "hsq_run_keeps_up_steady_ratio": keeps["steady_ratio"],
+        "hsq_run_pair_ratios": keeps["pair_ratios"],
+        "hsq_run_trainer_data_wait_share": keeps["trainer_data_wait_share"],
         "target_keeps_up": TARGET_KEEPS_UP,
         "reserve_publish_redis_cmds_per_sample": round(
-            deliv["streamed_worker_redis_cmds_per_sample"] - base["redis_cmds_per_sample"], 2
+            d["streamed_worker_redis_cmds_per_sample"] - r["worker"]["redis_cmds_per_sample"], 2
         ),
-        "offline_worker_redis_cmds_per_sample": base["redis_cmds_per_sample"],
+        "offline_worker_redis_cmds_per_sample": r["worker"]["redis_cmds_per_sample"],
+        "one_consumer_redis_cmds_per_item_read": one["redis_cmds_per_item_read"],
+        "loader_redis_cmds_per_item_read": loader["redis_cmds_per_item_read"],
+        # Commit (ack, count) and, by the last group to commit, removal (release, record).
+        "redis_cmds_per_item_commit_and_removal": d[f"loader_{lw}_workers_untouched"][
+            "redis_cmds_per_item_commit"
+        ],
     }
-    print(json.dumps({"summary": summary}, indent=1), flush=True)
-    if a.json_out is not None:
-        a.json_out.write_text(json.dumps({"worker": base, "delivery": deliv, "keeps_up": up,
-                                          "summary": summary}, indent=1))  # fmt: skip
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+    }
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ def remove_committed(store: RunStore, run_dir: Path) -> int:
     two is finished by the next call, from any consumer or `hsq run`. Returns files done."""
     n = 0
     while sids := store.spool.removals():
+        # Each file is unlinked before its release (never bytes released for a file still
+        # there); the releases of a batch share one round trip.
         for sid in sids:
             remove_output(run_dir, sid)
-            n += store.spool.removed(sid)
+        n += store.spool.removed_many(sids)
     return n
 
 

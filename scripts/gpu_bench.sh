@@ -24,6 +24,10 @@
 #   fp8node        fp8 by the worker and by the server (short on tmpfs, long on the disk, 8
 #                  persist processes), then a node: 8 null servers and 8 workers on one disk,
 #                  bf16 and server fp8, with the disk probe (target >= 0.9 of the disk's best).
+#   stream         train while extracting (bench/stream.py --preset host, < 4 min): delivery
+#                  from a full spool (one reader, 4 DataLoader workers) against one worker's
+#                  own rate, `hsq run` with and without a stream and a trainer that keeps up,
+#                  Redis commands per sample and per item (targets: >= 10x, >= 0.97).
 # Writes $OUT/<phase>.json and each phase's log ($OUT/<phase>.log).
 #
 # .live/ holds what the base image lacks (it has torch, numpy, safetensors, transformers,
@@ -119,6 +123,8 @@ case "$mode" in
     phase fp8-short 70 bench.ceiling "${C8[@]}" --workloads short --dtypes fp8-e4m3,fp8-server \
       --procs 8 --short-samples 4000 --short-inflight 64 --disk-mb 0 --out-root "$SHM" \
       --label fp8-short-tmpfs ;;
+  stream)
+    phase stream 280 bench.stream --preset host ;;
   --small)
     PY=.venv/bin/python
     phase ceiling 600 bench.ceiling --small --procs 0,2 --short-samples 60 --long-samples 6 \

@@ -17,7 +17,10 @@ with a real SIGKILL where the test says so).
 - --keep-after-commit keeps the files and releases the reservations (never blocks);
 - states of another run or group are refused, a plain DataLoader with workers too (one
   line each);
-- a stale entry (its sample re-done since) is acked and skipped, the new one trained once.
+- a stale entry (its sample re-done since) is acked and skipped, the new one trained once;
+- a file a DataLoader worker checked and handed over by name (CheckedFile) that changed
+  before the trainer's process opened it is checked again there: rejected, re-extracted,
+  delivered once.
 Waits for events, never for time.
 """
 
@@ -36,9 +39,11 @@ import pytest
 from torch.utils.data import DataLoader
 
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
+from hsq.data.stream import CheckedFile
 from hsq.errors import ConfigError
 from hsq.node.procs import ManagedProcess
 from hsq.node.stream import StreamView
+from hsq.outputs.check import read_checked
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
@@ -341,6 +346,30 @@ def test_a_stale_entry_is_acked_and_skipped_and_the_new_one_trained_once(
     assert info.delivered == SAMPLES + 1 and info.pending == 0  # the stale one acked
     run.worker_exits_0()
     assert not run.files()
+
+
+def test_a_file_changed_after_a_loader_worker_checked_it_is_checked_again_and_rejected(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    run = Run(tmp_path, server, redis_url, "recheck", "--spool-budget", "1M")
+    run.wait_published(SAMPLES)
+    ds = run.ds()
+    # What a DataLoader worker hands the trainer's process: a delivery it read and checked.
+    [d] = run.st.spool.read("train", "rank0-worker0", 1, None, None)
+    entry = MANIFEST_CODEC.decode(d.sample_id, d.stored)
+    assert entry is not None
+    _, identity = read_checked(ds.run_dir, d.sample_id, entry)
+    ref = CheckedFile(ds.run_dir, d, identity, ("rank0-worker0", d.entry_id), None, False)
+    item = ds.opened(ref)
+    assert item is not None and item["id"] == d.sample_id  # the file checked: opened
+    [path] = [p for p in run.files() if p.name.startswith(d.sample_id + ".")]
+    with open(path, "r+b") as f:  # same size and inode, other bytes: only the checksum tells
+        f.seek(path.stat().st_size - 8)
+        f.write(b"\xff" * 8)
+    assert ds.opened(ref) is None  # no longer the file checked: checked again, rejected
+    assert Counter(consume(ds)) == Counter(run.ids)  # extracted again, delivered once
+    run.worker_exits_0()
+    assert not run.st.ledger.dead_reasons()
 
 
 def test_a_stopped_or_reaped_worker_s_jobs_go_back_without_their_reservations(

@@ -24,7 +24,10 @@ to the trainer and records it. With DataLoader worker processes items are made a
 prefetched in other processes, so only StreamingDataLoader (a DataLoader subclass) is
 accepted: its collate marks each item with its consumer and entry id, and its iterator
 records them in the main process as it yields each batch (a plain DataLoader with
-workers is refused in words: it would count prefetched items as trained).
+workers is refused in words: it would count prefetched items as trained). Items it hands
+over one by one (batch_size=None, no collate_fn) cross from a worker as the checked file's
+name and identity (CheckedFile), not as tensors: the trainer's process maps the file again
+(torch would copy each tensor into new shared memory and pass each by a socket handshake).
 
 A file that fails its checks is rejected: its done mark is taken back, it goes to the
 dead letter with the reason (released from the spool), its file is removed and it is
@@ -56,7 +59,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -64,8 +67,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from hsq.data.files import item_of
 from hsq.errors import ConfigError, OutputError, StoreUnavailableError
-from hsq.outputs.check import read_checked
-from hsq.outputs.format import remove_output
+from hsq.outputs.check import FileIdentity, read_checked
+from hsq.outputs.format import OutputSample, remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.runconfig import DEFAULT_GROUP, RunConfig
 from hsq.runstore import (
@@ -76,6 +79,7 @@ from hsq.runstore import (
     requeue_rejected,
     unfinished_rejects,
 )
+from hsq.states import FP8
 from hsq.store import Delivery, connect
 from hsq.store.ledger import dead_entry
 from hsq.store.spool import REJECT_REASON
@@ -85,9 +89,12 @@ log = structlog.get_logger("hsq.data.stream")
 STATE_VERSION = 1
 POSITION = "_hsq_stream_position"
 """The key StreamingDataLoader's workers put on each item (taken off before it is yielded)."""
-READ_BATCH = 2
-"""Entries one XREADGROUP takes: few, so that one consumer (a DataLoader worker, a rank)
-does not hold entries another one could be handing to the trainer."""
+READ_BATCH = 8
+"""Entries one XREADGROUP takes (and one HMGET checks against the done marks) for a
+trainer that is the group's only reader: a round trip per 8 items, not per item."""
+SHARED_READ_BATCH = 2
+"""The same where several read the group (DataLoader workers, ranks): few, so that one
+(the first worker started, say) does not take entries the others could be handing over."""
 MAX_BACKOFF_S = 5.0
 
 
@@ -162,6 +169,9 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         """consumer -> the last entry id handed to the trainer (what state_dict says)."""
         self._marking = False
         """Set by StreamingDataLoader: items carry their position to the main process."""
+        self._by_reference = False
+        """Set by StreamingDataLoader for items it hands over unbatched and unconverted:
+        its workers send a checked file's name (CheckedFile), not its tensors."""
         self._store: RunStore | None = None
         self._cfg: RunConfig | None = None
         self._wait_s = 0.0
@@ -280,11 +290,26 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         consumer = consumer_name(self.rank, wid)
         mine = [(c, self._positions.get(c, "0")) for c in self._adopted(wid, workers)]
         mine.append((consumer, self._positions.get(consumer, "0")))
+        # Views of the file (bf16, or fp8 as stored) go by reference; an fp8 file
+        # dequantized is new memory made here, so it goes as tensors.
+        by_ref = (
+            info is not None
+            and self._by_reference
+            and (self.raw_fp8 or self._config().store_dtype != FP8)
+        )
         asked = time.monotonic()
-        for owner, d in self._deliveries(consumer, mine):
-            item = self._item(d)
-            if item is None:
+        batch = READ_BATCH if workers == 1 and self.world_size == 1 else SHARED_READ_BATCH
+        for owner, d, now in self._deliveries(consumer, mine, batch):
+            checked = self._item(d, now)
+            if checked is None:
                 continue
+            out, ident = checked
+            if by_ref:
+                ref = CheckedFile(self.run_dir, d, ident, (owner, d.entry_id),
+                                  self.max_length, self.raw_fp8)  # fmt: skip
+                yield cast(dict[str, Any], ref)  # StreamingDataLoader's to open
+                continue
+            item = item_of(d.sample_id, out, self.max_length)
             if self._marking:
                 item[POSITION] = (owner, d.entry_id)
             else:
@@ -306,33 +331,46 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         return out
 
     def _deliveries(
-        self, consumer: str, replay: list[tuple[str, str]]
-    ) -> Iterator[tuple[str, Delivery]]:
-        """(the consumer it is pending to, entry): first each replayed consumer's pending
-        entries after its position, in order, then new ones for `consumer`."""
+        self, consumer: str, replay: list[tuple[str, str]], batch: int
+    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
+        """(the consumer it is pending to, entry, its sample's done entry as stored now):
+        first each replayed consumer's pending entries after its position, in order, then
+        new ones for `consumer`."""
         spool, group = self.store.spool, self.group
         for owner, after in replay:
             while True:
-                read = functools.partial(spool.read, group, owner, READ_BATCH, None, after)
+                read = functools.partial(spool.read, group, owner, batch, None, after)
                 got = _retrying("read", read)
                 if not got:
                     break
-                for d in got:
-                    yield owner, d
+                yield from self._with_marks(owner, got)
                 after = got[-1].entry_id
         block_ms = max(1, int(self.poll_s * 1000))
+        idle = False
         while True:
-            finished = _retrying("look at the run", self._finished)
-            wait = None if finished else block_ms
+            # Whether the run is finished is asked only once a read came back empty (it
+            # costs three round trips): a stream with entries waiting never asks.
+            finished = idle and _retrying("look at the run", self._finished)
+            wait = block_ms if idle and not finished else None
             got = _retrying(
-                "read", functools.partial(spool.read, group, consumer, READ_BATCH, wait, None)
+                "read", functools.partial(spool.read, group, consumer, batch, wait, None)
             )
             if got:
-                for d in got:
-                    yield consumer, d
+                idle = False
+                yield from self._with_marks(consumer, got)
             elif finished:
                 log.info("stream_ended", run=self.run, group=group, consumer=consumer)
                 return
+            else:
+                idle = True
+
+    def _with_marks(
+        self, owner: str, got: list[Delivery]
+    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
+        ids = [d.sample_id for d in got]
+        nows = _retrying("read the done marks", lambda: self.store.spool.stored_done_many(ids))
+        for d, now in zip(got, nows, strict=True):
+            yield owner, d, now
 
     def _finished(self) -> bool:
         """Every sample done or dead, and no reject left dead by a killed consumer (such
@@ -344,10 +382,11 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         finish_rejects(self.store, self.run_dir)
         return False
 
-    def _item(self, d: Delivery) -> dict[str, Any] | None:
-        """The delivery's item, or None: stale (skipped) or rejected (requeued)."""
+    def _item(self, d: Delivery, now: bytes | None) -> tuple[OutputSample, FileIdentity] | None:
+        """The delivery's file read and checked, or None: stale (skipped: `now`, the
+        sample's done entry as stored when it was read, is another) or rejected
+        (requeued)."""
         spool = self.store.spool
-        now = _retrying("read the done mark", lambda: spool.stored_done(d.sample_id))
         if now != d.stored:
             _retrying("skip", lambda: spool.skip(self.group, d.entry_id))
             log.info("stream_stale_entry", sample=d.sample_id, entry=d.entry_id)
@@ -356,11 +395,20 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         try:
             if entry is None:
                 raise OutputError(f"sample {d.sample_id}: its done entry does not parse")
-            out = read_checked(self.run_dir, d.sample_id, entry, raw=self.raw_fp8)
+            return read_checked(self.run_dir, d.sample_id, entry, raw=self.raw_fp8)
         except OutputError as exc:
             self._reject(d, entry, str(exc))
             return None
-        return item_of(d.sample_id, out, self.max_length)
+
+    def opened(self, ref: CheckedFile) -> dict[str, Any] | None:
+        """The item of a file a DataLoader worker checked (in the trainer's process), or
+        None: it failed its checks here (rejected and requeued, as in a worker)."""
+        try:
+            return ref.open()
+        except OutputError as exc:
+            self._reject(ref.delivery, MANIFEST_CODEC.decode(ref.sample_id, ref.delivery.stored),
+                         str(exc))  # fmt: skip
+            return None
 
     def _reject(self, d: Delivery, entry: Any, why: str) -> None:
         store = self.store
@@ -384,6 +432,45 @@ _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
 """torch >= 2.6: DataLoader(in_order=False) yields whichever worker's batch is ready."""
 
 
+class CheckedFile:
+    """A delivered file a DataLoader worker read and checked, as it crosses to the
+    trainer's process: its name and identity, a few hundred bytes pickled. The tensors
+    themselves would be copied into new shared memory and each passed as a descriptor
+    through a socket handshake with the worker (torch's sharing of a mapped file's
+    tensors; measured: most of the trainer's time per item). The trainer's process maps
+    the same file again, under the run's directory following no link; a file that is no
+    longer the one checked (device, inode, size, mtime) is checked again in full there."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        delivery: Delivery,
+        identity: FileIdentity,
+        position: tuple[str, str],
+        max_length: int | None,
+        raw: bool,
+    ) -> None:
+        self.run_dir = run_dir
+        self.delivery = delivery
+        self.identity = identity
+        self.position = position
+        self.max_length = max_length
+        self.raw = raw
+
+    @property
+    def sample_id(self) -> str:
+        return self.delivery.sample_id
+
+    def open(self) -> dict[str, Any]:
+        """The item (OutputError if the file fails its checks now)."""
+        entry = MANIFEST_CODEC.decode(self.sample_id, self.delivery.stored)
+        if entry is None:
+            raise OutputError(f"sample {self.sample_id}: its done entry does not parse")
+        out, _ = read_checked(self.run_dir, self.sample_id, entry, raw=self.raw,
+                              checked=self.identity)  # fmt: skip
+        return item_of(self.sample_id, out, self.max_length)
+
+
 class _Marked:
     """A batch with the stream positions of its items (crosses the worker pipe)."""
 
@@ -391,12 +478,28 @@ class _Marked:
         self.value = value
         self.positions = positions
 
+    def pin_memory(self) -> _Marked:
+        """DataLoader(pin_memory=True)'s thread calls this (it would leave an unknown
+        object as is): the value's tensors pinned, a CheckedFile opened first (one that
+        fails its checks stays as it is: the loader's iterator rejects it)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        if isinstance(self.value, CheckedFile):
+            try:
+                self.value = self.value.open()
+            except OutputError:
+                return self
+        self.value = pin_memory(self.value)  # type: ignore[no-untyped-call]
+        return self
+
 
 class _MarkingCollate:
     def __init__(self, inner: Callable[[Any], Any]) -> None:
         self.inner = inner
 
     def __call__(self, data: Any) -> _Marked:
+        if isinstance(data, CheckedFile):
+            return _Marked(data, [data.position])
         items = data if isinstance(data, list) else [data]
         positions = [(str(c), str(e)) for item in items if POSITION in item
                      for c, e in [item.pop(POSITION)]]  # fmt: skip
@@ -414,7 +517,11 @@ class StreamingDataLoader(DataLoader[Any]):
         from torch.utils.data._utils.collate import default_collate, default_convert
 
         batched = kwargs.get("batch_size", 1) is not None
-        inner = kwargs.pop("collate_fn", None) or (default_collate if batched else default_convert)
+        given = kwargs.pop("collate_fn", None)
+        inner = given or (default_collate if batched else default_convert)
+        # Items handed over one by one as they are (default_convert leaves a dict of
+        # tensors as it is) cross from the workers by reference (CheckedFile).
+        dataset._by_reference = not batched and given is None and kwargs.get("num_workers", 0) > 0
         if kwargs.get("num_workers", 0) > 0 and _HAS_IN_ORDER:
             # Not round-robin over the workers: one waiting for an entry (the spool full
             # until the trainer commits) would hold back the items the others have.
@@ -426,13 +533,19 @@ class StreamingDataLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         it = super().__iter__()
+        asked = time.monotonic()
         while True:
-            asked = time.monotonic()
             try:
                 marked = next(it)
             except StopIteration:
                 return
+            if isinstance(marked.value, CheckedFile):
+                item = self.stream.opened(marked.value)
+                if item is None:
+                    continue  # rejected: never handed to the trainer, not recorded
+                marked.value = item
             for consumer, entry_id in marked.positions:
                 self.stream.record(consumer, entry_id)
             self.stream.waited(time.monotonic() - asked, len(marked.positions))
             yield marked.value
+            asked = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import mmap
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from hsq.outputs.format import (
 from hsq.outputs.manifest import ManifestEntry
 from hsq.states import AUX_TENSOR, FP8, LAST_TENSOR, PRENORM_TENSOR, scale_name
 from hsq.stfile.arrays import BITS_ONLY, open_tensors
-from hsq.stfile.header import FormatError, Header
+from hsq.stfile.header import FormatError, Header, map_file
 from hsq.stfile.header import read_header as read_fd_header
 from hsq.stfile.integrity import CHECKSUM, Digest, all_finite, checksum_algo
 
@@ -47,12 +48,28 @@ def checksum_matches(path: Path, recorded: str) -> bool:
     return file_checksum(path, algo) == recorded
 
 
+FileIdentity = tuple[int, int, int, int]
+"""A file as fstat knows it: device, inode, size, modification time (ns)."""
+
+
 def read_checked(
-    run_dir: Path, sample_id: str, entry: ManifestEntry, *, raw: bool = False
-) -> OutputSample:
+    run_dir: Path,
+    sample_id: str,
+    entry: ManifestEntry,
+    *,
+    raw: bool = False,
+    checked: FileIdentity | None = None,
+) -> tuple[OutputSample, FileIdentity]:
     """A done sample's file read as its manifest entry says it is: opened under `run_dir`
     following no link, its size and checksum as recorded, then open_output's structure
-    checks, its sample id and token count. OutputError (in words) if any fails."""
+    checks, its sample id and token count; with the file's identity. OutputError (in
+    words) if any fails.
+
+    `checked`: the identity this read returned to another process that checksummed the
+    file just now (a DataLoader worker, for the trainer's process): if the file opened is
+    still that one (same device, inode, size and modification time: outputs are written
+    whole and renamed into place, never changed in place) its bytes are not read again for
+    the checksum; any other file is checksummed here."""
     shard, name = output_relpath(sample_id).split("/")
     path = run_dir / shard / name
     try:
@@ -60,30 +77,40 @@ def read_checked(
     except OSError as exc:
         raise OutputError(f"cannot open {path}: {exc.strerror}") from exc
     try:
-        size = os.fstat(fd).st_size
-        if size != entry.bytes:
-            raise OutputError(f"{path}: {size} bytes, the manifest records {entry.bytes}")
-        try:
-            digest = Digest(checksum_algo(entry.checksum))
-        except FormatError as exc:
-            raise OutputError(f"{path}: {exc}") from exc
-        offset = 0
-        while chunk := os.pread(fd, 16 * 2**20, offset):
-            digest.update(chunk)
-            offset += len(chunk)
-        if digest.text != entry.checksum:
-            raise OutputError(f"{path}: checksum {digest.text}, the manifest records "
-                              f"{entry.checksum}")  # fmt: skip
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if st.st_size != entry.bytes:
+            raise OutputError(f"{path}: {st.st_size} bytes, the manifest records {entry.bytes}")
+        mm = None if ident == checked else _checksummed(fd, path, entry)
         fd2 = os.dup(fd)
     finally:
         os.close(fd)
-    out = open_output_fd(fd2, path, raw)
+    out = open_output_fd(fd2, path, raw, mm)
     if out.sample_id != sample_id:
         raise OutputError(f"{path} holds {out.sample_id!r}, not {sample_id!r}")
     if out.num_tokens != entry.num_tokens:
         raise OutputError(f"{path}: {out.num_tokens} tokens, the manifest records "
                           f"{entry.num_tokens}")  # fmt: skip
-    return out
+    return out, ident
+
+
+def _checksummed(fd: int, path: Path, entry: ManifestEntry) -> mmap.mmap | None:
+    """The file mapped once and checksummed in place; its tensors are then views of this
+    same mapping (no pread copy into fresh buffers, then faults on a second mapping), so
+    they are exactly the bytes the checksum covered. None for an empty file."""
+    try:
+        digest = Digest(checksum_algo(entry.checksum))
+    except FormatError as exc:
+        raise OutputError(f"{path}: {exc}") from exc
+    mm = map_file(fd) if entry.bytes else None
+    if mm is not None:
+        mm.madvise(mmap.MADV_WILLNEED)  # read ahead: the checksum reads every page
+        with memoryview(mm) as view:
+            digest.update(view)
+    if digest.text != entry.checksum:
+        raise OutputError(f"{path}: checksum {digest.text}, the manifest records "
+                          f"{entry.checksum}")  # fmt: skip
+    return mm
 
 
 def check_output(

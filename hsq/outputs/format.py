@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import stat
 from dataclasses import dataclass, field
@@ -178,13 +179,16 @@ def open_beneath(run_dir: Path, shard: str, name: str, flags: int) -> int:
     return fd
 
 
-def open_output_fd(fd: int, path: Path, raw: bool) -> OutputSample:
-    """open_output's work on an open descriptor (closed here)."""
+def open_output_fd(
+    fd: int, path: Path, raw: bool, mapping: mmap.mmap | None = None
+) -> OutputSample:
+    """open_output's work on an open descriptor (closed here); `mapping`: the descriptor's
+    file mapped already (read_checked's, whose bytes it checksummed)."""
     import torch
 
     try:
         header = read_fd_header(fd)
-        mm = map_file(fd) if header.file_size else None
+        mm = mapping if mapping is not None else map_file(fd) if header.file_size else None
     except (OSError, ValueError) as exc:
         raise OutputError(f"{path}: not a readable output file: {exc}") from exc
     finally:

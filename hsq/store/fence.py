@@ -68,6 +68,21 @@ class Fence:
     def count(self, script: Any, keys: list[str], args: list[Any]) -> int:
         return int(self.call(script, keys, args))
 
+    def call_many(self, script: Any, keys: list[str], argss: list[list[Any]]) -> list[Any]:
+        """The fenced script once per argument list, in one pipelined round trip (not a
+        transaction: each call is atomic, as `call`'s); their replies in order."""
+        pipe = self.client.pipeline(transaction=False)
+        token = self.token()
+        for args in argss:
+            script(keys=[self.keys.config, *keys], args=[token, *args], client=pipe)
+        replies = pipe.execute()
+        if any(r == -1 for r in replies):
+            raise RunChangedError(
+                f"run {self.run!r} was purged or re-created (generation {self.generation} "
+                "is no longer current); re-read its config"
+            )
+        return list(replies)
+
 
 class Aggregate:
     """One aggregate of a run's store (config, queue, ledger, workers, lifecycle): the

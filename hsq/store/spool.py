@@ -10,7 +10,7 @@ fenced on the run's generation, like the worker's.
     read            a consumer: new entries (">") or its own pending ones after an id
     commit          a consumer, once its checkpoint is durable: XACK what it covers; an
                     entry every group committed puts its sample in the removal set
-    removals/removed  whoever removes the files (the committing consumer, `hsq run`)
+    removals/removed_many  whoever removes the files (the committing consumer, `hsq run`)
     reject          a consumer whose file failed its checks: un-mark, dead-letter, release
     skip            a consumer that met a stale entry (its sample was re-done since)
 """
@@ -185,8 +185,15 @@ class Spool(Aggregate):
 
     def stored_done(self, sample_id: str) -> bytes | None:
         """The sample's done entry as stored now (None: not done)."""
-        raw = self.client.hget(self.keys.done, sample_id)
-        return None if raw is None else raw if isinstance(raw, bytes) else str(raw).encode()
+        return self.stored_done_many([sample_id])[0]
+
+    def stored_done_many(self, sample_ids: list[str]) -> list[bytes | None]:
+        """Each sample's done entry as stored now (None: not done): one HMGET for a read's
+        entries, not a round trip per item."""
+        if not sample_ids:
+            return []
+        raws: Any = self.client.hmget(self.keys.done, sample_ids)
+        return [None if r is None else r if isinstance(r, bytes) else str(r).encode() for r in raws]
 
     # ------------------------------------------------------------------ removal
     def removals(self, limit: int = 1000) -> list[str]:
@@ -194,11 +201,14 @@ class Spool(Aggregate):
         members: Any = self.client.srandmember(self.keys.spool_gc, limit)
         return [text(x) for x in members or []]
 
-    def removed(self, sample_id: str) -> bool:
-        """The sample's file is gone: release its reservation (once; False if done before)."""
+    def removed_many(self, sample_ids: list[str]) -> int:
+        """The samples' files are gone: release their reservations (once each), in one
+        round trip; how many were released by this call (not before)."""
+        if not sample_ids:
+            return 0
         k = self.keys
         keys = [k.spool_gc, k.spool, k.stats, k.consumed]
-        return bool(self.fence.count(self._removed, keys, [sample_id]))
+        return sum(map(int, self.fence.call_many(self._removed, keys, [[s] for s in sample_ids])))
 
     def consumed_of(self, ids: list[str]) -> list[bool]:
         """For each id: its file was removed by design (every group committed it: in the
