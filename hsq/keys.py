@@ -100,7 +100,8 @@ ACL_COMMANDS = (
     "+ping +auth +hello +info +hgetall +hget +hset +hsetnx +hmget +hscan +hlen +hdel "
     "+hincrby +sadd +srem +smembers +expire +del +exists +lmove +blmove +lrange +llen +lrem "
     "+lpush +rpush +lpos +evalsha +script|load +set +get +watch +unwatch +multi +exec +discard "
-    "+xadd +xreadgroup +xack +xpending +xrange +xgroup|create +xinfo|groups +xlen +scard"
+    "+xadd +xreadgroup +xack +xpending +xrange +xgroup|create +xinfo|groups +xlen +scard "
+    "+client|setname"
 )
 """What hsq sends, and nothing else: no SCAN or KEYS (they list every key name, whatever
 the user's key patterns), no FLUSH*, CONFIG, EVAL of new scripts, or pub/sub."""

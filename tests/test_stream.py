@@ -173,6 +173,20 @@ def test_a_corrupt_file_is_dead_lettered_extracted_again_and_delivered(
     finish(node, out, watch)
 
 
+def test_the_run_keeps_its_redis_until_an_attached_trainer_has_read_the_end(
+    tmp_path: Path, dataset: Path
+) -> None:
+    # The trainer commits its last items, then takes a slow step: `hsq run` sees every
+    # sample committed before the trainer has read the end of the stream. Were the Redis to
+    # go then, the trainer (and its DataLoader workers) would wait for it for ever.
+    node, out, watch = start_run(tmp_path, dataset)
+    trainer = Trainer(tmp_path, out, "t", "--every", "3", "--workers", "2",
+                      "--sleep-after-commit", "2")  # fmt: skip
+    assert Counter(trainer.wait()) == Counter(all_ids(dataset))
+    finish(node, out, watch)
+    assert "attached consumer connection(s) to read the end" in node.output()
+
+
 def spool_matches_disk(out: Path) -> None:
     """The accounting invariant, read while nothing runs: every output file on disk of a
     done sample has a reservation of exactly its size; a file of a sample not done (its

@@ -367,9 +367,12 @@ def run_node(job: NodeJob) -> NodeOutcome:
         stream = StreamView(store, cfg, run_dir) if cfg.streamed else None
         started = time.monotonic()
         sup.start()
+        screen = Screen()
         st, clock = _supervise(
-            store, sup, Screen(), stop, tend, causes, stream, done0=before.done, t0=started
+            store, sup, screen, stop, tend, causes, stream, done0=before.done, t0=started
         )
+        if stream is not None and not stop.count:
+            stream.linger(screen.event, lambda: stop.count > 0)
         stream_summary = None if stream is None else stream.summary()
         rate = Rate.between(before, st, clock.working_s, clock.starting_s)
         all_failed = sup.every_worker_failed()

@@ -13,6 +13,7 @@ of (queued again).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hsq.errors import HsqError
@@ -21,6 +22,11 @@ from hsq.runconfig import RunConfig, size_text
 from hsq.runstore import RunStore, finish_rejects, remove_committed
 
 EVERY_S = 10.0
+LINGER_S = 60.0
+"""How long a finished streamed run keeps its Redis for consumers still attached: the time
+a trainer needs, after its last commit, to read the end of the stream (its DataLoader
+workers included) and make its final commit. A consumer attached longer (a trainer that
+keeps its dataset open while it exports) is not waited for."""
 
 
 class StreamView:
@@ -48,6 +54,30 @@ class StreamView:
             return self.line()
         except HsqError:
             return None
+
+    def linger(self, say: Callable[[str], None], stop: Callable[[], bool]) -> None:
+        """Everything is committed: before the Redis goes, give the consumers still attached
+        up to LINGER_S to read the end (else each would wait for a Redis that never comes
+        back). Returns at once when none is attached, or when `stop` says so."""
+        try:
+            if not self.all_committed():
+                return  # the workers ended for another reason: nothing to wait for
+        except HsqError:
+            return
+        deadline = time.monotonic() + LINGER_S
+        said = False
+        while not stop():
+            try:
+                n = self.store.spool.attached()
+            except HsqError:
+                return
+            if n == 0 or time.monotonic() >= deadline:
+                return
+            if not said:
+                say(f"stream   every sample committed; waiting up to {LINGER_S:.0f} s for "
+                    f"{n} attached consumer connection(s) to read the end")  # fmt: skip
+                said = True
+            time.sleep(0.1)
 
     def paused_share(self) -> float:
         """The workers' seconds held back by a full spool over their time alive."""
@@ -77,13 +107,19 @@ class StreamView:
             f"{100 * self.paused_share():.0f}%  consumer wait {wait or '-'}"
         )
 
+    def all_committed(self) -> bool:
+        """Every published sample committed by every group, and the removals settled."""
+        spool = self.store.spool
+        published = spool.published()
+        every = all(g.committed >= published and g.pending == 0 for g in spool.groups())
+        return every and spool.settled()
+
     def summary(self) -> str:
         spool = self.store.spool
         groups = spool.groups()
         published = spool.published()
-        every = all(g.committed >= published and g.pending == 0 for g in groups)
         names = ", ".join(g.name for g in groups)
-        if every and spool.settled():
+        if self.all_committed():
             kept = "files kept" if self.cfg.keep_after_commit else f"{spool.consumed()} consumed"
             return (
                 f"stream   every sample committed by every group ({names}): {published} "

@@ -39,10 +39,11 @@ from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
 from hsq.store.roles import BatchMarker, Claimer, DoneMarker, StatsKeeper, WorkerStore
-from hsq.store.spool import Delivery, GroupInfo, SampleOverBudget, Spool
+from hsq.store.spool import CONSUMER_CLIENT, Delivery, GroupInfo, SampleOverBudget, Spool
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
+    "CONSUMER_CLIENT",
     "HEARTBEAT_TTL_S",
     "AnyRef",
     "BatchMarker",

@@ -125,14 +125,17 @@ class PeerCheckedUnixConnection(redis.UnixDomainSocketConnection):
         return sock
 
 
-def connect(url: str) -> Client:
+def connect(url: str, *, name: str | None = None) -> Client:
     """A client from a URL (auth, db and TLS files come from it); retries transient
-    connection errors. A unix:// server is checked before anything is sent (check_peer); a
-    rediss:// one by its certificate, against the URL's CA, before AUTH."""
+    connection errors. `name`: every connection's CLIENT SETNAME (who is attached). A
+    unix:// server is checked before anything is sent (check_peer); a rediss:// one by its
+    certificate, against the URL's CA, before AUTH."""
     check_url(url)  # before any parser sees it: a reserved character would leak (redisurl.py)
     extra: dict[str, Any] = {}
     if url.lower().startswith("unix://"):
         extra["connection_class"] = PeerCheckedUnixConnection
+    if name is not None:
+        extra["client_name"] = name
     try:
         with redis_errors(f"Redis at {redact(url)}"):
             client = redis.Redis.from_url(

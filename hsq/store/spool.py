@@ -36,6 +36,12 @@ COMMIT_BATCH = 500
 """Pending entries one COMMIT script call acks at most (then it is called again)."""
 
 
+CONSUMER_CLIENT = "hsq-consumer"
+"""The name a stream consumer's connections carry (CLIENT SETNAME): `hsq run` keeps its
+Redis up while one is attached after everything is committed, so a consumer can read the
+end of the stream and make its last (empty) commit before the Redis goes away."""
+
+
 REJECT_REASON = "output_corrupt"
 """The dead-letter reason of a streamed file that failed its checks when a consumer read
 it: the consumer queues it again (hsq.runstore.finish_rejects when it was killed first)."""
@@ -292,6 +298,11 @@ class Spool(Aggregate):
         p.hget(self.keys.dead_reasons, REJECT_REASON)  # a reject still to be queued again
         used, gc, rejects = p.execute()
         return int(used or 0) <= 0 and not gc and not int(rejects or 0)
+
+    def attached(self) -> int:
+        """Stream consumers connected to this Redis now (their connections' name)."""
+        clients: Any = self.client.client_list(_type="normal")
+        return sum(1 for c in clients or [] if c.get("name") == CONSUMER_CLIENT)
 
     def published(self) -> int:
         return int(self.client.xlen(self.keys.ready))

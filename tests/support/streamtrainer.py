@@ -9,6 +9,8 @@ again after a kill -9 it restores its last checkpoint (load_state_dict) and goes
 --progress gets one line per item received (no fsync: what the test waits on).
 --die-after N: the process kills itself with SIGKILL once it received N items in this
 life (a kill -9 at a known point, its DataLoader workers with it).
+--sleep-after-commit S: a slow step after each commit (the run can see everything
+committed before the trainer reads the end of the stream).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--progress", type=Path)
     ap.add_argument("--die-after", type=int)
+    ap.add_argument("--sleep-after-commit", type=float, default=0.0)
     a = ap.parse_args()
     ds = StreamingHiddenStateDataset(a.run, redis_url_file=a.redis_url_file, group=a.group)
     trained: list[str] = []
@@ -65,6 +69,7 @@ def main() -> None:
             save(a.ckpt, {"trained": trained, "data": state})
             ds.commit(state)
             since = 0
+            time.sleep(a.sleep_after_commit)
     state = ds.state_dict()
     save(a.ckpt, {"trained": trained, "data": state, "finished": True})
     ds.commit(state)
