@@ -270,7 +270,10 @@ def test_kill_9_mid_sample_completes_within_60s(
 def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     tmp_path: Path, server_factory: Factory, redis_url: str
 ) -> None:
-    srv = server_factory(name="restart").wait_ready()
+    # Slow answers and two in flight: the run takes seconds, so the kill lands mid-run (done
+    # marks are batched: with a fast server the count jumped from below 5 to 30 at once, the
+    # worker finished before the kill and never waited for a server).
+    srv = server_factory("--fault", "slow:seconds=0.2", name="restart").wait_ready()
     ds = tmp_path / "data.jsonl"
     write_synthetic(ds, 30, seed=13, min_len=4, max_len=48)
     out = tmp_path / "out"
@@ -279,7 +282,8 @@ def test_server_restart_mid_run_sends_nothing_to_the_dead_letter(
     # A dump timeout below the wait below: a request the server answered before the kill
     # waits for its dump (never written) that long before the worker sends again and finds
     # the server down (seen once under load, with the default 60 s).
-    w = start_worker(tmp_path, "restart", srv, redis_url, "--burst", "--dump-timeout", "10")
+    w = start_worker(tmp_path, "restart", srv, redis_url, "--burst", "--dump-timeout", "10",
+                     "--inflight", "2")  # fmt: skip
     wait_until(lambda: st.count(st.keys.done) >= 5, 60, interval=0.05)
     srv.signal(signal.SIGKILL)
     srv.proc.wait(10)

@@ -182,9 +182,11 @@ def _drop_cached_loggers() -> None:
     if structlog is None:
         return
     proxy = structlog._config.BoundLoggerLazyProxy
-    for name, module in list(sys.modules.items()):
+    # A copy in one step: another thread (a log reader's lazy import) may add a module
+    # while a loop over the live dict runs ("dictionary changed size during iteration").
+    for name, module in sys.modules.copy().items():
         if not name.startswith("hsq") or module is None:
             continue
-        for value in list(vars(module).values()):
+        for value in vars(module).copy().values():
             if isinstance(value, proxy) and "bind" in vars(value):
                 del value.bind
