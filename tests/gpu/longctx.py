@@ -140,38 +140,6 @@ class Watch:
             self._stop.wait(POLL_S)
 
 
-class SpoolWatch:
-    """A streamed run's spool on disk, all through: the bytes of its output files at each
-    look (their peak), the largest file and every file's size (files are removed once
-    committed, so the sizes are kept as they are seen)."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.peak_disk = 0
-        self.largest = 0
-        self.sizes: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, name="spool-watch", daemon=True)
-        self._t.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.02):
-            total = 0
-            for p in self.run_dir.rglob("*.safetensors") if self.run_dir.exists() else []:
-                try:
-                    size = p.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed after its commit while we looked
-                total += size
-                self.sizes[p.name] = size
-                self.largest = max(self.largest, size)
-            self.peak_disk = max(self.peak_disk, total)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join()
-
-
 def done_times(events: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     """(sample, wall-clock time) of each sample_done event, in log order."""
     out = []

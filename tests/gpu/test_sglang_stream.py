@@ -23,9 +23,9 @@ from typing import Any
 from hsq.node.procs import hsq_command
 from tests.gpu import models_fixture as mf
 from tests.gpu.extract import make_dataset
-from tests.gpu.longctx import SpoolWatch
 from tests.gpu.models import VOCAB
 from tests.gpu.results import Results
+from tests.run_helpers import Watch
 from tests.support.sglang import SGLANG_FLAGS, wait_for
 
 SAMPLES = 64
@@ -59,7 +59,7 @@ def run_stream(
         "--log-format", "json", "run", str(ds), "--run", "data", "--out", str(out), *engine,
         "--json", "--spool-budget", f"{BUDGET_MIB}M", "--", *server,
     )  # fmt: skip
-    watch = SpoolWatch(out / "data")
+    watch = Watch(out / "data")
     procs: list[subprocess.Popen[bytes]] = []
     trainer_log = wd / "trainer.log"
     url_file = out / ".hsq" / "redis-url"
