@@ -394,3 +394,19 @@ def test_a_stopped_or_reaped_worker_s_jobs_go_back_without_their_reservations(
     assert st.release_wip("dead") == 1
     assert st.spool.reserved() == {} and st.spool.spool_bytes() == 0
     assert st.spool.reserve("c", 10)  # room again
+
+
+def test_the_url_file_is_read_as_every_hsq_command_reads_it(tmp_path: Path) -> None:
+    # The consumer reads OUT/.hsq/redis-url like the CLI does: mode 600, one line; a file
+    # gone (its `hsq run` stopped) is said with the way to serve the run again.
+    state = tmp_path / "out" / ".hsq"
+    state.mkdir(parents=True)
+    url_file = state / "redis-url"
+    with pytest.raises(ConfigError, match="--redis-only") as gone:
+        StreamingHiddenStateDataset("r", redis_url_file=url_file)
+    assert f"hsq run --out {tmp_path / 'out'} --redis-only" in str(gone.value)
+    url_file.write_text("redis://:secret-pw@127.0.0.1:1/0\n")
+    url_file.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600") as loose:
+        StreamingHiddenStateDataset("r", redis_url_file=url_file)
+    assert "secret-pw" not in str(loose.value)

@@ -70,6 +70,7 @@ from hsq.errors import ConfigError, OutputError, StoreUnavailableError
 from hsq.outputs.check import FileIdentity, read_checked
 from hsq.outputs.format import OutputSample, remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
+from hsq.redisurl import read_url_file
 from hsq.runconfig import DEFAULT_GROUP, RunConfig
 from hsq.runstore import (
     REJECTED_BY,
@@ -124,6 +125,18 @@ def _retrying(what: str, fn: Callable[[], Any]) -> Any:
             delay = min(MAX_BACKOFF_S, delay * 2)
 
 
+def _url_of(path: Path) -> str:
+    """The URL file as every hsq command reads it (mode 600, size-limited, one line); a
+    missing one named with what usually removed it."""
+    if not path.exists() and path.name == "redis-url" and path.parent.name == ".hsq":
+        raise ConfigError(
+            f"{path} does not exist: the `hsq run` that serves this run is not running (it "
+            f"removes the file when it stops); `hsq run --out {path.parent.parent} "
+            "--redis-only` serves the run's Redis again"
+        )
+    return read_url_file(path)
+
+
 def _entry_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
@@ -146,7 +159,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         if (redis_url is None) == (redis_url_file is None):
             raise ConfigError("give one of redis_url= and redis_url_file=")
         if redis_url_file is not None:
-            redis_url = Path(redis_url_file).read_text().strip()
+            redis_url = _url_of(Path(redis_url_file))
         assert redis_url is not None
         if rank is None or world_size is None:
             dist = torch.distributed
