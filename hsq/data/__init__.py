@@ -1,6 +1,6 @@
 """hsq's readers for trainers: a finished run's outputs read in place (files.py:
 HiddenStateDataset, collate), and a streamed run's outputs as they are published
-(stream.py: StreamingHiddenStateDataset, StreamingDataLoader).
+(stream.py: StreamingHiddenStateDataset; loader.py: StreamingDataLoader).
 
     from hsq.data import HiddenStateDataset, StreamingHiddenStateDataset
 
@@ -16,7 +16,8 @@ from hsq.extras import lazy_attributes
 
 if TYPE_CHECKING:
     from hsq.data.files import MANIFEST, HiddenStateDataset, collate
-    from hsq.data.stream import StreamingDataLoader, StreamingHiddenStateDataset
+    from hsq.data.loader import StreamingDataLoader
+    from hsq.data.stream import StreamingHiddenStateDataset
 
 __all__ = [
     "MANIFEST",
@@ -30,7 +31,7 @@ _WHERE = {
     "HiddenStateDataset": "hsq.data.files",
     "collate": "hsq.data.files",
     "StreamingHiddenStateDataset": "hsq.data.stream",
-    "StreamingDataLoader": "hsq.data.stream",
+    "StreamingDataLoader": "hsq.data.loader",
 }
 if not TYPE_CHECKING:
     __getattr__ = lazy_attributes(__name__, _WHERE, globals())
