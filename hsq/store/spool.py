@@ -122,8 +122,7 @@ class Spool(Aggregate):
         """Samples whose jobs went back to the queue (a worker stopped or was reaped): each
         one's reservation released unless it is done; a streamed run's only. The next
         claim reserves again. The bytes released."""
-        cfg = self.client.hget(self.keys.config, "spool_budget")
-        if not sample_ids or cfg is None or not int(cfg or 0):
+        if not sample_ids or not self.recorded()[0]:
             return 0
         return sum(self.release(sid) for sid in sample_ids)
 
