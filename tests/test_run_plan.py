@@ -253,6 +253,31 @@ def test_a_tty_screen_redraws_within_the_terminal_width(monkeypatch: pytest.Monk
     assert out.getvalue().count(f"\x1b[{len(drawn)}F") == 1  # the second draw replaced the first
 
 
+def test_a_streamed_run_s_lines_are_part_of_the_view_and_cut_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stream's figures were a line printed above the view every 10 s: wider than 80
+    columns it wrapped, and between prints it showed a spool long since full as empty."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = Tty()
+    pairs = [PairView(0, "reference", "http://127.0.0.1:1", "up", "n-0", None)]
+    group = "    group train: delivered 83, committed 72, pending 11, data wait 31%"
+    stream = ["  stream: spool 8.3M/10.0M, published 86, consumed 72, producer paused 16%",
+              group + "x" * 40]  # fmt: skip
+    screen = Screen(out)
+    screen.show(status(), pairs, 1.0, extra=stream)
+    screen.show(status(), pairs, 2.0, extra=stream)
+    drawn = out.getvalue().split("\x1b[J")[-1].splitlines()
+    assert drawn[-2] == stream[0] and drawn[-1].startswith("    group train: delivered 83")
+    assert all(len(x) <= 79 for x in drawn), [len(x) for x in drawn]
+    assert out.getvalue().count(f"\x1b[{len(drawn)}F") == 1  # the redraw counts them
+
+
 def test_the_summary_says_so_when_every_worker_failed_and_verifies_nothing() -> None:
     from hsq.node.node import NodeJob, NodeOutcome, Rate, _summary_lines
     from hsq.node.plan import NodePlan
@@ -266,6 +291,24 @@ def test_the_summary_says_so_when_every_worker_failed_and_verifies_nothing() -> 
     text = "\n".join(_summary_lines(job, o, ""))
     assert "every worker of this node exited with an error" in text
     assert "verified" not in text.replace("nothing was verified", "")
+
+
+def test_a_streamed_run_s_summary_suggests_no_export_of_files_it_removed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hsq.node.node import NodeJob, NodeOutcome, Rate, report_node
+
+    plan = NodePlan("reference", "tiny", 1, (), "test")
+    job = NodeJob(run="r", out=Path("/o"), plan=plan, redis_url=None, enqueue=None,
+                  worker_argv=(), server_args=(), metrics_port=None)  # fmt: skip
+    st = status(done=10, dead=0, queued=0, in_progress=0, dead_by_reason={})
+    for consumed in (False, True):
+        o = NodeOutcome(0, st, Rate(0, 10, 1.0, 1.0), None, 2.0, Path("/o/r"), None, 0, {},
+                        files_consumed=consumed)  # fmt: skip
+        report_node(job, o)
+        text = capsys.readouterr().out
+        assert "hsq verify --run r" in text
+        assert ("hsq export --run r" in text) is not consumed, text
 
 
 def test_the_model_s_shape_is_read_before_any_server_starts(tmp_path: Path) -> None:

@@ -297,6 +297,12 @@ def test_status_shows_each_group_and_the_files_consumed_once_every_group_committ
     n = SAMPLES
     expected = f"published {n}  consumed {n}  a: delivered {n} committed {n} pending 0  b: "
     assert expected in line, line
+    # On a terminal: a line for the spool, one a group, with the same figures.
+    frame = StreamView(run.st, run.st.require_config(), run.out / "watch").frame()
+    assert frame[0].startswith("  stream: spool 0B/") and f"published {n}, consumed {n}" in frame[0]
+    for g, text in zip("ab", frame[1:], strict=True):
+        head = f"    group {g}: delivered {n}, committed {n}, pending 0, data wait "
+        assert text.startswith(head), frame
 
 
 def test_keep_after_commit_keeps_files_releases_reservations_and_refuses_foreign_states(

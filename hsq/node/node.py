@@ -180,9 +180,11 @@ def _supervise(
             idle = now
         if not sup.workers_running():
             break
-        screen.show(st, _pairs(sup), now - t0)
-        if stream is not None and (line := stream.tick()) is not None:
+        # On a terminal the stream's figures are lines of the view, redrawn with it; in a
+        # log, a line of its own every so often.
+        if stream is not None and (line := stream.tick(log=not screen.tty)) is not None:
             screen.event(line)
+        screen.show(st, _pairs(sup), now - t0, extra=_stream_frame(stream, screen))
         time.sleep(POLL_S)
     for event in sup.poll():  # the last exits, said once
         screen.event(event)
@@ -192,8 +194,13 @@ def _supervise(
         # Samples done between the last look and the workers' end (a short run can go
         # from loading to finished within one poll): they worked since that look at most.
         clock.working(idle)
-    screen.show(st, _pairs(sup), clock.end - t0, final=True)
+    last = _stream_frame(stream, screen, fresh=True)
+    screen.show(st, _pairs(sup), clock.end - t0, final=True, extra=last)
     return st, clock
+
+
+def _stream_frame(stream: StreamView | None, screen: Screen, *, fresh: bool = False) -> list[str]:
+    return stream.frame(fresh=fresh) if stream is not None and screen.tty else []
 
 
 def _verify(store: RunStore, run_dir: Path) -> Any:
@@ -231,6 +238,9 @@ class NodeOutcome:
     """A streamed run's last line on its consumer groups (None: not streamed)."""
     all_failed: bool = False
     """Every worker of this node exited non-zero (then nothing is verified)."""
+    files_consumed: bool = False
+    """A streamed run without --keep-after-commit: its files go once committed, so there
+    is nothing to export after it."""
 
 
 def _summary_lines(job: NodeJob, o: NodeOutcome, auth: str) -> list[str]:
@@ -382,7 +392,7 @@ def run_node(job: NodeJob) -> NodeOutcome:
     elapsed = time.monotonic() - t0
     return NodeOutcome(
         rc, st, rate, verified, elapsed, run_dir, url_file, stop.count, causes, stream_summary,
-        all_failed,
+        all_failed, cfg.streamed and not cfg.keep_after_commit,
     )  # fmt: skip
 
 
@@ -415,7 +425,8 @@ def report_node(job: NodeJob, o: NodeOutcome) -> None:
     echo(f"outputs  {o.run_dir}")
     echo("next")  # with OUT/.hsq/redis-url they start OUT's Redis for as long as they run
     echo(f"  hsq verify --run {job.run}{auth} --deep")
-    echo(f"  hsq export --run {job.run}{auth} --format specforge --to EXPORT_DIR")
+    if not o.files_consumed:  # a streamed run's trainers took the files: none to export
+        echo(f"  hsq export --run {job.run}{auth} --format specforge --to EXPORT_DIR")
 
 
 def serve_redis_only(out: Path) -> int:

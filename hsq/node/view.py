@@ -155,14 +155,21 @@ class Screen:
         self.out.flush()
 
     def show(
-        self, st: RunStatus, pairs: Sequence[PairView], elapsed_s: float, *, final: bool = False
+        self,
+        st: RunStatus,
+        pairs: Sequence[PairView],
+        elapsed_s: float,
+        *,
+        final: bool = False,
+        extra: Sequence[str] = (),
     ) -> None:
+        """`extra`: more lines of the view on a terminal (a streamed run's), cut as its own."""
         if self.tty:
             self._clear()
             # One column spare: a line that fills the last column leaves the cursor there
             # on some terminals, and the next line would count twice.
             width = shutil.get_terminal_size().columns - 1
-            lines = render(st, pairs, elapsed_s, width)
+            lines = render(st, pairs, elapsed_s, width) + [fit(x, width) for x in extra]
             self.out.write("\n".join(lines) + "\n")
             self._drawn = 0 if final else len(lines)
         elif final or self._last_line_at is None or elapsed_s - self._last_line_at >= self.every_s:
