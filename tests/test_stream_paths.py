@@ -30,6 +30,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -376,6 +377,30 @@ def test_a_file_changed_after_a_loader_worker_checked_it_is_checked_again_and_re
     assert Counter(consume(ds)) == Counter(run.ids)  # extracted again, delivered once
     run.worker_exits_0()
     assert not run.st.ledger.dead_reasons()
+
+
+def test_reads_ahead_hand_items_in_stream_order_and_end_with_the_trainer(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    """Files are read and checked in threads ahead of the trainer: the items still come in
+    the stream's order, each once, as they do read one at a time; a trainer that stops
+    leaves no read thread behind, and what it had not committed comes again."""
+    run = Run(tmp_path, server, redis_url, "ahead", "--spool-budget", "1M",
+              "--consumers", "a,b")  # fmt: skip
+    run.wait_published(SAMPLES)
+    b = run.ds("b", read_threads=0)
+    one_by_one = [str(item["id"]) for item in b]
+    b.commit(b.state_dict())
+    it = iter(run.ds("a", read_threads=4))
+    first = [str(next(it)["id"]) for _ in range(3)]
+    assert any(t.name.startswith("hsq-read-ahead") for t in threading.enumerate())
+    it.close()  # the trainer stopped: its reads are dropped, its threads gone
+    assert not any(t.name.startswith("hsq-read-ahead") for t in threading.enumerate())
+    again = consume(run.ds("a", read_threads=4))
+    assert first == one_by_one[:3] and again == one_by_one, (first, again, one_by_one)
+    assert sorted(one_by_one) == sorted(run.ids)
+    run.worker_exits_0()
+    assert not run.files()
 
 
 def test_a_stopped_or_reaped_worker_s_jobs_go_back_without_their_reservations(

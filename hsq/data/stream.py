@@ -57,6 +57,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,9 +66,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hsq.data.files import item_of
+from hsq.data.readahead import READ_THREADS, Ahead, Checked, Reads, read_ahead
 from hsq.errors import ConfigError, OutputError, StoreUnavailableError
 from hsq.outputs.check import FileIdentity, read_checked
-from hsq.outputs.format import OutputSample, remove_output
+from hsq.outputs.format import remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.redisurl import read_url_file
 from hsq.runconfig import DEFAULT_GROUP, RunConfig
@@ -154,6 +156,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         max_length: int | None = None,
         raw_fp8: bool = False,
         poll_s: float = 1.0,
+        read_threads: int = READ_THREADS,
     ) -> None:
         if (redis_url is None) == (redis_url_file is None):
             raise ConfigError("give one of redis_url= and redis_url_file=")
@@ -176,6 +179,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         self.max_length = max_length
         self.raw_fp8 = raw_fp8
         self.poll_s = poll_s
+        self.read_threads = max(0, read_threads)
         self._url = redis_url
         self._positions: dict[str, str] = {}
         """consumer -> the last entry id handed to the trainer (what state_dict says)."""
@@ -311,24 +315,30 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         )
         asked = time.monotonic()
         batch = READ_BATCH if workers == 1 and self.world_size == 1 else SHARED_READ_BATCH
-        for owner, d, now in self._deliveries(consumer, mine, batch):
-            checked = self._item(d, now)
-            if checked is None:
-                continue
-            out, ident = checked
-            if by_ref:
-                ref = CheckedFile(self.run_dir, d, ident, (owner, d.entry_id),
-                                  self.max_length, self.raw_fp8)  # fmt: skip
-                yield cast(dict[str, Any], ref)  # StreamingDataLoader's to open
-                continue
-            item = item_of(d.sample_id, out, self.max_length)
-            if self._marking:
-                item[POSITION] = (owner, d.entry_id)
-            else:
-                self.record(owner, d.entry_id)
-                self.waited(time.monotonic() - asked)
-            yield item
-            asked = time.monotonic()
+        threads = min(self.read_threads, batch)
+        pool = ThreadPoolExecutor(threads, "hsq-read-ahead") if threads else None
+        try:
+            for owner, d, now, ahead in self._deliveries(consumer, mine, batch, pool):
+                checked = self._item(d, now, ahead)
+                if checked is None:
+                    continue
+                out, ident = checked
+                if by_ref:
+                    ref = CheckedFile(self.run_dir, d, ident, (owner, d.entry_id),
+                                      self.max_length, self.raw_fp8)  # fmt: skip
+                    yield cast(dict[str, Any], ref)  # StreamingDataLoader's to open
+                    continue
+                item = item_of(d.sample_id, out, self.max_length)
+                if self._marking:
+                    item[POSITION] = (owner, d.entry_id)
+                else:
+                    self.record(owner, d.entry_id)
+                    self.waited(time.monotonic() - asked)
+                yield item
+                asked = time.monotonic()
+        finally:
+            if pool is not None:  # the trainer stopped early: reads not begun are dropped
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def _adopted(self, wid: int, workers: int) -> list[str]:
         """Consumers of another layout (worker count, ranks) with entries still pending:
@@ -343,11 +353,11 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         return out
 
     def _deliveries(
-        self, consumer: str, replay: list[tuple[str, str]], batch: int
-    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
-        """(the consumer it is pending to, entry, its sample's done entry as stored now):
-        first each replayed consumer's pending entries after its position, in order, then
-        new ones for `consumer`."""
+        self, consumer: str, replay: list[tuple[str, str]], batch: int, pool: Reads
+    ) -> Iterator[tuple[str, Delivery, bytes | None, Ahead]]:
+        """(the consumer it is pending to, entry, its sample's done entry as stored now,
+        its file's read begun in `pool`): first each replayed consumer's pending entries
+        after its position, in order, then new ones for `consumer`."""
         spool, group = self.store.spool, self.group
         for owner, after in replay:
             while True:
@@ -355,7 +365,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
                 got = _retrying("read", read)
                 if not got:
                     break
-                yield from self._with_marks(owner, got)
+                yield from self._with_marks(owner, got, pool)
                 after = got[-1].entry_id
         block_ms = max(1, int(self.poll_s * 1000))
         idle = False
@@ -369,7 +379,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
             )
             if got:
                 idle = False
-                yield from self._with_marks(consumer, got)
+                yield from self._with_marks(consumer, got, pool)
             elif finished:
                 log.info("stream_ended", run=self.run, group=group, consumer=consumer)
                 return
@@ -377,12 +387,13 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
                 idle = True
 
     def _with_marks(
-        self, owner: str, got: list[Delivery]
-    ) -> Iterator[tuple[str, Delivery, bytes | None]]:
+        self, owner: str, got: list[Delivery], pool: Reads
+    ) -> Iterator[tuple[str, Delivery, bytes | None, Ahead]]:
         ids = [d.sample_id for d in got]
         nows = _retrying("read the done marks", lambda: self.store.spool.stored_done_many(ids))
-        for d, now in zip(got, nows, strict=True):
-            yield owner, d, now
+        aheads = read_ahead(pool, self.run_dir, got, nows, raw=self.raw_fp8)
+        for d, now, ahead in zip(got, nows, aheads, strict=True):
+            yield owner, d, now, ahead
 
     def _finished(self) -> bool:
         """Every sample done or dead, and no reject left dead by a killed consumer (such
@@ -394,10 +405,10 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         finish_rejects(self.store, self.run_dir)
         return False
 
-    def _item(self, d: Delivery, now: bytes | None) -> tuple[OutputSample, FileIdentity] | None:
-        """The delivery's file read and checked, or None: stale (skipped: `now`, the
-        sample's done entry as stored when it was read, is another) or rejected
-        (requeued)."""
+    def _item(self, d: Delivery, now: bytes | None, ahead: Ahead = None) -> Checked | None:
+        """The delivery's file read and checked (`ahead`: that read begun in a thread), or
+        None: stale (skipped: `now`, the sample's done entry as stored when it was read,
+        is another) or rejected (requeued)."""
         spool = self.store.spool
         if now != d.stored:
             _retrying("skip", lambda: spool.skip(self.group, d.entry_id))
@@ -407,6 +418,8 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         try:
             if entry is None:
                 raise OutputError(f"sample {d.sample_id}: its done entry does not parse")
+            if ahead is not None:
+                return ahead.result()
             return read_checked(self.run_dir, d.sample_id, entry, raw=self.raw_fp8)
         except OutputError as exc:
             self._reject(d, entry, str(exc))
