@@ -32,15 +32,15 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from torch.utils.data import DataLoader
 
 from hsq.data import StreamingDataLoader, StreamingHiddenStateDataset
-from hsq.data.stream import CheckedFile
+from hsq.data.reads import CheckedFile
 from hsq.errors import ConfigError
 from hsq.node.procs import ManagedProcess
 from hsq.node.stream import StreamView
@@ -391,7 +391,7 @@ def test_reads_ahead_hand_items_in_stream_order_and_end_with_the_trainer(
     b = run.ds("b", read_threads=0)
     one_by_one = [str(item["id"]) for item in b]
     b.commit(b.state_dict())
-    it = iter(run.ds("a", read_threads=4))
+    it = cast(Generator[dict[str, Any]], iter(run.ds("a", read_threads=4)))
     first = [str(next(it)["id"]) for _ in range(3)]
     assert any(t.name.startswith("hsq-read-ahead") for t in threading.enumerate())
     it.close()  # the trainer stopped: its reads are dropped, its threads gone
@@ -399,6 +399,30 @@ def test_reads_ahead_hand_items_in_stream_order_and_end_with_the_trainer(
     again = consume(run.ds("a", read_threads=4))
     assert first == one_by_one[:3] and again == one_by_one, (first, again, one_by_one)
     assert sorted(one_by_one) == sorted(run.ids)
+    run.worker_exits_0()
+    assert not run.files()
+
+
+def test_a_trainer_that_read_the_end_of_the_stream_holds_no_connection(
+    tmp_path: Path, server: ReferenceServer, redis_url: str
+) -> None:
+    """`hsq run` keeps its Redis while a consumer is attached once all is committed (so it
+    can read the stream's end): a trainer that read it and keeps its dataset (saving its
+    model) held a connection, and the run waited its full linger for nothing."""
+    run = Run(tmp_path, server, redis_url, "release", "--spool-budget", "1M",
+              "--consumers", "a,b")  # fmt: skip
+    a = run.ds("a")
+    assert Counter(consume(a)) == Counter(run.ids)  # its last commit after the loop
+    assert run.st.spool.attached() == 0
+    a.commit(a.state_dict())  # the same state again: nothing to send, no connection
+    assert run.st.spool.attached() == 0
+    b, got = run.ds("b"), []
+    for item in StreamingDataLoader(b, batch_size=None, num_workers=2):
+        got.append(str(item["id"]))
+        assert run.st.spool.attached() >= 1  # reading: attached
+    assert run.st.spool.attached() == 0  # the workers' ends, and the trainer's process
+    b.commit(b.state_dict())  # a new state after the end: sent, then let go
+    assert run.st.spool.attached() == 0 and Counter(got) == Counter(run.ids)
     run.worker_exits_0()
     assert not run.files()
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from hsq.data.stream import POSITION, CheckedFile, StreamingHiddenStateDataset
+from hsq.data.reads import CheckedFile
+from hsq.data.stream import POSITION, StreamingHiddenStateDataset
 from hsq.errors import OutputError
 
 _HAS_IN_ORDER = "in_order" in inspect.signature(DataLoader.__init__).parameters
@@ -88,6 +89,7 @@ class StreamingDataLoader(DataLoader[Any]):
             try:
                 marked = next(it)
             except StopIteration:
+                self.stream._end()  # every worker's stream ended: the trainer has it all
                 return
             if isinstance(marked.value, CheckedFile):
                 item = self.stream.opened(marked.value)

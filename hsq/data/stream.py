@@ -66,9 +66,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hsq.data.files import item_of
-from hsq.data.readahead import READ_THREADS, Ahead, Checked, Reads, read_ahead
+from hsq.data.reads import READ_THREADS, Ahead, Checked, CheckedFile, Reads, read_ahead
 from hsq.errors import ConfigError, OutputError, StoreUnavailableError
-from hsq.outputs.check import FileIdentity, read_checked
+from hsq.outputs.check import read_checked
 from hsq.outputs.format import remove_output
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.redisurl import read_url_file
@@ -190,6 +190,10 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         its workers send a checked file's name (CheckedFile), not its tensors."""
         self._store: RunStore | None = None
         self._cfg: RunConfig | None = None
+        self._ended = False
+        """The stream ended for this process's trainer: Redis is held only while in use."""
+        self._committed: dict[str, str] | None = None
+        """The positions this handle's last commit covered (one again is a no-op)."""
         self._wait_s = 0.0
         self._items = 0
         self._t0: float | None = None
@@ -263,13 +267,31 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
         """The checkpoint holding `state` is durable: its samples are consumed. Acks them
         in the group; a file every group committed is removed (idempotent, any time)."""
         positions = self._check_state(state)
-        cfg = self._config()
-        spool = self.store.spool
-        for consumer, last in positions.items():
-            args = (self.group, consumer, last, len(cfg.groups), cfg.keep_after_commit)
-            _retrying("commit", functools.partial(spool.commit, *args))
-        _retrying("remove committed files", lambda: remove_committed(self.store, self.run_dir))
-        _retrying("record the data wait", self._publish_wait)
+        if positions != self._committed:  # the loop's last commit, again after it: no call
+            cfg = self._config()
+            spool = self.store.spool
+            for consumer, last in positions.items():
+                args = (self.group, consumer, last, len(cfg.groups), cfg.keep_after_commit)
+                _retrying("commit", functools.partial(spool.commit, *args))
+            _retrying("remove committed files", lambda: remove_committed(self.store, self.run_dir))
+            _retrying("record the data wait", self._publish_wait)
+            self._committed = positions
+        if self._ended:
+            self._release()
+
+    def _end(self) -> None:
+        """The stream ended for this process's trainer (the iterator it reads returned):
+        from now on Redis is connected only while used. `hsq run` keeps its Redis while a
+        consumer is attached once everything is committed, so that one can read the
+        stream's end: one that has read it and keeps its dataset (saving its model, say)
+        must not hold the run open."""
+        self._ended = True
+        self._release()
+
+    def _release(self) -> None:
+        if self._store is not None:
+            self._store.client.close()
+            self._store = None  # connected again (lazily) if used again
 
     # ------------------------------------------------------------------ data wait
     def waited(self, seconds: float, items: int = 1) -> None:
@@ -382,6 +404,8 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
                 yield from self._with_marks(consumer, got, pool)
             elif finished:
                 log.info("stream_ended", run=self.run, group=group, consumer=consumer)
+                if get_worker_info() is None:  # a DataLoader worker's end is its process's
+                    self._end()
                 return
             else:
                 idle = True
@@ -451,42 +475,3 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
 
 def consumer_name(rank: int, worker: int) -> str:
     return f"rank{rank}-worker{worker}"
-
-
-class CheckedFile:
-    """A delivered file a DataLoader worker read and checked, as it crosses to the
-    trainer's process: its name and identity, a few hundred bytes pickled. The tensors
-    themselves would be copied into new shared memory and each passed as a descriptor
-    through a socket handshake with the worker (torch's sharing of a mapped file's
-    tensors; measured: most of the trainer's time per item). The trainer's process maps
-    the same file again, under the run's directory following no link; a file that is no
-    longer the one checked (device, inode, size, mtime) is checked again in full there."""
-
-    def __init__(
-        self,
-        run_dir: Path,
-        delivery: Delivery,
-        identity: FileIdentity,
-        position: tuple[str, str],
-        max_length: int | None,
-        raw: bool,
-    ) -> None:
-        self.run_dir = run_dir
-        self.delivery = delivery
-        self.identity = identity
-        self.position = position
-        self.max_length = max_length
-        self.raw = raw
-
-    @property
-    def sample_id(self) -> str:
-        return self.delivery.sample_id
-
-    def open(self) -> dict[str, Any]:
-        """The item (OutputError if the file fails its checks now)."""
-        entry = MANIFEST_CODEC.decode(self.sample_id, self.delivery.stored)
-        if entry is None:
-            raise OutputError(f"sample {self.sample_id}: its done entry does not parse")
-        out, _ = read_checked(self.run_dir, self.sample_id, entry, raw=self.raw,
-                              checked=self.identity)  # fmt: skip
-        return item_of(self.sample_id, out, self.max_length)
