@@ -40,7 +40,7 @@ class Store(Generic[E]):
         self.queue = JobQueue(self.fence, self.workers)
         self.ledger: Ledger[E] = Ledger(self.fence, codec)
         self.lifecycle = Lifecycle(self.fence, self.queue, self.workers)
-        self.spool = Spool(self.fence)
+        self.spool = Spool(self.fence, self.queue)
         self.queue.on_released = self.spool.release_all
         config_index = self.config_index  # the run's config and the dataset index
         self.load_config = config_index.load_config

@@ -45,6 +45,7 @@ class JobQueue(Aggregate):
         self._finish = reg(scripts.FINISH)
         self._give_back = reg(scripts.GIVE_BACK)
         self._release_one = reg(scripts.RELEASE_ONE)
+        self._outstanding = reg(scripts.OUTSTANDING)
         self._reap_lock = reg(scripts.REAP_LOCK)
         self._dead_remove = reg(scripts.DEAD_REMOVE)
         self._queues = {
@@ -268,11 +269,10 @@ class JobQueue(Aggregate):
         return {"main": int(main), "retry": int(retry)}
 
     def nothing_outstanding(self) -> bool:
-        """No queued job and no job held by any worker (live or dead)."""
-        if any(self.queue_lengths().values()):
-            return False
-        wids = self.workers.worker_ids()
-        return all(self.client.llen(self.keys.wip(w)) == 0 for w in wids)
+        """No queued job and no job held by any worker (live or dead), read in one step."""
+        k = self.keys
+        queues = [rq_queue_key(k.main_queue), rq_queue_key(k.retry_queue), k.workers]
+        return int(self._outstanding(keys=queues, args=[k.wip("")])) == 0
 
     def outstanding_job_ids(self) -> dict[str, list[str]]:
         """Job ids per place: "main", "retry" and "wip:<worker>", read in one transaction

@@ -344,6 +344,19 @@ return {id, which}
     6,
 )
 
+# The jobs queued or held by a registered worker, counted in one step: counted by separate
+# reads, a job moving between a wip list and a queue (a reaper's hand-back, a claim) could
+# be in neither when each was read, and a run with work left looked finished. KEYS: main
+# queue, retry queue, workers set; ARGV: the wip lists' key prefix (a worker id completes
+# it: those keys come from the set, so they cannot be named in KEYS beforehand).
+OUTSTANDING = """
+local n = redis.call('LLEN', KEYS[1]) + redis.call('LLEN', KEYS[2])
+for _, w in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+  n = n + redis.call('LLEN', ARGV[1] .. w)
+end
+return n
+"""
+
 # Moves the last job of a wip list to the front of the main queue, with its count.
 # KEYS: wip, main, stats, config, sizes.
 RELEASE_ONE = _with_sizes(

@@ -27,10 +27,10 @@ import redis
 
 from hsq import jsonsafe
 from hsq.errors import StoreError
-from hsq.keys import rq_queue_key
 from hsq.store import scripts
 from hsq.store.connection import Client, text, translate_public
 from hsq.store.fence import Aggregate, Fence
+from hsq.store.queue import JobQueue
 
 COMMIT_BATCH = 500
 """Pending entries one COMMIT script call acks at most (then it is called again)."""
@@ -86,8 +86,9 @@ class GroupInfo:
 
 @translate_public
 class Spool(Aggregate):
-    def __init__(self, fence: Fence) -> None:
+    def __init__(self, fence: Fence, queue: JobQueue) -> None:
         super().__init__(fence)
+        self.queue = queue
         reg = self.client.register_script
         self._reserve = reg(scripts.RESERVE)
         self._commit = reg(scripts.COMMIT)
@@ -330,17 +331,7 @@ class Spool(Aggregate):
         st = {text(a): b for a, b in stats.items()}
         if "total_samples" not in st or "enqueuing" in st:
             return False
-        p = self.client.pipeline(transaction=False)
-        p.llen(rq_queue_key(self.keys.main_queue))
-        p.llen(rq_queue_key(self.keys.retry_queue))
-        p.smembers(self.keys.workers)
-        main, retry, wids = p.execute()
-        if main or retry:
-            return False
-        p = self.client.pipeline(transaction=False)
-        for w in wids:
-            p.llen(self.keys.wip(text(w)))
-        return not any(p.execute())
+        return self.queue.nothing_outstanding()
 
 
 def _xinfo(call: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
