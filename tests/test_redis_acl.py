@@ -19,7 +19,7 @@ import redis
 from hsq.keys import RunKeys, rq_job_key, rq_queue_key
 from hsq.node.procs import ManagedProcess, free_port
 from hsq.producer.synthetic import write_synthetic
-from hsq.store import CONSUMER_CLIENT, connect
+from hsq.store import connect, consumer_client
 from tests.helpers import enqueue, hsq, log_events, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
 
@@ -89,7 +89,7 @@ def test_one_runs_user_does_the_whole_run_and_nothing_to_another_run(
     as_a("requeue", "--run", "a", "--failed")
     as_a("recover", "--run", "a", "--no-progress")
     # A stream consumer names its connections (`hsq run` waits for attached ones): allowed.
-    assert connect(url(port, "a"), name=CONSUMER_CLIENT).ping()
+    assert connect(url(port, "a"), name=consumer_client("a")).ping()
 
     a = redis.Redis.from_url(url(port, "a"))
     admin = redis.Redis.from_url(url(port, None), decode_responses=True)

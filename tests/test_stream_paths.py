@@ -48,7 +48,7 @@ from hsq.outputs.check import read_checked
 from hsq.outputs.manifest import MANIFEST_CODEC
 from hsq.producer.synthetic import write_synthetic
 from hsq.runstore import RunStore
-from hsq.store import connect
+from hsq.store import connect, consumer_client
 from hsq.store.ledger import dead_entry
 from tests.helpers import enqueue, hsq, start_worker, store, wait_until
 from tests.support.procs import ReferenceServer
@@ -411,6 +411,8 @@ def test_a_trainer_that_read_the_end_of_the_stream_holds_no_connection(
     model) held a connection, and the run waited its full linger for nothing."""
     run = Run(tmp_path, server, redis_url, "release", "--spool-budget", "1M",
               "--consumers", "a,b")  # fmt: skip
+    other = connect(redis_url, name=consumer_client("another-run"))  # not this run's
+    assert other.ping() and run.st.spool.attached() == 0
     a = run.ds("a")
     assert Counter(consume(a)) == Counter(run.ids)  # its last commit after the loop
     assert run.st.spool.attached() == 0

@@ -82,7 +82,7 @@ from hsq.runstore import (
     unfinished_rejects,
 )
 from hsq.states import FP8
-from hsq.store import CONSUMER_CLIENT, Delivery, connect
+from hsq.store import Delivery, connect, consumer_client
 from hsq.store.ledger import dead_entry
 from hsq.store.spool import REJECT_REASON
 
@@ -209,7 +209,7 @@ class StreamingHiddenStateDataset(IterableDataset[dict[str, Any]]):
     @property
     def store(self) -> RunStore:
         if self._store is None:
-            self._store = RunStore(connect(self._url, name=CONSUMER_CLIENT), self.run)
+            self._store = RunStore(connect(self._url, name=consumer_client(self.run)), self.run)
         return self._store
 
     def _config(self) -> RunConfig:

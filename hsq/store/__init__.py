@@ -39,7 +39,14 @@ from hsq.store.lifecycle import Lifecycle
 from hsq.store.memory import MemoryRun, MemoryStore
 from hsq.store.queue import JobQueue
 from hsq.store.roles import BatchMarker, Claimer, DoneMarker, StatsKeeper, WorkerStore
-from hsq.store.spool import CONSUMER_CLIENT, Delivery, GroupInfo, SampleOverBudget, Spool
+from hsq.store.spool import (
+    CONSUMER_CLIENT,
+    Delivery,
+    GroupInfo,
+    SampleOverBudget,
+    Spool,
+    consumer_client,
+)
 from hsq.store.workers import WorkerRegistry, new_worker_id
 
 __all__ = [
@@ -74,6 +81,7 @@ __all__ = [
     "WorkerStore",
     "chunked",
     "connect",
+    "consumer_client",
     "job_size",
     "list_runs",
     "new_worker_id",

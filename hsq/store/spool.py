@@ -37,9 +37,16 @@ COMMIT_BATCH = 500
 
 
 CONSUMER_CLIENT = "hsq-consumer"
-"""The name a stream consumer's connections carry (CLIENT SETNAME): `hsq run` keeps its
-Redis up while one is attached after everything is committed, so a consumer can read the
-end of the stream and make its last (empty) commit before the Redis goes away."""
+"""What a stream consumer's connections are named by (CLIENT SETNAME, `consumer_client`):
+`hsq run` keeps its Redis up while one of its run is attached after everything is
+committed, so a consumer can read the end of the stream and make its last (empty) commit
+before the Redis goes away."""
+
+
+def consumer_client(run: str) -> str:
+    """A consumer's connection name: of its run, so that consumers of other runs on a
+    shared Redis never hold this one's `hsq run` (run names have no space or colon)."""
+    return f"{CONSUMER_CLIENT}:{run}"
 
 
 REJECT_REASON = "output_corrupt"
@@ -300,9 +307,11 @@ class Spool(Aggregate):
         return int(used or 0) <= 0 and not gc and not int(rejects or 0)
 
     def attached(self) -> int:
-        """Stream consumers connected to this Redis now (their connections' name)."""
+        """This run's stream consumers connected to its Redis now (their connections'
+        name)."""
+        name = consumer_client(self.run)
         clients: Any = self.client.client_list(_type="normal")
-        return sum(1 for c in clients or [] if c.get("name") == CONSUMER_CLIENT)
+        return sum(1 for c in clients or [] if c.get("name") == name)
 
     def published(self) -> int:
         return int(self.client.xlen(self.keys.ready))
