@@ -391,11 +391,17 @@ def test_reads_ahead_hand_items_in_stream_order_and_end_with_the_trainer(
     b = run.ds("b", read_threads=0)
     one_by_one = [str(item["id"]) for item in b]
     b.commit(b.state_dict())
+
+    def readers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("hsq-read-ahead")}
+
+    others = readers()  # any that another test left open in this process
     it = cast(Generator[dict[str, Any]], iter(run.ds("a", read_threads=4)))
     first = [str(next(it)["id"]) for _ in range(3)]
-    assert any(t.name.startswith("hsq-read-ahead") for t in threading.enumerate())
+    mine = readers() - others
+    assert mine
     it.close()  # the trainer stopped: its reads are dropped, its threads gone
-    assert not any(t.name.startswith("hsq-read-ahead") for t in threading.enumerate())
+    assert not mine & readers()
     again = consume(run.ds("a", read_threads=4))
     assert first == one_by_one[:3] and again == one_by_one, (first, again, one_by_one)
     assert sorted(one_by_one) == sorted(run.ids)
