@@ -29,6 +29,7 @@ fp8 REDIS RUN OUT MODEL DATA LAYERS
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -194,24 +195,6 @@ def config8b(out: Path) -> None:
     cfg.save_pretrained(out)
 
 
-def sweeper(dump_dir: Path) -> Any:
-    """A thread removing finished dumps (req_<N>/ holding `done`); stop with .set()."""
-    import shutil
-    import threading
-
-    stop = threading.Event()
-
-    def sweep() -> None:
-        while not stop.is_set():
-            for d in dump_dir.glob("req_*"):
-                if (d / "done").exists():
-                    shutil.rmtree(d, ignore_errors=True)
-            stop.wait(0.01)
-
-    threading.Thread(target=sweep, name="dump-sweep", daemon=True).start()
-    return stop
-
-
 def rate(log: Path, label: str) -> int:
     from bench.sglang_capacity import steady_rate
 
@@ -325,16 +308,14 @@ def capacity(url: str, n: int, k: int, rid: bool, label: str, sweep: Path | None
         r.raise_for_status()
         return int(r.json()["usage"]["prompt_tokens"])
 
-    stop = sweeper(sweep) if sweep is not None else None
-    try:
+    from bench.sglang_capacity import dump_sweeper
+
+    with dump_sweeper(sweep) if sweep is not None else contextlib.nullcontext():
         send(0)  # warm-up
         t0 = time.monotonic()
         with ThreadPoolExecutor(k) as pool:
             tokens = sum(pool.map(send, range(n)))
         dt = time.monotonic() - t0
-    finally:
-        if stop is not None:
-            stop.set()
     emit(
         f"capacity-{label}",
         {
